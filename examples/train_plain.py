@@ -1,0 +1,159 @@
+"""Fault-tolerant HSDP in a plain PyTorch loop (no Lightning): a tiny MLP on synthetic regression data.
+
+One process per replica group::
+
+    fthsdp lighthouse --port 29510 --min-replicas 1 &
+    python examples/train_plain.py --replica-id a --lighthouse http://127.0.0.1:29510 --steps 100
+    python examples/train_plain.py --replica-id b --lighthouse http://127.0.0.1:29510 --steps 100
+
+Several shard ranks per group (FSDP2 inside the group) via torchrun, one torchrun per group::
+
+    torchrun --nproc-per-node 2 --master-port 29600 examples/train_plain.py --replica-id a ...
+
+Every group starts from the same seeded weights and trains on its own data stream (batch ``k`` of group ``r``
+is a pure function of ``(r, k, shard rank)``), so after every committed step all groups hold identical
+parameters. After each committed step every rank appends one JSON line to ``--log-jsonl``::
+
+    {"t", "event": "commit", "replica_id", "rank", "step", "quorum_id", "participants", "params_sha256",
+     "batch", "loss"}
+
+and ``"event": "discard"`` lines for steps whose commit vote failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fthsdp.core.config import add_timeout_arguments, timeouts_from_args
+from lightning_fthsdp.core.manager import FTManager
+from lightning_fthsdp.faults import Fault
+
+FEATURES = 16
+BATCH = 32
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def make_batch(replica_id: str, index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``index`` of group ``replica_id``'s stream for ``rank``: deterministic, so a retrained batch is
+    the same batch."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{replica_id}/{index}/{rank}".encode()))
+    x = torch.randn(BATCH, FEATURES, generator=gen)
+    true_w = torch.linspace(-1.0, 1.0, FEATURES)
+    y = (x @ true_w).unsqueeze(1).tanh() + 0.01 * torch.randn(BATCH, 1, generator=gen)
+    return x, y
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP2-sharded DTensor) tensor, as a plain tensor view."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def params_sha256(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(local(p).detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replica-id", default=None, help="this group's stable id (default $FTHSDP_REPLICA_ID)")
+    parser.add_argument("--lighthouse", default=None, help="http://HOST:PORT (default $FTHSDP_LIGHTHOUSE)")
+    parser.add_argument("--steps", type=int, default=100, help="train until this many committed steps")
+    parser.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step here")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--step-time-ms", type=int, default=0, help="pad each step to at least this long (pacing)")
+    parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
+    parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
+    add_timeout_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.backend == "nccl" else torch.device(
+        "cpu")
+    group = None
+    model = build_model().to(device)
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The commit vote and the quorum broadcast are small CPU messages: they need a gloo group.
+        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    fault: Fault | None = args.fault
+    manager: FTManager
+
+    def in_flight() -> None:
+        if fault is not None:
+            fault.fire_if(manager.step, "allreduce", manager.rank)
+
+    manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
+                        device=device, timeouts=timeouts_from_args(args), on_collective_started=in_flight)
+    log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
+    try:
+        while manager.step < args.steps:
+            started = time.monotonic()
+            manager.begin_step()
+            batch_index = manager.next_batch_index
+            x, y = make_batch(manager.replica_id, batch_index, manager.rank)
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            if fault is not None:
+                fault.fire_if(manager.step, "before", manager.rank)
+            manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
+            committed = manager.commit()
+            if committed:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            if log_file is not None:
+                record = {
+                    "t": time.time(),
+                    "event": "commit" if committed else "discard",
+                    "replica_id": manager.replica_id,
+                    "rank": manager.rank,
+                    "step": manager.step,
+                    "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
+                    "participants": len(manager.participants),
+                    "params_sha256": params_sha256(model),
+                    "batch": batch_index,
+                    "loss": float(loss.detach()),
+                }
+                log_file.write(json.dumps(record) + "\n")
+            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
+            if pad > 0:
+                time.sleep(pad)
+    finally:
+        manager.shutdown()
+        if log_file is not None:
+            log_file.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

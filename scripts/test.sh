@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (or reuse) the virtualenv, then run the linter and the whole test suite.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup_env.sh"
+cd "$ROOT"
+ruff check src tests examples bench
+exec python -m pytest -q "$@"

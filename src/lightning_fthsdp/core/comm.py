@@ -1,0 +1,221 @@
+"""Cross-group process groups: built per quorum, bounded waits, abandoned (never reused) after any error.
+
+One ``CrossGroupComm`` per rank connects shard rank ``s`` of every member replica group. The group for
+quorum ``q`` rendezvouses on the lighthouse's store under the prefix ``fthsdp/q{q}/s{s}``, so a new quorum
+never meets an old one's keys.
+
+Aborting: gloo cannot cancel an in-flight collective (``abort()``/``shutdown()`` return while the op stays
+blocked until its own timeout, and destroying the group blocks until then too). So every collective runs on
+a private staging buffer; on abort the rank walks away from it and parks the group in a graveyard that is
+emptied once its op has finished. NCCL's ``abort()`` does cancel, and is called.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_fthsdp.core.config import Timeouts
+
+
+class CollectiveAborted(RuntimeError):
+    """The collective was abandoned: a member died, hung, or the lighthouse announced a new membership."""
+
+
+@dataclass
+class _Parked:
+    backend: dist.ProcessGroup
+    work: object | None
+
+
+def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"store address must be HOST:PORT, got {address!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=Timeouts.delta(timeout_ms), wait_for_workers=False)
+
+
+def new_backend(
+    backend: str, store: dist.Store, rank: int, size: int, timeout_ms: int, device: torch.device
+) -> dist.ProcessGroup:
+    """A raw backend process group (no default group needed), gloo or NCCL."""
+    timeout = Timeouts.delta(timeout_ms)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        # Connect eagerly so a missing peer fails here, inside the bounded rendezvous, not in the first allreduce.
+        pg.eager_connect_single_device(device)
+        return pg
+    raise ValueError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+
+
+class CrossGroupComm:
+    """The cross-group collective of one rank, rebuilt when the quorum changes."""
+
+    def __init__(
+        self,
+        backend: str,
+        device: torch.device,
+        timeouts: Timeouts,
+        shard_rank: int,
+        on_collective_started: Callable[[], None] | None = None,
+    ) -> None:
+        self.backend_name = backend
+        self.device = device
+        self._timeouts = timeouts
+        self._shard_rank = shard_rank
+        self._backend: dist.ProcessGroup | None = None
+        self._quorum_id: int | None = None
+        self._size = 0
+        self._graveyard: list[_Parked] = []
+        self._store: tuple[str, dist.Store] | None = None
+        self._wake = threading.Event()
+        self._aborted = False
+        self._lock = threading.Lock()
+        # Failure-injection point (lightning_fthsdp.faults): runs while a collective is in flight.
+        self._on_collective_started = on_collective_started
+
+    @property
+    def quorum_id(self) -> int | None:
+        return self._quorum_id
+
+    def abort(self, reason: str) -> None:
+        """Abandon whatever this rank is waiting on (callable from any thread, e.g. the heartbeat watchdog)."""
+        with self._lock:
+            self._aborted = True
+            self._abort_reason = reason
+        self._wake.set()
+
+    def invalidate(self) -> None:
+        """Never use the current group again (after an error anywhere in the step)."""
+        self._retire(None)
+
+    def configure(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
+        """Make this rank a member of quorum ``quorum_id``'s group; no-op if it already is.
+
+        Raises CollectiveAborted if the rendezvous is aborted or does not complete within connect_timeout.
+        """
+        if self._quorum_id == quorum_id and (self._backend is not None or size == 1):
+            return
+        self._retire(None)
+        self._reap()
+        if size > 1:
+            store = dist.PrefixStore(f"fthsdp/q{quorum_id}/s{self._shard_rank}", self._store_client(store_address))
+            try:
+                self._backend = self._wait(self._build_in_thread(store, rank, size),
+                                           self._timeouts.connect_timeout_ms)
+            except CollectiveAborted:
+                self._store = None  # the store itself may be gone (lighthouse restart): reconnect next time
+                raise
+        self._quorum_id = quorum_id
+        self._size = size
+
+    def allreduce_sum(self, buffer: torch.Tensor) -> None:
+        """SUM ``buffer`` in place across the group; raises CollectiveAborted on any failure or abort.
+
+        After a failure ``buffer`` may hold garbage and must not be used; the group is retired.
+        """
+        if self._size == 1:
+            return
+        if self._backend is None:
+            raise CollectiveAborted("no cross-group process group: configure() failed or was retired")
+        backend = self._backend
+        try:
+            work = backend.allreduce([buffer], dist.AllreduceOptions())
+        except RuntimeError as exc:
+            self._retire(None)
+            raise CollectiveAborted(f"allreduce could not start: {exc}") from exc
+        if self._on_collective_started is not None:
+            self._on_collective_started()
+        future: Future[object] = Future()
+        work.get_future().add_done_callback(lambda f: (future.set_result(None), self._wake.set()))
+        try:
+            self._wait(future, self._timeouts.collective_timeout_ms)
+            work.wait()
+        except (CollectiveAborted, RuntimeError) as exc:
+            self._retire(work)
+            if isinstance(exc, CollectiveAborted):
+                raise
+            raise CollectiveAborted(f"allreduce failed: {exc}") from exc
+        if self.backend_name == "nccl":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self._retire(None)
+        self._reap()
+        # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
+        # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
+        for parked in self._graveyard:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(parked.backend))
+        self._graveyard.clear()
+
+    # ----------------------------------------------------------------------------------------------------
+
+    def _store_client(self, address: str) -> dist.Store:
+        """One connection to the lighthouse's store, kept across quorums while the address stays the same."""
+        if self._store is None or self._store[0] != address:
+            self._store = (address, store_client(address, self._timeouts.connect_timeout_ms))
+        return self._store[1]
+
+    def _build_in_thread(self, store: dist.Store, rank: int, size: int) -> Future[dist.ProcessGroup]:
+        future: Future[dist.ProcessGroup] = Future()
+
+        def build() -> None:
+            try:
+                # Rendezvous may wait up to connect_timeout for the slowest member; collectives then use the
+                # shorter collective timeout.
+                backend = new_backend(self.backend_name, store, rank, size, self._timeouts.connect_timeout_ms,
+                                      self.device)
+                backend.set_timeout(Timeouts.delta(self._timeouts.collective_timeout_ms))
+                future.set_result(backend)
+            except BaseException as exc:
+                future.set_exception(exc)
+            self._wake.set()
+
+        threading.Thread(target=build, name="fthsdp-rendezvous", daemon=True).start()
+        return future
+
+    def _wait(self, future: Future, timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            with self._lock:
+                if self._aborted:
+                    self._aborted = False
+                    raise CollectiveAborted(self._abort_reason)
+                self._wake.clear()
+            if future.done():
+                try:
+                    return future.result()
+                except Exception as exc:
+                    raise CollectiveAborted(f"{type(exc).__name__}: {exc}") from exc
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveAborted(f"timed out after {timeout_ms} ms")
+            self._wake.wait(remaining)
+
+    def _retire(self, work: object | None) -> None:
+        if self._backend is not None:
+            if self.backend_name == "nccl":
+                self._backend.abort()
+            self._graveyard.append(_Parked(self._backend, work))
+        self._backend = None
+        self._quorum_id = None
+
+    def _reap(self) -> None:
+        """Destroy retired groups whose last op has finished (destroying one mid-op would block)."""
+        self._graveyard = [p for p in self._graveyard if p.work is not None and not p.work.is_completed()]
+
+    def clear_abort(self) -> None:
+        """Forget an abort that arrived while nothing was in flight (it concerned an older step)."""
+        with self._lock:
+            self._aborted = False

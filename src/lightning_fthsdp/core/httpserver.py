@@ -1,0 +1,238 @@
+"""A minimal HTTP/1.1 JSON server on asyncio's Protocol API, for the lighthouse.
+
+Why not ``http.server`` or aiohttp: the lighthouse must learn the moment a client's TCP connection closes (a killed
+process's socket closes: that is crash detection), hold thousands of long-polls on one thread, and stay stdlib
+only. ``Protocol.connection_lost`` gives the first, the event loop the second.
+
+Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order, ``Content-Length`` bodies up to
+``MAX_BODY`` bytes (a larger body is drained without being buffered and answered 413; the connection stays
+usable). Refused: chunked request bodies (411) and request heads over ``MAX_HEAD`` bytes (431); after those, and
+after an unparsable request line (400), the connection is closed because its framing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+MAX_BODY = 1 << 20
+MAX_HEAD = 64 << 10
+
+log = logging.getLogger("fthsdp.lighthouse")
+
+
+class HttpError(Exception):
+    """Raised by a handler (or the parser) to answer ``status`` with ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    gzipped: bytes | None = None
+    """``body`` gzip-compressed, sent instead to clients that send ``Accept-Encoding: gzip``. For answers shared
+    by many clients (a quorum of 10,000 groups is ~0.5 MB of JSON; compressed once, ~17x smaller)."""
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(status, json.dumps(obj, separators=(",", ":")).encode())
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    """Lower-cased names."""
+    body: bytes
+    connection: Connection = field(repr=False)
+
+    def json_object(self) -> dict[str, object]:
+        """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
+        try:
+            data = json.loads(self.body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HttpError(400, f"request body is not valid JSON ({e}): send a JSON object") from None
+        if not isinstance(data, dict):
+            raise HttpError(400, f"request body must be a JSON object, got {type(data).__name__}")
+        return data
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs ``handler`` for one at a time, writes the responses in order.
+
+    When the peer closes (EOF or reset) the in-flight handler task is cancelled (a held long-poll or quorum
+    request cleans up in its ``finally``) and ``on_close(self)`` is called exactly once.
+    """
+
+    def __init__(self, handler: Handler, on_close: Callable[[Connection], None]) -> None:
+        self._handler = handler
+        self._on_close = on_close
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._discard = 0  # bytes of an oversized body still to drop
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard:
+            dropped = min(self._discard, len(data))
+            self._discard -= dropped
+            data = data[dropped:]
+        self._buffer += data
+        if len(self._buffer) > MAX_HEAD + MAX_BODY:
+            # A client pipelining far ahead of our answers; refuse rather than buffer without bound.
+            self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "too much pipelined data; wait for answers")
+            return
+        self._pump()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too: a half-closed client is a gone client
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+        self._on_close(self)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _pump(self) -> None:
+        """Start the next complete request if none is in flight."""
+        if self._task is not None or self.closed or self._discard:
+            return
+        head_end = self._buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            if len(self._buffer) > MAX_HEAD:
+                self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head over {MAX_HEAD} bytes")
+            return
+        try:
+            method, target, keep_alive, headers, length = _parse_head(bytes(self._buffer[:head_end]))
+        except HttpError as e:
+            self._fail(e.status, e.message)
+            return
+        body_start = head_end + 4
+        if length > MAX_BODY:
+            available = len(self._buffer) - body_start
+            del self._buffer[: body_start + min(length, available)]
+            self._discard = max(0, length - available)
+            self._write(_error(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True)
+            if not self._discard:
+                self._pump()
+            return
+        if len(self._buffer) < body_start + length:
+            return
+        body = bytes(self._buffer[body_start : body_start + length])
+        del self._buffer[: body_start + length]
+        parts = urlsplit(target)
+        request = Request(method, parts.path, dict(parse_qsl(parts.query)), headers, body, self)
+        self._task = asyncio.get_running_loop().create_task(self._run(request, keep_alive))
+
+    async def _run(self, request: Request, keep_alive: bool) -> None:
+        try:
+            response = await self._handler(request)
+        except HttpError as e:
+            response = _error(e.status, e.message)
+        except Exception:
+            log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
+            response = _error(500, "internal error in the lighthouse; see its log")
+        self._task = None
+        if self.closed:
+            return
+        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""))
+        if keep_alive:
+            self._pump()
+        else:
+            self.close()
+
+    def _write(self, response: Response, keep_alive: bool, accept_gzip: bool = False) -> None:
+        assert self._transport is not None
+        body, extra = response.body, "" if keep_alive else "Connection: close\r\n"
+        if accept_gzip and response.gzipped is not None:
+            body, extra = response.gzipped, extra + "Content-Encoding: gzip\r\n"
+        head = (
+            f"HTTP/1.1 {response.status} {HTTPStatus(response.status).phrase}\r\n"
+            f"Content-Type: {response.content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+        ).encode()
+        if len(body) < 16384:
+            self._transport.write(head + body)
+        else:  # a large quorum answer is shared by every member: write it without copying it per member
+            self._transport.write(head)
+            self._transport.write(body)
+
+    def _fail(self, status: int, message: str) -> None:
+        self._write(_error(status, message), False)
+        self._buffer.clear()
+        self.close()
+
+
+def require(body: dict[str, object], name: str, kind: type, what: str) -> Any:
+    """``body[name]`` if it is a ``kind`` (bool is no int), else HttpError 400 naming the field and value."""
+    if name not in body:
+        raise HttpError(400, f"missing field {name!r}: send it as {what}")
+    value = body[name]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
+    return value
+
+
+def require_int(body: dict[str, object], name: str, minimum: int | None) -> int:
+    """``body[name]`` if it is an int >= ``minimum`` (None: any), else HttpError 400."""
+    what = "an integer" if minimum is None else f"an integer >= {minimum}"
+    value = require(body, name, int, what)
+    if minimum is not None and value < minimum:
+        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
+    return value
+
+
+def _error(status: int, message: str) -> Response:
+    return json_response({"error": message}, status)
+
+
+def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
+    """(method, target, keep_alive, headers, content_length) of one request head, or HttpError."""
+    lines = head.decode("latin-1").split("\r\n")
+    request_line = lines[0].split(" ")
+    if len(request_line) != 3 or not request_line[2].startswith("HTTP/1."):
+        raise HttpError(400, f"malformed HTTP request line {lines[0][:100]!r}: expected 'METHOD /path HTTP/1.1'")
+    method, target, version = request_line
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise HttpError(400, f"malformed HTTP header line {line[:100]!r}: expected 'Name: value'")
+        headers[name.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers:
+        raise HttpError(411, "chunked request bodies are not supported: send Content-Length")
+    try:
+        length = int(headers.get("content-length", "0"))
+        if length < 0:
+            raise ValueError
+    except ValueError:
+        raise HttpError(400, f"bad Content-Length {headers['content-length']!r}: send a byte count") from None
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
+    return method, target, keep_alive, headers, length

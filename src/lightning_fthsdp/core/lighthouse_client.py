@@ -1,0 +1,197 @@
+"""The replica side of the control plane: heartbeats (with pushed membership) and quorum requests.
+
+Every rank of a replica group heartbeats on its own persistent connection: the lighthouse declares the group
+dead the moment any of those connections closes (a crash) or falls silent past the heartbeat timeout (a hang),
+and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
+for a collective timeout. Only the group's leader (shard rank 0) asks for quorums.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from lightning_fthsdp.core.config import Timeouts
+from lightning_fthsdp.core.quorum import Quorum
+
+
+class LighthouseUnavailable(ConnectionError):
+    """The lighthouse could not be reached (refused, reset, timed out): its state is unknown."""
+
+
+class LighthouseRejected(RuntimeError):
+    """The lighthouse answered with an error status: the request itself is wrong."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"lighthouse answered {status}: {message}")
+        self.status = status
+
+
+class _Connection:
+    """One keep-alive HTTP connection that reconnects on the next request after any error."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
+            raise ValueError(f"lighthouse URL must look like http://HOST:PORT, got {url!r}")
+        self._host, self._port = parsed.hostname, parsed.port
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        self._conn.timeout = timeout_s
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout_s)
+        try:
+            self._conn.request("POST", path, body=json.dumps(body), headers=self._headers)
+            response = self._conn.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            raise LighthouseUnavailable(f"{path}: {exc}") from exc
+        try:
+            data = json.loads(payload or b"{}")
+        except ValueError as exc:
+            self.close()
+            raise LighthouseUnavailable(f"{path}: unreadable answer {payload[:200]!r}") from exc
+        if response.status != 200:
+            raise LighthouseRejected(response.status, str(data.get("error", payload[:200])))
+        return data
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class Heartbeat:
+    """A daemon thread that heartbeats as long-polls and reports who the lighthouse declared dead.
+
+    ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes.
+    ``lease_valid()`` is the commit fence: False once this process may have been declared dead (its last
+    acknowledged heartbeat was sent longer than the heartbeat timeout ago, e.g. after a SIGSTOP) while the
+    lighthouse was reachable. While the lighthouse is unreachable nobody can be declared dead, so the lease holds.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        replica_id: str,
+        rank: int,
+        shard_count: int,
+        timeouts: Timeouts,
+        step: Callable[[], int],
+        on_dead: Callable[[frozenset[str]], None],
+    ) -> None:
+        self._conn = _Connection(url, token)
+        self._replica_id, self._rank, self._shard_count = replica_id, rank, shard_count
+        self._timeouts = timeouts
+        self._step = step
+        self._on_dead = on_dead
+        self._stop = threading.Event()
+        self._epoch = -1
+        self._dead: frozenset[str] = frozenset()
+        self._last_ack_sent = time.monotonic()
+        self._unreachable_since_ack = False
+        self.connected = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"fthsdp-heartbeat-{replica_id}-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def dead(self) -> frozenset[str]:
+        return self._dead
+
+    def lease_valid(self) -> bool:
+        fresh = time.monotonic() - self._last_ack_sent < self._timeouts.heartbeat_timeout_ms / 1000
+        return fresh or self._unreachable_since_ack
+
+    def _run(self) -> None:
+        interval_s = self._timeouts.heartbeat_interval_ms / 1000
+        timeout_s = self._timeouts.heartbeat_timeout_ms / 1000
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            body = {
+                "replica_id": self._replica_id,
+                "rank": self._rank,
+                "step": self._step(),
+                "shard_count": self._shard_count,
+                "known_epoch": self._epoch,
+                "wait_ms": self._timeouts.heartbeat_interval_ms,
+            }
+            try:
+                answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
+            except LighthouseUnavailable:
+                self._unreachable_since_ack = True
+                self.connected.clear()
+                self._stop.wait(interval_s)
+                continue
+            except LighthouseRejected:
+                # A request the lighthouse refuses (e.g. wrong token) never becomes valid by retrying fast.
+                self._stop.wait(interval_s)
+                continue
+            self._last_ack_sent = sent
+            self._unreachable_since_ack = False
+            self.connected.set()
+            self._epoch = int(answer.get("epoch", -1))
+            dead = frozenset(str(d) for d in answer.get("dead", ()))
+            if dead != self._dead:
+                self._dead = dead
+                self._on_dead(dead)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self._timeouts.heartbeat_timeout_ms / 1000 + 1)
+        self._conn.close()
+
+
+class QuorumClient:
+    """The leader's quorum requests, blocking (the manager runs them on a background thread)."""
+
+    def __init__(self, url: str, token: str | None, timeouts: Timeouts) -> None:
+        self._conn = _Connection(url, token)
+        self._timeouts = timeouts
+
+    def request(
+        self,
+        replica_id: str,
+        step: int,
+        shard_count: int,
+        address: str,
+        commit_failed: bool,
+        current: Quorum | None,
+    ) -> tuple[Quorum, str]:
+        """Return the next quorum and the rendezvous store address ``HOST:PORT``.
+
+        Raises LighthouseUnavailable (unreachable) or LighthouseRejected (an error answer, 504 on timeout).
+        """
+        timeout_ms = self._timeouts.quorum_timeout_ms
+        body = {
+            "replica_id": replica_id,
+            "step": step,
+            "shard_count": shard_count,
+            "address": address,
+            "commit_failed": commit_failed,
+            "quorum_id": current.quorum_id if current else -1,
+            "members": list(current.member_ids) if current else [],
+            "timeout_ms": timeout_ms,
+        }
+        answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
+        return Quorum.from_json(answer), str(answer["store"])
+
+    def leave(self, replica_id: str) -> None:
+        self._conn.post("/v1/leave", {"replica_id": replica_id}, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
+
+    def close(self) -> None:
+        self._conn.close()

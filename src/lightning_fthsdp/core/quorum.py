@@ -1,0 +1,187 @@
+"""The quorum rules: a pure function from what the lighthouse knows to the next quorum (or none yet).
+
+Kept free of I/O and clocks (``now`` is an argument) so the rules are unit- and property-tested directly;
+the lighthouse only feeds it requests and liveness.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+REPLICA_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_replica_id(replica_id: object) -> str:
+    """Return ``replica_id`` if it is a valid id (1-64 of letters, digits, ``_.-``), else raise ValueError."""
+    if not isinstance(replica_id, str) or not REPLICA_ID_PATTERN.match(replica_id):
+        raise ValueError(
+            f"replica_id must be 1-64 characters of letters, digits, '_', '.', '-' starting with a letter or "
+            f"digit, got {replica_id!r}"
+        )
+    return replica_id
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """One replica group leader's request for the next quorum."""
+
+    replica_id: str
+    step: int
+    """Committed steps of the requester."""
+    shard_count: int
+    """Shard ranks per replica group; every member must agree."""
+    arrived_s: float
+    """Lighthouse clock when the request arrived (for the join timeout)."""
+    address: str = ""
+    """Where the requester serves its state for catch-up (empty when it serves none)."""
+    commit_failed: bool = False
+    """The requester's last step failed: the next quorum must use fresh cross-group process groups."""
+    quorum_id: int = -1
+    """The requester's current quorum id (-1: none). Lets a restarted lighthouse continue the numbering."""
+    members: tuple[str, ...] = ()
+    """The requester's current members. Lets a restarted lighthouse keep the membership without a reconfigure."""
+
+
+@dataclass(frozen=True)
+class Member:
+    replica_id: str
+    step: int
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The lighthouse's answer for one step."""
+
+    quorum_id: int
+    members: tuple[Member, ...]
+    """Sorted by replica_id; a member's index is its rank in every cross-group process group of this quorum."""
+    max_step: int
+    shard_count: int
+    recover_src: Mapping[str, str] = field(default_factory=dict)
+    """Members behind ``max_step`` -> the up-to-date member they recover from (shard rank to shard rank)."""
+
+    @property
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(m.replica_id for m in self.members)
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        """Members that contribute real gradients this step (recovering members send zeros)."""
+        return tuple(m.replica_id for m in self.members if m.step == self.max_step)
+
+    def rank_of(self, replica_id: str) -> int:
+        return self.member_ids.index(replica_id)
+
+    def member(self, replica_id: str) -> Member:
+        return self.members[self.rank_of(replica_id)]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "quorum_id": self.quorum_id,
+            "members": [{"replica_id": m.replica_id, "step": m.step, "address": m.address} for m in self.members],
+            "max_step": self.max_step,
+            "shard_count": self.shard_count,
+            "recover_src": dict(self.recover_src),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> Quorum:
+        members = tuple(
+            Member(str(m["replica_id"]), int(m["step"]), str(m.get("address", "")))  # type: ignore[index,union-attr]
+            for m in data["members"]  # type: ignore[union-attr]
+        )
+        return cls(
+            quorum_id=int(data["quorum_id"]),  # type: ignore[arg-type]
+            members=members,
+            max_step=int(data["max_step"]),  # type: ignore[arg-type]
+            shard_count=int(data["shard_count"]),  # type: ignore[arg-type]
+            recover_src={str(k): str(v) for k, v in dict(data.get("recover_src", {})).items()},  # type: ignore[call-overload]
+        )
+
+
+@dataclass(frozen=True)
+class QuorumRules:
+    min_replicas: int = 1
+    """Fewest replica groups a quorum may have."""
+    join_timeout_s: float = 30.0
+    """Wait this long after the first request for heartbeating stragglers before answering without them."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ValueError(f"QuorumRules.min_replicas must be an integer >= 1, got {self.min_replicas!r}")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"QuorumRules.join_timeout_s must be > 0, got {self.join_timeout_s!r}")
+
+
+def previous_from_requests(pending: Mapping[str, QuorumRequest]) -> tuple[int, frozenset[str]]:
+    """What a lighthouse without a previous quorum (fresh or restarted) learns from the requests:
+    the highest quorum id any group holds and that group's members."""
+    newest = max(pending.values(), key=lambda r: r.quorum_id, default=None)
+    if newest is None or newest.quorum_id < 0:
+        return -1, frozenset()
+    return newest.quorum_id, frozenset(newest.members)
+
+
+def is_ready(
+    rules: QuorumRules,
+    previous_members: frozenset[str],
+    pending: Mapping[str, QuorumRequest],
+    alive: frozenset[str],
+    now: float,
+) -> bool:
+    """Whether the lighthouse may answer now with the alive requesters as members.
+
+    Answer when (a) every member of the previous quorum asked again (the steady-state fast path), or
+    (b) every heartbeating group asked, or (c) the join timeout passed since the first request; and only with
+    at least ``min_replicas`` members that are a strict majority of the heartbeating groups (no split brain).
+    """
+    candidates = [rid for rid in pending if rid in alive]
+    if len(candidates) < rules.min_replicas or 2 * len(candidates) <= len(alive):
+        return False
+    asked = set(candidates)
+    if previous_members and previous_members <= asked:
+        return True
+    if alive <= asked:
+        return True
+    first = min(pending[rid].arrived_s for rid in candidates)
+    return now - first >= rules.join_timeout_s
+
+
+def decide(
+    rules: QuorumRules,
+    previous: Quorum | None,
+    pending: Mapping[str, QuorumRequest],
+    alive: frozenset[str],
+    now: float,
+) -> Quorum | None:
+    """The next quorum, or None while the rules say wait.
+
+    ``pending``: the requests not yet answered; ``alive``: groups heartbeating within the timeout (a group
+    with a pending request counts as alive only if it is in ``alive``). quorum_id changes exactly when the
+    member set changes or a member reports a failed commit.
+    """
+    if previous is not None:
+        previous_id, previous_members = previous.quorum_id, frozenset(previous.member_ids)
+    else:
+        previous_id, previous_members = previous_from_requests(pending)
+    if not is_ready(rules, previous_members, pending, alive, now):
+        return None
+    requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)
+    member_ids = frozenset(r.replica_id for r in requests)
+    commit_failed = any(r.commit_failed for r in requests)
+    same = member_ids == previous_members and not commit_failed and previous_id >= 0
+    quorum_id = previous_id if same else previous_id + 1
+    max_step = max(r.step for r in requests)
+    up_to_date = [r.replica_id for r in requests if r.step == max_step]
+    behind = [r.replica_id for r in requests if r.step < max_step]
+    recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
+    return Quorum(
+        quorum_id=max(quorum_id, 0),
+        members=tuple(Member(r.replica_id, r.step, r.address) for r in requests),
+        max_step=max_step,
+        shard_count=requests[0].shard_count,
+        recover_src=recover_src,
+    )

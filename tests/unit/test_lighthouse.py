@@ -1,0 +1,348 @@
+"""The lighthouse server over real loopback HTTP connections (a LighthouseThread, and one real subprocess)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from lightning_fthsdp.cli import main as cli_main
+from lightning_fthsdp.core.lighthouse import LighthouseThread
+from lightning_fthsdp.core.quorum import QuorumRules
+
+LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
+
+
+class Client:
+    """One keep-alive connection; ``send`` then ``recv`` lets a test hold several requests in flight at once."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        self.token = token
+
+    def send(self, method: str, path: str, body: object = None, raw: bytes | None = None) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        self.conn.request(method, path, body=data, headers=headers)
+
+    def recv(self) -> tuple[int, Any]:
+        response = self.conn.getresponse()
+        payload = response.read()
+        if response.getheader("Content-Type", "").startswith("text/html"):
+            return response.status, payload.decode()
+        return response.status, json.loads(payload)
+
+    def call(self, method: str, path: str, body: object = None, raw: bytes | None = None) -> tuple[int, Any]:
+        self.send(method, path, body, raw)
+        return self.recv()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.call("GET", "/status")
+        assert code == 200, body
+        return body
+
+    def crash(self) -> None:
+        """Close abruptly (RST), as a killed process's socket does: no leave, no clean shutdown."""
+        sock = self.conn.sock
+        assert sock is not None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: int = 2) -> dict[str, Any]:
+    return {"replica_id": rid, "step": step, "shard_count": shard_count, "known_epoch": epoch, "wait_ms": wait_ms}
+
+
+def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = (), commit_failed: bool = False,
+       timeout_ms: int = 10_000, shard_count: int = 2) -> dict[str, Any]:
+    return {"replica_id": rid, "step": step, "shard_count": shard_count, "address": f"{rid}:1",
+            "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members), "timeout_ms": timeout_ms}
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def replica(status: dict[str, Any], rid: str) -> dict[str, Any]:
+    return next(r for r in status["replicas"] if r["replica_id"] == rid)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Callable[..., str]]:
+    """Start a lighthouse thread (port 0 unless given); all are stopped after the test."""
+    with contextlib.ExitStack() as stack:
+        def start(min_replicas: int = 1, join_timeout_s: float = 10.0, heartbeat_timeout_ms: int = 30_000,
+                  **kw: Any) -> str:
+            rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=join_timeout_s)
+            return stack.enter_context(LighthouseThread(rules=rules, heartbeat_timeout_ms=heartbeat_timeout_ms, **kw))
+        yield start
+
+
+def form(url: str, *rids: str, **kw: Any) -> list[dict[str, Any]]:
+    """Every replica in ``rids`` requests at once on its own connection; all must get the same quorum."""
+    clients = [Client(url) for _ in rids]
+    for client, rid in zip(clients, rids, strict=True):
+        client.send("POST", "/v1/quorum", qr(rid, **kw))
+    answers = [client.recv() for client in clients]
+    assert all(code == 200 for code, _ in answers), answers
+    assert len({a["quorum_id"] for _, a in answers}) == 1
+    return [a for _, a in answers]
+
+
+def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(min_replicas=2)
+    obs = Client(url)
+    a, b = form(url, "a", "b")
+    assert a["quorum_id"] == 0 and [m["replica_id"] for m in a["members"]] == ["a", "b"]
+    assert a["store"] == obs.status()["store"] and a["shard_count"] == 2 and a["members"][0]["address"] == "a:1"
+    hc = Client(url)  # kept open: closing it would declare c dead
+    assert hc.call("POST", "/v1/heartbeat", hb("c"))[0] == 200
+    qc = Client(url)
+    qc.send("POST", "/v1/quorum", qr("c", 0))
+    wait_until("c pending", lambda: replica(obs.status(), "c")["pending"])
+    a, b = form(url, "a", "b", step=1)
+    code, c = qc.recv()
+    assert code == 200 and c == a == b
+    assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["recover_src"] == {"c": "a"}
+    status = obs.status()
+    assert status["members"] == ["a", "b", "c"] and status["recoveries"] == [{"replica_id": "c", "source": "a"}]
+
+
+def test_crash_is_declared_at_once_and_wakes_the_survivors_long_poll(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    obs, ha, hb_ = Client(url), Client(url), Client(url)
+    ha.call("POST", "/v1/heartbeat", hb("a"))
+    code, answer = hb_.call("POST", "/v1/heartbeat", hb("b"))
+    assert code == 200 and answer["dead"] == [] and answer["quorum_id"] == -1
+    epoch = answer["epoch"]
+    hb_.send("POST", "/v1/heartbeat", hb("b", epoch, wait_ms=5_000))
+    obs.status()  # processed after b's long-poll arrived: the poll is held now
+    start = time.monotonic()
+    ha.crash()
+    code, answer = hb_.recv()
+    elapsed = time.monotonic() - start
+    assert code == 200 and answer["dead"] == ["a"] and answer["epoch"] == epoch + 1, answer
+    assert elapsed < 0.2, f"crash took {elapsed:.3f} s to reach the survivor"
+    assert replica(obs.status(), "a")["dead"]
+    # The dead replica heartbeats again: revived, another epoch.
+    code, answer = Client(url).call("POST", "/v1/heartbeat", hb("a", epoch + 1))
+    assert answer["dead"] == [] and answer["epoch"] == epoch + 2
+
+
+def test_a_replaced_heartbeat_connection_declares_nothing(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    obs, old, new = Client(url), Client(url), Client(url)
+    old.call("POST", "/v1/heartbeat", hb("a"))
+    new.call("POST", "/v1/heartbeat", hb("a"))
+    old.crash()
+    old_epoch = obs.status()["epoch"]
+    new.call("POST", "/v1/heartbeat", hb("a"))  # a round trip on the loop after the close was processed
+    status = obs.status()
+    assert not replica(status, "a")["dead"] and status["epoch"] == old_epoch
+    new.crash()
+    wait_until("a declared dead", lambda: replica(obs.status(), "a")["dead"])
+
+
+def test_hang_is_detected_by_heartbeat_expiry(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(heartbeat_timeout_ms=300)
+    ha, hb_ = Client(url), Client(url)
+    ha.call("POST", "/v1/heartbeat", hb("a"))
+    start = time.monotonic()
+    epoch = hb_.call("POST", "/v1/heartbeat", hb("b"))[1]["epoch"]
+    # b keeps heartbeating (long-polls of 100 ms pace it); a goes silent but keeps its connection open.
+    while True:
+        assert time.monotonic() - start < 3, "a was never declared dead"
+        answer = hb_.call("POST", "/v1/heartbeat", hb("b", epoch, wait_ms=100))[1]
+        if answer["epoch"] != epoch:
+            break
+    elapsed = time.monotonic() - start
+    assert answer["dead"] == ["a"] and 0.3 <= elapsed < 1.0, (answer, elapsed)
+    assert not replica(Client(url).status(), "b")["dead"]
+
+
+def test_leave_forgets_the_replica_and_lets_the_rest_decide(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    obs, ha = Client(url), Client(url)  # ha stays open: its close would declare a dead
+    ha.call("POST", "/v1/heartbeat", hb("a"))
+    qb = Client(url)
+    qb.send("POST", "/v1/quorum", qr("b"))  # 1 of 2 alive: no majority yet
+    wait_until("b pending", lambda: replica(obs.status(), "b")["pending"])
+    epoch = obs.status()["epoch"]
+    assert Client(url).call("POST", "/v1/leave", {"replica_id": "a"}) == (200, {})
+    code, answer = qb.recv()
+    assert code == 200 and [m["replica_id"] for m in answer["members"]] == ["b"]
+    status = obs.status()
+    assert [r["replica_id"] for r in status["replicas"]] == ["b"] and status["epoch"] == epoch + 2  # leave, quorum
+    code, answer = obs.call("POST", "/v1/leave", {"replica_id": "a"})
+    assert code == 404 and "'a'" in answer["error"]
+
+
+def test_quorum_request_times_out_with_504_and_is_dropped(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(min_replicas=2)
+    start = time.monotonic()
+    code, answer = Client(url).call("POST", "/v1/quorum", qr("a", timeout_ms=200))
+    assert code == 504 and "timeout_ms=200" in answer["error"] and time.monotonic() - start >= 0.2
+    assert not replica(Client(url).status(), "a")["pending"]
+
+
+def test_a_client_that_disconnects_is_dropped_from_pending(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(min_replicas=2)
+    obs, qa = Client(url), Client(url)
+    qa.send("POST", "/v1/quorum", qr("a"))
+    wait_until("a pending", lambda: replica(obs.status(), "a")["pending"])
+    qa.crash()
+    wait_until("a dropped", lambda: not replica(obs.status(), "a")["pending"])
+
+
+def test_join_timeout_answers_without_a_silent_straggler(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(join_timeout_s=0.3)
+    heartbeats = [Client(url) for _ in "abc"]  # kept open: closing one declares its replica dead
+    for client, rid in zip(heartbeats, "abc", strict=True):
+        client.call("POST", "/v1/heartbeat", hb(rid))
+    start = time.monotonic()
+    answers = form(url, "a", "b")
+    assert [m["replica_id"] for m in answers[0]["members"]] == ["a", "b"] and time.monotonic() - start >= 0.3
+
+
+def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(token="s3cret")
+    obs = Client(url, token="s3cret")
+    obs.call("POST", "/v1/heartbeat", hb("a", step=4))
+    status = obs.status()
+    assert set(status) == {"quorum_id", "epoch", "max_step", "min_replicas", "members", "replicas", "recoveries",
+                           "store", "uptime_s"}
+    assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
+    assert replica(status, "a") | {"heartbeat_age_s": 0} == {
+        "replica_id": "a", "step": 4, "alive": True, "dead": False, "heartbeat_age_s": 0, "in_quorum": False,
+        "pending": False}
+    plain = Client(url)
+    code, page = plain.call("GET", "/?token=s3cret")
+    assert code == 200 and "<h1>fthsdp lighthouse</h1>" in page and "<td>a</td>" in page
+    assert plain.call("GET", "/")[0] == 401
+
+
+def snapshot(client: Client) -> dict[str, Any]:
+    status = client.status()
+    for r in status["replicas"]:
+        del r["heartbeat_age_s"]
+    del status["uptime_s"]
+    return status
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/heartbeat", b"{not json", 400, "JSON"),
+    ("POST", "/v1/heartbeat", b"[1]", 400, "JSON object"),
+    ("POST", "/v1/heartbeat", {k: v for k, v in hb("a").items() if k != "known_epoch"}, 400, "'known_epoch'"),
+    ("POST", "/v1/heartbeat", hb("a") | {"step": "3"}, 400, "'step'"),
+    ("POST", "/v1/heartbeat", hb("a") | {"step": True}, 400, "'step'"),
+    ("POST", "/v1/heartbeat", hb("a", step=-1), 400, "'step'"),
+    ("POST", "/v1/heartbeat", hb("a") | {"wait_ms": -5}, 400, "'wait_ms'"),
+    ("POST", "/v1/heartbeat", hb("a b"), 400, "replica_id"),
+    ("POST", "/v1/heartbeat", hb("z", shard_count=3), 409, "shard_count 3"),
+    ("POST", "/v1/quorum", qr("a", timeout_ms=0), 400, "'timeout_ms'"),
+    ("POST", "/v1/quorum", qr("a", members=("ok", "no way")), 400, "'members'"),
+    ("POST", "/v1/quorum", qr("a") | {"commit_failed": 1}, 400, "'commit_failed'"),
+    ("POST", "/v1/quorum", qr("a", shard_count=4), 409, "shard_count 2 of the current quorum 0"),
+    ("POST", "/v1/leave", {"replica_id": "zz"}, 404, "'zz'"),
+    ("POST", "/v1/leave", {}, 400, "'replica_id'"),
+    ("GET", "/v1/heartbeat", None, 405, "takes POST"),
+    ("GET", "/nope", None, 404, "'/nope'"),
+    ("POST", "/v1/heartbeat", b"x" * ((1 << 20) + 1), 413, "limit"),
+]
+
+
+def test_every_bad_request_is_refused_and_changes_nothing(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(min_replicas=2, token="tok")
+    form_clients = [Client(url, token="tok") for _ in "ab"]
+    for client, rid in zip(form_clients, "ab", strict=True):
+        client.send("POST", "/v1/quorum", qr(rid))
+    assert [c.recv()[0] for c in form_clients] == [200, 200]
+    client = Client(url, token="tok")  # one keep-alive connection serves every bad request and the checks
+    before = snapshot(client)
+    for method, path, body, code, needle in BAD_REQUESTS:
+        raw = body if isinstance(body, bytes) else None
+        got, answer = client.call(method, path, None if raw else body, raw)
+        assert (got, needle in answer.get("error", "")) == (code, True), (path, raw[:20] if raw else body, answer)
+        assert snapshot(client) == before, f"state changed after {path} {body!r:.60}"
+    for token in (None, "wrong"):
+        got, answer = Client(url, token=token).call("POST", "/v1/heartbeat", hb("a"))
+        assert got == 401 and "token" in answer["error"]
+    assert snapshot(client) == before
+
+
+def test_shard_count_conflict_with_pending_requests(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(min_replicas=2)
+    qa = Client(url)
+    qa.send("POST", "/v1/quorum", qr("a", shard_count=2))
+    wait_until("a pending", lambda: replica(Client(url).status(), "a")["pending"])
+    code, answer = Client(url).call("POST", "/v1/quorum", qr("b", shard_count=8))
+    assert code == 409 and "shard_count 8" in answer["error"] and "shard_count 2" in answer["error"]
+
+
+def test_restarted_lighthouse_keeps_the_quorum_id(lighthouse: Callable[..., str]) -> None:
+    first = LighthouseThread(rules=QuorumRules(min_replicas=2), heartbeat_timeout_ms=30_000)
+    with first as url:
+        assert form(url, "a", "b")[0]["quorum_id"] == 0
+        answer = form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), commit_failed=True)[0]
+    assert answer["quorum_id"] == 1
+    port = urlsplit(url).port
+    url2 = lighthouse(min_replicas=2, port=port)
+    assert urlsplit(url2).port == port
+    again = form(url2, "a", "b", step=2, quorum_id=1, members=("a", "b"))[0]
+    assert again["quorum_id"] == 1 and again["max_step"] == 2
+
+
+def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, needle in ((["--min-replicas", "0"], "--min-replicas"), (["--heartbeat-timeout-ms", "-1"], "heartbeat"),
+                         (["--join-timeout-ms", "x"], "join"), (["--port", "70000"], "--port")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["lighthouse", *argv])
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
+    env = {**os.environ, "FTHSDP_TOKEN": "from-env"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
+         "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the lighthouse printed no listening line within 60 s"
+        line = proc.stdout.readline().strip()
+        match = LISTENING.match(line)
+        assert match, line
+        url, store = match.group(1), match.group(3)
+        assert Client(url).call("GET", "/status")[0] == 401
+        code, answer = Client(url, token="from-env").call("POST", "/v1/quorum", qr("solo"))
+        assert code == 200 and answer["store"] == store and answer["members"][0]["replica_id"] == "solo"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        assert "quorum 0: members solo step 0" in proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

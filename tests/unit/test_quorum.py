@@ -1,0 +1,156 @@
+"""The pure quorum rules of ``core/quorum.py``: each rule by example, then properties over random histories."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_fthsdp.core.quorum import Quorum, QuorumRequest, QuorumRules, check_replica_id, decide, is_ready
+
+
+def req(rid: str, step: int = 0, at: float = 0.0, **kw: object) -> QuorumRequest:
+    return QuorumRequest(rid, step, 2, at, **kw)  # type: ignore[arg-type]
+
+
+def pending(*requests: QuorumRequest) -> dict[str, QuorumRequest]:
+    return {r.replica_id: r for r in requests}
+
+
+RULES = QuorumRules(min_replicas=1, join_timeout_s=10.0)
+
+
+def test_min_replicas_blocks_until_enough_ask() -> None:
+    rules = QuorumRules(min_replicas=2, join_timeout_s=10.0)
+    assert decide(rules, None, pending(req("a")), frozenset({"a"}), 100.0) is None
+    q = decide(rules, None, pending(req("a"), req("b")), frozenset({"a", "b"}), 0.0)
+    assert q is not None and q.member_ids == ("a", "b")
+
+
+def test_minority_never_forms_a_quorum() -> None:
+    alive = frozenset("abcde")
+    # 2 of 5 heartbeating groups, even long after the join timeout: no split brain.
+    assert decide(RULES, None, pending(req("a"), req("b")), alive, 1e9) is None
+    # Exactly half is not a majority either.
+    assert decide(RULES, None, pending(req("a"), req("b")), frozenset("abcd"), 1e9) is None
+    q = decide(RULES, None, pending(req("a"), req("b"), req("c")), alive, 10.0)
+    assert q is not None and q.member_ids == ("a", "b", "c")
+
+
+def test_immediate_answer_when_every_previous_member_asks() -> None:
+    previous = decide(RULES, None, pending(req("a"), req("b")), frozenset("ab"), 0.0)
+    assert previous is not None
+    # "c" heartbeats but has not asked: the previous members still get an answer at once.
+    q = decide(RULES, previous, pending(req("a", 1, 5.0), req("b", 1, 5.0)), frozenset("abc"), 5.0)
+    assert q is not None and q.member_ids == ("a", "b") and q.quorum_id == previous.quorum_id
+
+
+def test_all_alive_asked_answers_at_once() -> None:
+    q = decide(RULES, None, pending(req("a"), req("b"), req("c")), frozenset("abc"), 0.0)
+    assert q is not None and q.member_ids == ("a", "b", "c")
+
+
+def test_join_timeout_for_stragglers() -> None:
+    alive = frozenset("abc")
+    two = pending(req("a", at=0.0), req("b", at=1.0))
+    assert decide(RULES, None, two, alive, 9.99) is None
+    q = decide(RULES, None, two, alive, 10.0)  # measured from the first request
+    assert q is not None and q.member_ids == ("a", "b")
+
+
+def test_requests_of_dead_groups_are_ignored() -> None:
+    q = decide(RULES, None, pending(req("a"), req("b"), req("x")), frozenset("ab"), 0.0)
+    assert q is not None and q.member_ids == ("a", "b")
+
+
+def test_quorum_id_changes_exactly_with_membership_or_failed_commit() -> None:
+    q0 = decide(RULES, None, pending(req("a"), req("b")), frozenset("ab"), 0.0)
+    assert q0 is not None and q0.quorum_id == 0
+    same = decide(RULES, q0, pending(req("a", 1), req("b", 1)), frozenset("ab"), 1.0)
+    assert same is not None and same.quorum_id == 0
+    failed = decide(RULES, same, pending(req("a", 1, commit_failed=True), req("b", 1)), frozenset("ab"), 2.0)
+    assert failed is not None and failed.quorum_id == 1
+    grown = decide(RULES, failed, pending(req("a"), req("b"), req("c")), frozenset("abc"), 3.0)
+    assert grown is not None and grown.quorum_id == 2
+    shrunk = decide(RULES, grown, pending(req("a"), req("b")), frozenset("ab"), 4.0)
+    assert shrunk is not None and shrunk.quorum_id == 3
+
+
+def test_recovery_sources_round_robin_among_up_to_date_members() -> None:
+    requests = pending(req("a", 5), req("b", 5), req("c", 3), req("d", 0), req("e", 4))
+    q = decide(RULES, None, requests, frozenset("abcde"), 0.0)
+    assert q is not None and q.max_step == 5
+    assert dict(q.recover_src) == {"c": "a", "d": "b", "e": "a"}
+    assert q.participants == ("a", "b")
+
+
+def test_restarted_lighthouse_continues_numbering_from_requests() -> None:
+    members = ("a", "b")
+    requests = pending(req("a", 7, quorum_id=4, members=members), req("b", 7, quorum_id=4, members=members))
+    q = decide(RULES, None, requests, frozenset("ab"), 0.0)
+    assert q is not None and q.quorum_id == 4  # same members: no reconfigure
+    # The stale group knows an older quorum; the newest id wins, and a changed membership increments it.
+    requests = pending(req("a", quorum_id=4, members=members), req("c", quorum_id=2, members=("c",)))
+    q = decide(RULES, None, requests, frozenset("ac"), 0.0)
+    assert q is not None and q.quorum_id == 5
+    # While a previous member has not asked again and the join timeout has not passed, the lighthouse waits.
+    assert not is_ready(RULES, frozenset(members), pending(req("a")), frozenset("ab"), 0.0)
+
+
+def test_quorum_json_round_trip() -> None:
+    q = decide(RULES, None, pending(req("a", 2, address="h:1"), req("b", 1)), frozenset("ab"), 0.0)
+    assert q is not None and Quorum.from_json(q.to_json()) == q
+
+
+@pytest.mark.parametrize("bad", ["", "-a", "a b", "x" * 65, 3, None, "a/b"])
+def test_check_replica_id_rejects(bad: object) -> None:
+    with pytest.raises(ValueError, match="replica_id"):
+        check_replica_id(bad)
+
+
+def test_rules_validate() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        QuorumRules(min_replicas=0)
+    with pytest.raises(ValueError, match="join_timeout_s"):
+        QuorumRules(join_timeout_s=0)
+
+
+# ---- properties: random sequences of rounds ----
+
+IDS = [f"g{i}" for i in range(7)]
+
+round_strategy = st.fixed_dictionaries({
+    "alive": st.sets(st.sampled_from(IDS)),
+    "asking": st.sets(st.sampled_from(IDS)),
+    "steps": st.dictionaries(st.sampled_from(IDS), st.integers(0, 4)),
+    "failed": st.sets(st.sampled_from(IDS), max_size=1),
+    "elapsed": st.floats(0, 20),
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(min_replicas=st.integers(1, 4), rounds=st.lists(round_strategy, min_size=1, max_size=12))
+def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[dict]) -> None:
+    rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=10.0)
+    previous: Quorum | None = None
+    for now, rnd in enumerate(rounds):
+        alive = frozenset(rnd["alive"])
+        requests = pending(*(
+            req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"])
+            for rid in sorted(rnd["asking"])
+        ))
+        q = decide(rules, previous, requests, alive, now + rnd["elapsed"])
+        if q is None:
+            continue
+        members = set(q.member_ids)
+        assert members <= alive & set(requests), "members are alive requesters"
+        assert len(members) >= min_replicas and 2 * len(members) > len(alive), "min_replicas and a majority"
+        assert list(q.member_ids) == sorted(members)
+        up_to_date = {m.replica_id for m in q.members if m.step == q.max_step}
+        assert set(q.recover_src.values()) <= up_to_date, "sources are up to date"
+        assert set(q.recover_src) == members - up_to_date, "every lagging member recovers"
+        if previous is not None:
+            assert q.quorum_id >= previous.quorum_id, "quorum_id never decreases"
+            unchanged = members == set(previous.member_ids) and not (rnd["failed"] & members)
+            assert (q.quorum_id == previous.quorum_id) == unchanged, "id changes iff membership or failed commit"
+        previous = q
