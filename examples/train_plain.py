@@ -12,7 +12,11 @@ Several shard ranks per group (FSDP2 inside the group) via torchrun, one torchru
 
 Every group starts from the same seeded weights and trains on its own data stream (batch ``k`` of group ``r``
 is a pure function of ``(r, k, shard rank)``), so after every committed step all groups hold identical
-parameters. After each committed step every rank appends one JSON line to ``--log-jsonl``::
+parameters. A killed group restarted with the same command catches up from a healthy group: it fetches their
+state, takes part in one step with zero gradients, and from then on is identical to them; it resumes its own
+data stream where its last committed batch ended.
+
+After each committed step every rank appends one JSON line to ``--log-jsonl``::
 
     {"t", "event": "commit", "replica_id", "rank", "step", "quorum_id", "participants", "params_sha256",
      "batch", "loss"}
@@ -38,6 +42,13 @@ from torch import nn
 
 from lightning_fthsdp.core.config import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.core.manager import FTManager
+from lightning_fthsdp.core.torch_state import (
+    load_module_state,
+    load_optimizer_state,
+    local,
+    module_state,
+    optimizer_state,
+)
 from lightning_fthsdp.faults import Fault
 
 FEATURES = 16
@@ -57,11 +68,6 @@ def make_batch(replica_id: str, index: int, rank: int) -> tuple[torch.Tensor, to
     true_w = torch.linspace(-1.0, 1.0, FEATURES)
     y = (x @ true_w).unsqueeze(1).tanh() + 0.01 * torch.randn(BATCH, 1, generator=gen)
     return x, y
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (possibly FSDP2-sharded DTensor) tensor, as a plain tensor view."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -115,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
                         device=device, timeouts=timeouts_from_args(args), on_collective_started=in_flight)
+    # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
+    manager.register_state("model", lambda: module_state(model), lambda tree: load_module_state(model, tree))
+    manager.register_state("optimizer", lambda: optimizer_state(optimizer),
+                           lambda tree: load_optimizer_state(optimizer, tree))
     log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
     try:
         while manager.step < args.steps:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int``.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.core.lighthouse_cli",
+    "lightning_fthsdp.demo",
     "lightning_fthsdp.sim.cli",
 )
 

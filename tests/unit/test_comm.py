@@ -30,7 +30,7 @@ def run_ranks(fn: Callable[[int], object], size: int = 2, timeout_s: float = 60)
     def target(rank: int) -> None:
         try:
             results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as exc:  # re-raised in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]

@@ -85,8 +85,10 @@ class Lighthouse:
         self._pending: dict[str, QuorumRequest] = {}
         self._waiters: dict[str, asyncio.Future[Response]] = {}
         self._previous: Quorum | None = None
-        self._liveness: dict[str, Connection] = {}
-        self._liveness_of: dict[Connection, str] = {}
+        # Every rank of a group heartbeats on its own connection, keyed (replica_id, rank): the close of any one
+        # means a process of the group died, and a group dies whole.
+        self._liveness: dict[tuple[str, int], Connection] = {}
+        self._liveness_of: dict[Connection, tuple[str, int]] = {}
         # Cheap counters so an arrival costs O(1) and decide() (O(n)) runs only when it could answer:
         # _asked = |pending & alive|; _ref = previous members (or, with no previous quorum, those the requests
         # name); _ref_asked = |_ref & pending & alive|; _oldest = a lower bound of the candidates' arrival.
@@ -163,11 +165,11 @@ class Lighthouse:
 
     def _connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
-        replica_id = self._liveness_of.pop(conn, None)
-        if replica_id is not None and self._liveness.get(replica_id) is conn:
-            del self._liveness[replica_id]
+        key = self._liveness_of.pop(conn, None)
+        if key is not None and self._liveness.get(key) is conn:
+            del self._liveness[key]
             if not self._stopping:
-                self._declare_dead(replica_id, "its heartbeat connection closed")
+                self._declare_dead(key[0], f"the heartbeat connection of its rank {key[1]} closed")
 
     async def _route(self, request: Request) -> Response:
         self._authorize(request)
@@ -194,15 +196,17 @@ class Lighthouse:
         replica_id = _replica_id(body)
         step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
         known_epoch, wait_ms = require_int(body, "known_epoch", None), require_int(body, "wait_ms", 0)
+        rank = require_int(body, "rank", 0) if "rank" in body else 0
         self._check_shard_count(replica_id, shard_count)
         self._touch(replica_id, step)
-        old = self._liveness.get(replica_id)
+        key = (replica_id, rank)
+        old = self._liveness.get(key)
         if old is not request.connection:
             # A newer connection replaces the older one; the older one's close then declares nothing.
             if old is not None:
                 self._liveness_of.pop(old, None)
-            self._liveness[replica_id] = request.connection
-            self._liveness_of[request.connection] = replica_id
+            self._liveness[key] = request.connection
+            self._liveness_of[request.connection] = key
         if self._epoch == known_epoch and wait_ms > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._epoch_changed.wait(), min(wait_ms, MAX_LONG_POLL_MS) / 1000)
@@ -252,18 +256,26 @@ class Lighthouse:
                      f"timeout_ms or start more replica groups"))
 
     async def _leave(self, request: Request) -> Response:
-        replica_id = _replica_id(request.json_object())
+        body = request.json_object()
+        replica_id = _replica_id(body)
+        rank = require_int(body, "rank", 0) if "rank" in body else 0
         if replica_id not in self._replicas:
             raise HttpError(404, f"replica {replica_id!r} is not known to this lighthouse: nothing to leave")
+        if rank > 0:
+            # A non-leader rank finishing: only its liveness connection stops counting; the leader's leave (rank 0)
+            # removes the group.
+            conn = self._liveness.pop((replica_id, rank), None)
+            if conn is not None:
+                self._liveness_of.pop(conn, None)
+            return json_response({})
         waiter = self._waiters.get(replica_id)
         self._set_alive(replica_id, False)
         self._drop_pending(replica_id)
         if waiter is not None and not waiter.done():
             waiter.set_exception(HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
         del self._replicas[replica_id]
-        conn = self._liveness.pop(replica_id, None)
-        if conn is not None:
-            self._liveness_of.pop(conn, None)
+        for key in [k for k in self._liveness if k[0] == replica_id]:
+            self._liveness_of.pop(self._liveness.pop(key), None)
         log.info("replica %s left", replica_id)
         self._bump_epoch()
         self._schedule_decide(force=True)

@@ -8,6 +8,7 @@ for a collective timeout. Only the group's leader (shard rank 0) asks for quorum
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import threading
@@ -150,10 +151,15 @@ class Heartbeat:
                 self._dead = dead
                 self._on_dead(dead)
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
         self._stop.set()
         self._thread.join(timeout=self._timeouts.heartbeat_timeout_ms / 1000 + 1)
+        with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
+            self._conn.post("/v1/leave", {"replica_id": self._replica_id, "rank": self._rank},
+                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
         self._conn.close()
+
 
 
 class QuorumClient:
@@ -190,8 +196,6 @@ class QuorumClient:
         answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
         return Quorum.from_json(answer), str(answer["store"])
 
-    def leave(self, replica_id: str) -> None:
-        self._conn.post("/v1/leave", {"replica_id": replica_id}, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def close(self) -> None:
         self._conn.close()

@@ -27,12 +27,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_fthsdp.core import log
+from lightning_fthsdp.core.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.core.comm import CollectiveAborted, CrossGroupComm
 from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, Timeouts, from_env, resolve
 from lightning_fthsdp.core.lighthouse_client import Heartbeat, LighthouseRejected, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.core.quorum import Quorum, check_replica_id
+from lightning_fthsdp.core.torch_state import StateTree, load_rng_state, rng_state
 
 _GATEWAY_TIMEOUT = 504
+_OWN_STATE = "fthsdp"
 
 
 class QuorumUnavailable(RuntimeError):
@@ -51,6 +54,7 @@ class FTManager:
         backend: cross-group backend, ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         device: where gradients live; cross-group buffers are allocated there.
         timeouts: the validated timeout hierarchy.
+        state_host: the address this rank serves catch-up snapshots on (reachable by the other groups).
         on_collective_started: failure-injection point, called while a cross-group collective is in flight.
     """
 
@@ -64,6 +68,7 @@ class FTManager:
         backend: str = "gloo",
         device: torch.device | str = "cpu",
         timeouts: Timeouts | None = None,
+        state_host: str = "127.0.0.1",
         on_collective_started: Callable[[], None] | None = None,
     ) -> None:
         self.replica_id = check_replica_id(
@@ -83,16 +88,25 @@ class FTManager:
         self._quorum: Quorum | None = None
         self._store_address = ""
         self._pending: Future[tuple[Quorum, str]] | None = None
-        self._step_ok = False
+        self._step_ok = self._exchange_ok = False
         self._commit_failed = False
         self._participants: tuple[str, ...] = ()
+        self._recovering_from: str | None = None
+        self._fetched: StateTree | None = None
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
+        self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_collective_started)
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
                                     step=lambda: self.step, on_dead=self._on_dead)
         self._heartbeat.start()
+        self._catchup = CatchUp(token, state_host, log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank,
+                                                                     lambda: self.step))
+        self._catchup.register("rng", rng_state, load_rng_state)
+        # Loaded by _load (it also sets the step), so the registered loader has nothing left to do.
+        self._catchup.register(_OWN_STATE, self._own_state, lambda tree: None)
+        self._addresses = self._gather_addresses()
         self._quorum_client = QuorumClient(url, token, self.timeouts) if self.is_leader else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum") if self.is_leader else None
 
@@ -117,12 +131,22 @@ class FTManager:
         """Position of this group's own data stream: batches of it already in a committed step."""
         return self.batches_committed.get(self.replica_id, 0)
 
+    def register_state(self, name: str, get: StateGetter, load: StateLoader) -> None:
+        """Add a piece of state that a recovering group must receive (model, optimizer, scheduler, your own).
+
+        ``get()`` returns a tree of tensors (DTensors travel as their local shard) and JSON scalars; ``load(tree)``
+        receives the same structure with plain CPU tensors. Every group must register the same names.
+        """
+        self._catchup.register(name, get, load)
+
     # ----------------------------------------------------------------------------------------------- step
 
     def begin_step(self) -> None:
         """Start this step's quorum request in the background (leader only; other ranks: nothing)."""
         if self._executor is not None and self._pending is None:
-            self._pending = self._executor.submit(self._request_quorum, self.step, self._commit_failed, self._quorum)
+            step = self.step
+            self._pending = self._executor.submit(self._request_quorum, step, self._commit_failed, self._quorum)
+            self._pending.add_done_callback(lambda f: self._serve_early(f, step))
 
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place over the groups that contribute real gradients this step.
@@ -131,15 +155,16 @@ class FTManager:
         """
         self.begin_step()
         quorum = self._agree_on_quorum()
-        self._step_ok = False
+        self._step_ok = self._exchange_ok = False
         if quorum is None:
             return False
-        if self.step < quorum.max_step:
-            raise RuntimeError(
-                f"FTManager: group {self.replica_id} is at step {self.step} behind the quorum's {quorum.max_step} "
-                "and needs catch-up, which is not available in this build"
-            )
         self._participants = quorum.participants
+        self._fetched = None
+        source = quorum.recover_src.get(self.replica_id)
+        if source is not None:
+            address = quorum.member(source).address.split(",")[self.rank]
+            self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
+            self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                  self._store_address)
@@ -149,14 +174,25 @@ class FTManager:
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
             return False
+        self._exchange_ok = True
+        if source is not None:
+            # The fetch had the whole step to run; waiting longer would only delay our own next try.
+            self._fetched = self._catchup.finish_fetch(timeout_s=self.timeouts.heartbeat_timeout_ms / 1000)
+            if self._fetched is None:
+                return False
         self._step_ok = True
         return True
 
     def commit(self) -> bool:
         """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
-        local_ok = self._step_ok and self._heartbeat.lease_valid()
-        ok = self._vote(local_ok)
-        self._step_ok = False
+        lease_ok = self._heartbeat.lease_valid()
+        ok, exchanged = self._vote(self._step_ok and lease_ok, self._exchange_ok and lease_ok)
+        self._step_ok = self._exchange_ok = False
+        # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
+        self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+        if ok and self._fetched is not None:
+            self._load(self._fetched)
+        self._fetched = None
         if ok:
             self.step += 1
             self.committed_steps += 1
@@ -165,25 +201,25 @@ class FTManager:
             self._commit_failed = False
             self._log.debug("committed with %d participants", len(self._participants),
                             extra={"participants": len(self._participants)})
-        else:
+        elif not exchanged:
+            # The cross-group groups saw an error (or we may have been declared dead): ask for fresh ones.
             self.discarded_steps += 1
             self._commit_failed = True
             self._comm.invalidate()
-            self._log.warning("discarded the step (local_ok=%s); the batch is retrained", local_ok)
+            self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
+        else:
+            self._rlog.info("state not received this step; still behind, retrying next step")
         return ok
 
     def shutdown(self) -> None:
         """Leave the job gracefully (the lighthouse forgets this group without declaring it dead)."""
-        if self._quorum_client is not None:
-            try:
-                self._quorum_client.leave(self.replica_id)
-            except (LighthouseUnavailable, LighthouseRejected) as exc:
-                self._qlog.info("could not leave gracefully: %s", exc)
-            self._quorum_client.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._heartbeat.close()
+        if self._quorum_client is not None:
+            self._quorum_client.close()
+        self._heartbeat.leave()
         self._comm.close()
+        self._catchup.close()
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -194,7 +230,8 @@ class FTManager:
         backoff_s = self.timeouts.heartbeat_interval_ms / 1000
         while True:
             try:
-                return self._quorum_client.request(self.replica_id, step, self.shard_count, "", commit_failed, current)
+                return self._quorum_client.request(self.replica_id, step, self.shard_count, ",".join(self._addresses),
+                                                   commit_failed, current)
             except LighthouseUnavailable as exc:
                 if current is not None and not commit_failed:
                     self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d", exc, current.quorum_id)
@@ -206,6 +243,32 @@ class FTManager:
                         f"the URL ({ENV_LIGHTHOUSE})"
                     ) from exc
                 time.sleep(backoff_s)
+
+    def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:
+        """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""
+        if not future.cancelled() and future.exception() is None:
+            quorum, _ = future.result()
+            if self.replica_id in quorum.recover_src.values() and self.step == step:
+                self._catchup.serve(step)
+
+    def _load(self, tree: StateTree) -> None:
+        """Become the source's start-of-step state; the caller's optimizer step then makes us identical."""
+        self._catchup.load(tree)
+        own = tree[_OWN_STATE]
+        self.step = int(own["step"])
+        self.batches_committed = {str(k): int(v) for k, v in own["batches_committed"].items()}
+        self._rlog.info("caught up: loaded the state of step %d", self.step)
+
+    def _own_state(self) -> StateTree:
+        return {"step": self.step, "batches_committed": dict(self.batches_committed)}
+
+    def _gather_addresses(self) -> list[str]:
+        """Every rank's state-server address (the leader advertises them all, shard rank order)."""
+        if self._group is None:
+            return [self._catchup.address]
+        addresses: list[object] = [None] * self.shard_count
+        dist.all_gather_object(addresses, self._catchup.address, group=self._group)
+        return [str(a) for a in addresses]
 
     def _agree_on_quorum(self) -> Quorum | None:
         """The leader's answer, shared with every rank of the group. None: no quorum this step (retry)."""
@@ -235,6 +298,10 @@ class FTManager:
                             ",".join(quorum.member_ids), quorum.max_step, len(quorum.participants),
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, str(message["store"])
+        if self.replica_id in quorum.recover_src.values():
+            self._catchup.serve(self.step)
+        else:
+            self._catchup.stop_serving()
         self._comm.clear_abort()
         self._on_dead(self._heartbeat.dead)
         return quorum
@@ -268,12 +335,13 @@ class FTManager:
         dist.broadcast(data, group_src=0, group=self._group)
         return json.loads(bytes(data.tolist()).decode()) if not self.is_leader else message
 
-    def _vote(self, local_ok: bool) -> bool:
+    def _vote(self, step_ok: bool, exchange_ok: bool) -> tuple[bool, bool]:
+        """Unanimity inside the group: (commit?, did every rank's cross-group exchange succeed?)."""
         if self._group is None:
-            return local_ok
-        flag = torch.tensor([1 if local_ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
+            return step_ok, exchange_ok
+        flags = torch.tensor([int(step_ok), int(exchange_ok)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flags[0]), bool(flags[1])
 
     def _on_dead(self, dead: frozenset[str]) -> None:
         """Watchdog (heartbeat thread): abandon the in-flight exchange if a member of our quorum was declared

@@ -131,12 +131,14 @@ def is_ready(
     pending: Mapping[str, QuorumRequest],
     alive: frozenset[str],
     now: float,
+    expected: frozenset[str] | None = None,
 ) -> bool:
     """Whether the lighthouse may answer now with the alive requesters as members.
 
     Answer when (a) every member of the previous quorum asked again (the steady-state fast path), or
-    (b) every heartbeating group asked, or (c) the join timeout passed since the first request; and only with
-    at least ``min_replicas`` members that are a strict majority of the heartbeating groups (no split brain).
+    (b) every group in ``expected`` (default: the heartbeating ones) asked, or (c) the join timeout passed since
+    the first request; and only with at least ``min_replicas`` members that are a strict majority of the
+    heartbeating groups (no split brain).
     """
     candidates = [rid for rid in pending if rid in alive]
     if len(candidates) < rules.min_replicas or 2 * len(candidates) <= len(alive):
@@ -144,7 +146,7 @@ def is_ready(
     asked = set(candidates)
     if previous_members and previous_members <= asked:
         return True
-    if alive <= asked:
+    if (alive if expected is None else expected) <= asked:
         return True
     first = min(pending[rid].arrived_s for rid in candidates)
     return now - first >= rules.join_timeout_s
@@ -165,9 +167,13 @@ def decide(
     """
     if previous is not None:
         previous_id, previous_members = previous.quorum_id, frozenset(previous.member_ids)
+        expected = alive
     else:
+        # A restarted lighthouse: the members the groups still hold are expected back (they may not have
+        # heartbeated yet), so one early group does not form a quorum alone and force a reconfiguration.
         previous_id, previous_members = previous_from_requests(pending)
-    if not is_ready(rules, previous_members, pending, alive, now):
+        expected = alive | previous_members
+    if not is_ready(rules, previous_members, pending, alive, now, expected):
         return None
     requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)
     member_ids = frozenset(r.replica_id for r in requests)
@@ -179,7 +185,7 @@ def decide(
     behind = [r.replica_id for r in requests if r.step < max_step]
     recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
     return Quorum(
-        quorum_id=max(quorum_id, 0),
+        quorum_id=quorum_id,
         members=tuple(Member(r.replica_id, r.step, r.address) for r in requests),
         max_step=max_step,
         shard_count=requests[0].shard_count,

@@ -1,0 +1,122 @@
+"""Non-blocking catch-up for one rank: serve CPU snapshots to recovering groups, fetch one when behind.
+
+Source side: when the quorum names this group as a recovery source, the rank snapshots its state to CPU on a
+background thread as soon as it learns so (the leader: when its quorum answer arrives, overlapped with forward
+and backward) and publishes it; only the optimizer step waits for the copy to finish, never for the transfer.
+Recovering side: the fetch runs in the background during the step; the recovering group loads the state after
+the step's allreduce (to which it contributed zeros) and then applies the same averaged update.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from lightning_fthsdp.core.torch_state import StateTree
+from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
+from lightning_fthsdp.recovery.server import StateServer
+from lightning_fthsdp.recovery.snapshot import snapshot
+
+StateGetter = Callable[[], StateTree]
+StateLoader = Callable[[StateTree], None]
+
+
+class CatchUp:
+    """Registered state plus this rank's state server and at most one fetch in flight."""
+
+    def __init__(self, token: str | None, host: str, log: logging.LoggerAdapter) -> None:  # type: ignore[type-arg]
+        self._server = StateServer(host, token)
+        self._token = token
+        self._log = log
+        self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
+        self._serving: tuple[int, Future[None]] | None = None
+        self._fetch: tuple[int, Future[StateTree], threading.Event] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self._server.address
+
+    def register(self, name: str, get: StateGetter, load: StateLoader) -> None:
+        if name in self._entries:
+            raise ValueError(f"state {name!r} is already registered: use a unique name per piece of state")
+        self._entries[name] = (get, load)
+
+    def capture(self) -> StateTree:
+        """The live state of every registered entry (not a copy)."""
+        return {name: get() for name, (get, _) in self._entries.items()}
+
+    def load(self, tree: StateTree) -> None:
+        missing = set(self._entries) - set(tree)
+        if missing:
+            raise ValueError(f"fetched state lacks registered entries {sorted(missing)}: every group must register "
+                             "the same state")
+        for name, (_, load) in self._entries.items():
+            load(tree[name])
+
+    # ------------------------------------------------------------------------------------------------ source
+
+    def serve(self, step: int) -> None:
+        """Snapshot the state of ``step`` in the background and publish it (idempotent per step)."""
+        with self._lock:  # the leader's quorum thread and its main thread may both ask
+            if self._serving is not None and self._serving[0] == step:
+                return
+            self._serving = (step, self._executor.submit(lambda: self._server.publish(step, snapshot(self.capture()))))
+
+    def wait_snapshot(self, timeout_s: float) -> None:
+        """Block until the snapshot copy is done: the live state may change after this returns."""
+        if self._serving is None:
+            return
+        step, future = self._serving
+        try:
+            future.result(timeout=timeout_s)
+        except Exception as exc:  # a failed snapshot only means this step serves nobody
+            self._log.warning("snapshot of step %d failed: %s", step, exc)
+            self._serving = None
+
+    def stop_serving(self) -> None:
+        with self._lock:
+            if self._serving is not None:
+                self._serving = None
+                self._server.withdraw()
+
+    # ------------------------------------------------------------------------------------------ recovering
+
+    def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
+        if self._fetch is not None and self._fetch[0] == step and not self._fetch[1].done():
+            return
+        self.cancel_fetch()
+        abort = threading.Event()
+        future = self._executor.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
+        self._fetch = (step, future, abort)
+
+    def finish_fetch(self, timeout_s: float) -> StateTree | None:
+        """The fetched tree, or None (failed, or not done in time: the group stays behind and retries)."""
+        if self._fetch is None:
+            return None
+        step, future, _ = self._fetch
+        try:
+            tree = future.result(timeout=timeout_s)
+        except TimeoutError:
+            self._log.warning("state of step %d not fetched within this step; retrying next step", step)
+            self.cancel_fetch()
+            return None
+        except StateFetchError as exc:
+            self._log.warning("fetching the state of step %d failed: %s", step, exc)
+            self._fetch = None
+            return None
+        self._fetch = None
+        return tree
+
+    def cancel_fetch(self) -> None:
+        if self._fetch is not None:
+            self._fetch[2].set()
+            self._fetch = None
+
+    def close(self) -> None:
+        self.cancel_fetch()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._server.close()

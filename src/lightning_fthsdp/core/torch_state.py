@@ -1,0 +1,104 @@
+"""Model, optimizer and RNG state as transferable trees (plain CPU-able tensors and JSON scalars).
+
+FSDP2 parameters are DTensors: each rank transfers only its local shard (shard rank ``s`` to shard rank ``s``)
+and wraps received tensors back into DTensors shaped like its own parameters, so no rank ever materialises the
+full model.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+StateTree = dict[str, Any]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a DTensor) or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def module_state(module: nn.Module) -> StateTree:
+    return {name: local(p).detach() for name, p in module.named_parameters()} | {
+        f"buffer:{name}": local(b).detach() for name, b in module.named_buffers()}
+
+
+def load_module_state(module: nn.Module, tree: StateTree) -> None:
+    expected = set(module_state(module))
+    if set(tree) != expected:
+        raise ValueError(f"module state keys differ: missing {sorted(expected - set(tree))}, "
+                         f"unexpected {sorted(set(tree) - expected)}")
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            local(p).copy_(tree[name])
+        for name, b in module.named_buffers():
+            local(b).copy_(tree[f"buffer:{name}"])
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> StateTree:
+    sd = optimizer.state_dict()
+    return {
+        "state": {str(i): {k: local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                  for i, s in sd["state"].items()},
+        "param_groups": [dict(g) for g in sd["param_groups"]],
+    }
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tree: StateTree) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    for key, entries in tree["state"].items():
+        param = params[int(key)]
+        state[int(key)] = {k: _like(param, v) for k, v in entries.items()}
+    groups = []
+    for mine, theirs in zip(optimizer.state_dict()["param_groups"], tree["param_groups"], strict=True):
+        # JSON turned tuples (e.g. Adam's betas) into lists: restore the optimizer's own types.
+        groups.append({k: type(mine[k])(v) if isinstance(mine.get(k), tuple) else v for k, v in theirs.items()})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_state() -> StateTree:
+    tree: StateTree = {"torch": torch.get_rng_state(), "python": _jsonable(random.getstate())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tree["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        tree["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                         "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return tree
+
+
+def load_rng_state(tree: StateTree) -> None:
+    torch.set_rng_state(tree["torch"])
+    random.setstate(_tuples(tree["python"]))
+    if "cuda" in tree and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tree["cuda"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and "numpy" in tree:
+        n = tree["numpy"]
+        numpy.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+
+
+def _like(param: torch.Tensor, value: Any) -> Any:
+    """Wrap a received local shard back into a DTensor shaped like ``param`` (scalars such as Adam's step stay)."""
+    if not isinstance(value, torch.Tensor) or not hasattr(param, "to_local"):
+        return value
+    if value.dim() == 0 or value.shape != param.to_local().shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,45 @@
+"""CPU snapshots of a replica group's live training state, taken at a step boundary.
+
+A snapshot is what a :class:`~lightning_fthsdp.recovery.server.StateServer` serves while the group's own next
+optimizer step mutates the live tensors: it must share no memory with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_fthsdp.recovery.wire import StateTree, dtype_name, map_tensors
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # a torch build without distributed has no DTensor to unwrap
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def snapshot(tree: StateTree) -> StateTree:
+    """A CPU copy of ``tree`` that never aliases the live tensors.
+
+    Every tensor is copied to a fresh dense, contiguous CPU tensor (detached, plain ``torch.Tensor``); a DTensor
+    becomes a copy of its local shard (``.to_local()``), because each shard rank serves its own shard to the same
+    shard rank of the recovering group. Scalars are kept, dicts become plain dicts, lists and tuples are copied.
+    Two leaves that alias one tensor (tied weights) become two independent copies.
+
+    Raises TypeError naming the path (e.g. ``'optimizer.state.0.exp_avg'``) for a leaf that is not a tensor or a JSON
+    scalar, a non-str dict key, a sparse tensor or a dtype the wire refuses; ValueError for a ``"__tensor__"`` key.
+    A CUDA tensor is copied synchronously, so the snapshot is complete when this returns.
+    """
+    if not isinstance(tree, dict):
+        raise TypeError(f"snapshot() takes a state tree (a dict), got {type(tree).__name__}")
+    return map_tensors(tree, _copy)  # type: ignore[return-value]
+
+
+def _copy(t: torch.Tensor, path: str) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if t.layout != torch.strided:
+        raise TypeError(f"tensor {path!r} has layout {t.layout}: only dense tensors transfer; call .to_dense() first")
+    dtype_name(t.dtype, path)
+    # empty + copy_ rather than .to("cpu", copy=True): one copy, always contiguous, never a view of the source.
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.copy_(t.detach())
+    return out

@@ -1,0 +1,159 @@
+"""A failure-injection harness: a real lighthouse and real replica-group processes on loopback.
+
+Every process is started in its own session and ended by process-group id in ``Job.close()`` (SIGCONT before
+SIGKILL, so stopped ones die too). Waits are for events (a line, a JSONL record, an exit) with deadlines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "train_plain.py"
+LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+)) store")
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Group:
+    replica_id: str
+    proc: subprocess.Popen[bytes]
+    jsonl: Path
+    log: Path
+    nproc: int = 1
+
+    def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
+        if not self.jsonl.exists():
+            return []
+        rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+        return [r for r in rows if (event is None or r["event"] == event) and (rank is None or r["rank"] == rank)]
+
+    def last_step(self) -> int:
+        commits = self.records()
+        return commits[-1]["step"] if commits else 0
+
+
+@dataclass
+class Job:
+    """One training job: the lighthouse plus replica groups, all ended by ``close()``."""
+
+    workdir: Path
+    min_replicas: int = 2
+    heartbeat_timeout_ms: int = 1_000
+    join_timeout_ms: int = 2_000
+    collective_timeout_ms: int = 20_000
+    lighthouse_url: str = ""
+    lighthouse: subprocess.Popen[bytes] | None = None
+    groups: dict[str, Group] = field(default_factory=dict)
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _port: int = 0
+
+    def start_lighthouse(self) -> str:
+        """Start (or restart, on the same port) the lighthouse; returns its URL once it listens."""
+        out = self.workdir / f"lighthouse-{len(self._procs)}.out"
+        cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--host", "127.0.0.1",
+               "--port", str(self._port), "--min-replicas", str(self.min_replicas),
+               "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
+        self.lighthouse = self._spawn(cmd, out)
+        match = wait_for(lambda: LISTENING.search(out.read_text()), 30, "the lighthouse's listening line")
+        self.lighthouse_url, self._port = match.group(1), int(match.group(2))
+        return self.lighthouse_url
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.lighthouse_url}/status", timeout=5) as response:
+            return json.loads(response.read())
+
+    def start_group(self, replica_id: str, steps: int, *, fault: str | None = None, nproc: int = 1,
+                    step_time_ms: int = 20, extra: tuple[str, ...] = ()) -> Group:
+        jsonl = self.workdir / f"{replica_id}.jsonl"
+        log = self.workdir / f"{replica_id}-{len(self._procs)}.log"
+        args = [str(EXAMPLE), "--replica-id", replica_id, "--lighthouse", self.lighthouse_url, "--steps", str(steps),
+                "--log-jsonl", str(jsonl), "--step-time-ms", str(step_time_ms),
+                "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms),
+                "--collective-timeout-ms", str(self.collective_timeout_ms),
+                "--quorum-timeout-ms", str(self.collective_timeout_ms + 10_000),
+                "--connect-timeout-ms", str(self.collective_timeout_ms + 20_000), *extra]
+        if fault:
+            args += ["--fault", fault]
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                   "--standalone", "--max-restarts", "0", *args]
+        else:
+            cmd = [sys.executable, *args]
+        group = Group(replica_id, self._spawn(cmd, log), jsonl, log, nproc)
+        self.groups[replica_id] = group
+        return group
+
+    def wait_exit(self, group: Group, timeout_s: float) -> int:
+        try:
+            return group.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"group {group.replica_id} did not exit within {timeout_s} s; log tail:\n"
+                                 f"{group.log.read_text()[-3000:]}") from None
+
+    def kill_lighthouse(self) -> None:
+        assert self.lighthouse is not None
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+    def _spawn(self, cmd: list[str], out: Path) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with out.open("wb") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                    env=env)
+        self._procs.append(proc)
+        return proc
+
+
+def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
+    """At every step two groups both committed, their parameters are bit-identical; returns the common steps."""
+    by_group = [{r["step"]: r["params_sha256"] for r in g.records(rank=rank)} for g in groups]
+    common = set.intersection(*(set(d) for d in by_group))
+    for step in sorted(common):
+        digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True)}
+        assert len(set(digests.values())) == 1, f"parameters differ at step {step}: {digests}"
+    return common
+
+
+def assert_no_step_lost(group: Group, final_step: int, rank: int = 0) -> None:
+    """Committed steps are exactly 1..final_step with none repeated (catch-up may jump ahead: see start)."""
+    steps = [r["step"] for r in group.records(rank=rank)]
+    assert steps == sorted(set(steps)), f"{group.replica_id} committed a step twice: {steps}"
+    assert steps and steps[-1] == final_step, f"{group.replica_id} ended at {steps[-1:]} not {final_step}"
+    first = steps[0]
+    assert steps == list(range(first, final_step + 1)), f"{group.replica_id} skipped steps: {steps}"

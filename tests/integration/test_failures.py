@@ -1,0 +1,79 @@
+"""The fault-tolerant core under real failures: SIGKILL, SIGSTOP, a lighthouse restart, a dead shard rank."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lightning_fthsdp.testing.harness import Job, assert_consistent, assert_no_step_lost, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+STEPS = 16
+KILL_STEP = 5
+
+
+@pytest.mark.parametrize("phase", ["before", "allreduce"])
+def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
+    """Group c SIGKILLs itself at step 5, before or inside the cross-group allreduce: a and b finish, identical,
+    no committed step lost, at most one step discarded."""
+    job.start_lighthouse()
+    a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
+    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}:phase={phase}")
+    assert job.wait_exit(c, 120) == -9
+    assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
+    assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
+    common = assert_consistent(a, b)
+    assert set(range(KILL_STEP + 1, STEPS + 1)) <= common
+    for group in (a, b):
+        assert_no_step_lost(group, STEPS)
+        assert len(group.records("discard")) <= 1, group.records("discard")
+    # c's gradients were in every step before it died; afterwards only a's and b's.
+    assert {r["participants"] for r in a.records() if r["step"] > KILL_STEP + 1} == {2}
+
+
+def test_sigstop_stall_is_about_the_heartbeat_timeout(job: Job) -> None:
+    """Group c stops itself (a hang): the lighthouse expires its heartbeat and pushes the new membership, so
+    the survivors' stall is about the heartbeat timeout (1 s), far below the collective timeout (20 s)."""
+    job.start_lighthouse()
+    a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
+    job.start_group("c", STEPS, fault=f"sigstop:step={KILL_STEP}")
+    assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
+    assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
+    assert_consistent(a, b)
+    assert_no_step_lost(a, STEPS)
+    times = [r["t"] for r in a.records()]
+    stall = max(later - earlier for earlier, later in itertools.pairwise(times))
+    heartbeat_s, collective_s = job.heartbeat_timeout_ms / 1000, job.collective_timeout_ms / 1000
+    assert heartbeat_s * 0.5 < stall < heartbeat_s + 2.5 < collective_s, f"stall {stall:.2f} s"
+
+
+def test_lighthouse_restart_does_not_stop_training(job: Job) -> None:
+    job.start_lighthouse()
+    a, b = job.start_group("a", 60, step_time_ms=40), job.start_group("b", 60, step_time_ms=40)
+    wait_for(lambda: a.last_step() >= 10, 60, "a to commit 10 steps")
+    job.kill_lighthouse()
+    away_from = a.last_step()
+    wait_for(lambda: a.last_step() >= away_from + 5, 30, "a to keep committing while the lighthouse is away")
+    job.start_lighthouse()
+    wait_for(lambda: set(job.status()["members"]) == {"a", "b"}, 30, "the restarted lighthouse to rebuild the quorum")
+    assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
+    assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
+    assert len(assert_consistent(a, b)) >= 50
+    assert_no_step_lost(a, 60)
+    assert not a.records("discard") and not b.records("discard")
+
+
+def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
+    """2 groups x 2 ranks (FSDP2 inside each group, torchrun): rank 1 of b dies; b exits whole; a continues."""
+    job.min_replicas = 1
+    job.start_lighthouse()
+    a = job.start_group("a", STEPS, nproc=2)
+    b = job.start_group("b", STEPS, nproc=2, fault=f"sigkill:step={KILL_STEP}:rank=1")
+    assert job.wait_exit(b, 180) != 0
+    assert job.wait_exit(a, 180) == 0, a.log.read_text()[-4000:]
+    for rank in (0, 1):
+        assert_no_step_lost(a, STEPS, rank=rank)
+        assert_consistent(a, b, rank=rank)
+    assert b.last_step() <= KILL_STEP
