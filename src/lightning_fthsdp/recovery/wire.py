@@ -82,7 +82,8 @@ def map_tensors(tree: object, leaf: Callable[[torch.Tensor, str], object], path:
             if not isinstance(key, str):
                 raise TypeError(f"state tree key {key!r} at {path or '<root>'!r} is a {type(key).__name__}: use str")
             if key == TENSOR_KEY:
-                raise ValueError(f"state tree key {TENSOR_KEY!r} at {path or '<root>'!r} is reserved by the wire format")
+                where = path or "<root>"
+                raise ValueError(f"state tree key {TENSOR_KEY!r} at {where!r} is reserved by the wire format")
             out[key] = map_tensors(value, leaf, f"{path}.{key}" if path else key)
         return out
     if isinstance(tree, (list, tuple)):
@@ -137,7 +138,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def chunk_digests(views: list[memoryview], chunk_bytes: int, workers: int, stop: threading.Event) -> list[list[str]] | None:
+def chunk_digests(
+    views: list[memoryview], chunk_bytes: int, workers: int, stop: threading.Event
+) -> list[list[str]] | None:
     """SHA-256 hex digests of every ``chunk_bytes`` slice of every view, on ``workers`` threads; None if ``stop``.
 
     hashlib releases the GIL on large buffers, so the threads hash in parallel and the caller's other threads keep

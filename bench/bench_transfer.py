@@ -1,0 +1,144 @@
+"""State-transfer bandwidth: ``fetch_state`` from a StateServer in another process, against raw loopback TCP.
+
+For each size, a spawned server process builds a state tree of 16 float32 tensors, publishes it on a StateServer
+and also serves the same bytes on a plain TCP socket. The parent then measures, between the same two processes:
+
+- cold: the first fetch, started the moment ``publish`` returned (it waits for the server's digests, as a
+  recovering group does when it joins at the step the source just published);
+- fetch: the best of ``--repeat`` further fetches (digests ready), each checked against the server's checksum;
+- loopback: the best of ``--repeat`` raw copies of the same number of bytes into a preallocated buffer, fresh
+  each time like the fetch's tensors (``ratio``), and into one reused, already faulted buffer (``warm_ratio``:
+  the bare wire, an upper bound no receiver that allocates its result can reach).
+
+The ratio fetch / loopback is what the protocol costs over the wire itself: HTTP framing, the manifest and, mostly,
+SHA-256 of every byte (sent hashed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
+
+Usage: ``python bench/bench_transfer.py [--mib 64 512] [--repeat 3]``; writes ``bench/results/transfer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from lightning_fthsdp.recovery.client import VERIFY_WORKERS, fetch_state
+from lightning_fthsdp.recovery.server import DIGEST_WORKERS, StateServer
+from lightning_fthsdp.recovery.wire import byte_view
+
+RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
+TENSORS = 16
+TOKEN = "bench-token"
+STEP = 1
+TIMEOUT_S = 120.0
+
+
+def serve(mib: int, pipe: Connection) -> None:
+    """Server process: publish the tree, serve the same bytes on a raw socket, exit when the parent says so."""
+    numel = (mib << 20) // 4 // TENSORS
+    tree = {"model": {f"layer{i}": torch.rand(numel) for i in range(TENSORS)}, "step": STEP}
+    views = [byte_view(t) for t in tree["model"].values()]
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def loopback() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # listener closed: the bench is over
+            with conn:
+                for view in views:
+                    conn.sendall(view)
+
+    threading.Thread(target=loopback, daemon=True).start()
+    checksum = sum(float(t.double().sum()) for t in tree["model"].values())
+    server = StateServer(token=TOKEN)
+    server.publish(STEP, tree)  # returns before the digests are ready: the cold fetch below waits for them
+    pipe.send((server.address, listener.getsockname()[1], checksum))
+    if not pipe.poll(600):
+        print("bench server: the parent never said stop; exiting")
+    server.close()
+    listener.close()
+
+
+def fetch_once(address: str, checksum: float) -> float:
+    start = time.perf_counter()
+    tree = fetch_state(address, STEP, token=TOKEN, timeout_s=TIMEOUT_S)
+    elapsed = time.perf_counter() - start
+    got = sum(float(t.double().sum()) for t in tree["model"].values())  # type: ignore[union-attr]
+    if got != checksum:
+        raise SystemExit(f"fetched state differs from the served one: checksum {got} != {checksum}")
+    return elapsed
+
+
+def loopback_once(port: int, nbytes: int, buffer: memoryview | None = None) -> float:
+    # By default a fresh buffer, allocated before the clock starts as fetch_state allocates its tensors: both pay the
+    # same first-touch page faults while receiving. A reused (already faulted) buffer gives the wire's upper bound.
+    buffer = byte_view(torch.empty(nbytes, dtype=torch.uint8)) if buffer is None else buffer
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as conn:
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(buffer[got:])
+            if n == 0:
+                raise SystemExit(f"loopback copy ended after {got} of {nbytes} bytes")
+            got += n
+    return time.perf_counter() - start
+
+
+def measure(mib: int, repeat: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=serve, args=(mib, child_end), daemon=True)
+    proc.start()
+    try:
+        if not parent_end.poll(TIMEOUT_S):
+            raise SystemExit(f"bench server for {mib} MiB did not start within {TIMEOUT_S} s")
+        address, port, checksum = parent_end.recv()
+        nbytes = (mib << 20) // 4 // TENSORS * 4 * TENSORS
+        cold = fetch_once(address, checksum)
+        fetch = min(fetch_once(address, checksum) for _ in range(repeat))
+        loop = min(loopback_once(port, nbytes) for _ in range(repeat))
+        warm_buffer = byte_view(torch.empty(nbytes, dtype=torch.uint8))
+        warm = min(loopback_once(port, nbytes, warm_buffer) for _ in range(repeat + 1))  # the first run faults it
+        parent_end.send("stop")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    return {"mib": mib, "bytes": nbytes, "cold_s": cold, "fetch_s": fetch, "fetch_GBps": nbytes / fetch / 1e9,
+            "loopback_s": loop, "loopback_GBps": nbytes / loop / 1e9, "ratio": loop / fetch,
+            "warm_loopback_GBps": nbytes / warm / 1e9, "warm_ratio": warm / fetch}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="state sizes in MiB")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best is kept)")
+    args = parser.parse_args()
+    rows = [measure(mib, args.repeat) for mib in args.mib]
+    print(f"{'size':>8} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} {'ratio':>5} "
+          f"{'warm_loopback_GBps':>18} {'warm_ratio':>10}")
+    for row in rows:
+        print(f"{row['mib']:>4} MiB {row['cold_s']:>7.3f} {row['fetch_s']:>7.3f} {row['fetch_GBps']:>10.2f} "
+              f"{row['loopback_GBps']:>13.2f} {row['ratio']:>5.2f} {row['warm_loopback_GBps']:>18.2f} "
+              f"{row['warm_ratio']:>10.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "tensors": TENSORS, "verify_workers": VERIFY_WORKERS, "digest_workers": DIGEST_WORKERS, "rows": rows,
+    }, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Serves this rank's latest CPU snapshot to recovering peers over HTTP (``GET /v1/state?step=N``).
+
+One snapshot is held at a time. ``publish`` returns at once: the chunk digests the manifest needs are computed on
+background threads (hashlib releases the GIL), so the training step that follows never waits for them; requests
+for that step wait until they are ready. Bytes are streamed from the snapshot tensors' own memory, chunk by chunk:
+no serialised copy of the payload ever exists.
+
+Answers: 200 and the stream (see :mod:`~lightning_fthsdp.recovery.wire`) when the held snapshot is for step N; 401
+without the right bearer token; 410 when a newer step is held (the caller should try the next step); 404 after
+``wait_ms`` (default 0, at most 60000) when no snapshot of step N was published meanwhile, naming the step held;
+400 for a bad query; 503 once closing. A transfer in flight when its snapshot is replaced or withdrawn is cut off
+(the client sees a truncated payload): a late state is useless to the recovering group, and keeping it would hold
+two snapshots in memory.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import torch
+
+from lightning_fthsdp.core.log import RECOVERY
+from lightning_fthsdp.recovery import wire
+
+log = logging.getLogger(RECOVERY)
+
+MAX_WAIT_MS = 60_000
+POLL_S = 0.1
+"""How often a held request checks whether its client has gone (so an abandoned wait frees its thread)."""
+SEND_TIMEOUT_S = 60.0
+"""A client that accepts no bytes for this long is dropped, releasing its snapshot."""
+DIGEST_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
+"""Threads hashing a new snapshot: enough to outpace the network, leaving cores for training."""
+
+
+@dataclass(eq=False)
+class _Held:
+    """One published snapshot; ``manifest`` is set once its digests are ready."""
+
+    step: int
+    skeleton: object
+    tensors: list[torch.Tensor]
+    views: list[memoryview]
+    retired: threading.Event = field(default_factory=threading.Event)
+    manifest: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(view) for view in self.views)
+
+
+class StateServer:
+    """Serves this rank's latest snapshot over HTTP on ``host``, port 0 (ThreadingHTTPServer, daemon threads).
+
+    ``token``: when set, every request needs ``Authorization: Bearer <token>``. ``chunk_bytes``: the unit of digests
+    and of sending (the client verifies, and an abort or a replacement takes effect, at chunk boundaries). Thread
+    safe: ``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", token: str | None = None, chunk_bytes: int = 8 << 20) -> None:
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            raise ValueError(f"StateServer needs chunk_bytes to be a positive integer, got {chunk_bytes!r}")
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._chunk_bytes = chunk_bytes
+        self._cond = threading.Condition()
+        self._held: _Held | None = None
+        self._closed = False
+        self._httpd = ThreadingHTTPServer((host, 0), _Handler)
+        self._httpd.daemon_threads = True
+        self._httpd.owner = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": POLL_S},
+                                        name="fthsdp-state-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``http://HOST:PORT`` of the bound socket."""
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def publish(self, step: int, tree: wire.StateTree) -> None:
+        """Serve ``tree`` as the state of ``step`` from now on, replacing (and cutting off transfers of) any other.
+
+        ``tree`` must be a :func:`~lightning_fthsdp.recovery.snapshot.snapshot`: the server owns it from now on
+        and reads it while streaming, so the caller must not mutate it. Returns without waiting for the digests;
+        requests for ``step`` are answered once they are ready. Raises ValueError for a negative step or a tree
+        that is not a snapshot, TypeError/ValueError (naming the path) for what the wire cannot carry, RuntimeError
+        after ``close``.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"StateServer.publish needs a step >= 0, got {step!r}")
+        skeleton, tensors = wire.split_tree(tree)
+        held = _Held(step, skeleton, tensors, [wire.byte_view(t) for t in tensors])
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("StateServer.publish after close(): create a new StateServer")
+            self._replace(held)
+        threading.Thread(target=self._digest, args=(held,), name=f"fthsdp-state-digest-{step}", daemon=True).start()
+        log.info("state server %s: published step %d (%d tensors, %d bytes)", self.address, step, len(tensors),
+                 held.nbytes)
+
+    def withdraw(self) -> None:
+        """Drop the held snapshot so its memory can be freed; transfers in flight are cut off at the next chunk."""
+        with self._cond:
+            self._replace(None)
+
+    def close(self) -> None:
+        """Stop serving: waiting requests get 503, transfers are cut off, the port is released. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._replace(None)
+        self._httpd.shutdown()  # returns within POLL_S: serve_forever polls for it
+        self._httpd.server_close()
+        self._thread.join(timeout=10 * POLL_S)
+
+    def _replace(self, held: _Held | None) -> None:
+        """Make ``held`` current; the caller holds ``_cond``."""
+        if self._held is not None:
+            self._held.retired.set()
+        self._held = held
+        self._cond.notify_all()
+
+    def _digest(self, held: _Held) -> None:
+        digests = wire.chunk_digests(held.views, self._chunk_bytes, DIGEST_WORKERS, held.retired)
+        if digests is None:
+            return  # replaced or withdrawn meanwhile
+        manifest = wire.build_manifest(held.step, held.skeleton, held.tensors, digests, self._chunk_bytes)
+        with self._cond:
+            held.manifest = manifest
+            self._cond.notify_all()
+
+    def _authorized(self, header: str | None) -> bool:
+        if self._expected is None:
+            return True
+        # compare_digest: the time taken must not reveal how much of a guessed token was right.
+        return hmac.compare_digest((header or "").encode("utf-8", "surrogateescape"), self._expected)
+
+    def _await(self, step: int, wait_ms: int, conn: socket.socket) -> tuple[int, _Held | str | None]:
+        """(200, snapshot) once step ``step`` is servable, else (status, message); (0, None) if the client left."""
+        deadline = time.monotonic() + wait_ms / 1000
+        with self._cond:
+            while True:
+                held = self._held
+                if self._closed:
+                    return 503, "the state server is closing"
+                if held is not None and held.step > step:
+                    return 410, f"step {step} is gone: this server now holds step {held.step}; fetch a later step"
+                if held is not None and held.step == step and held.manifest is not None:
+                    return 200, held
+                # Digests of the requested step in progress: that wait ends by itself (bounded work, or a replace).
+                hashing = held is not None and held.step == step
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and not hashing:
+                    holds = f"step {held.step}" if held is not None else "no snapshot"
+                    return 404, f"no snapshot for step {step} after waiting {wait_ms} ms: this server holds {holds}"
+                self._cond.wait(POLL_S if hashing else min(POLL_S, remaining))
+                if _client_gone(conn):
+                    return 0, None
+
+
+def _client_gone(conn: socket.socket) -> bool:
+    """True if the client closed its end (it sends nothing after its request, so readable means EOF or error)."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = SEND_TIMEOUT_S
+    server: ThreadingHTTPServer
+
+    def do_GET(self) -> None:
+        owner: StateServer = self.server.owner  # type: ignore[attr-defined]
+        self.close_connection = True  # one transfer per connection keeps the framing trivial
+        parts = urlsplit(self.path)
+        if parts.path != "/v1/state":
+            return self._error(404, f"unknown path {parts.path!r}: use /v1/state?step=N")
+        if not owner._authorized(self.headers.get("Authorization")):
+            return self._error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+        query = parse_qs(parts.query)
+        try:
+            step = int(query["step"][0])
+            wait_ms = min(max(int(query.get("wait_ms", ["0"])[0]), 0), MAX_WAIT_MS)
+            if step < 0:
+                raise ValueError
+        except (KeyError, ValueError):
+            return self._error(400, f"bad query {parts.query!r}: send step=N (N >= 0) and optionally wait_ms=M")
+        status, result = owner._await(step, wait_ms, self.connection)
+        if isinstance(result, _Held):
+            self._stream(result, owner._chunk_bytes)
+        elif isinstance(result, str):
+            self._error(status, result)
+
+    def _stream(self, held: _Held, chunk_bytes: int) -> None:
+        assert held.manifest is not None
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(wire.LENGTH.size + len(held.manifest) + held.nbytes))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self.wfile.write(wire.LENGTH.pack(len(held.manifest)) + held.manifest)
+            for i, view in enumerate(held.views):
+                for j in range(math.ceil(len(view) / chunk_bytes)):
+                    if held.retired.is_set():
+                        log.info("state server: cut off the transfer of step %d at tensor %d chunk %d (replaced or "
+                                 "withdrawn)", held.step, i, j)
+                        return
+                    # Straight from the snapshot tensor's memory: the socket writer sends the slice without a copy.
+                    self.wfile.write(view[j * chunk_bytes : (j + 1) * chunk_bytes])
+        except OSError as e:  # the client aborted, timed out or died: its problem, not the server's
+            log.info("state server: transfer of step %d to %s ended early: %s", held.step, self.client_address, e)
+
+    def _error(self, status: int, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        try:
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError as e:  # the client left while waiting for its answer
+            log.debug("state server: could not answer %d to %s: %s", status, self.client_address, e)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("state server: %s %s", self.address_string(), format % args)
