@@ -88,7 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     add_timeout_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.timeouts = timeouts_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             fault.fire_if(manager.step, "allreduce", manager.rank)
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
-                        device=device, timeouts=timeouts_from_args(args), on_collective_started=in_flight)
+                        device=device, timeouts=args.timeouts, on_collective_started=in_flight)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     manager.register_state("model", lambda: module_state(model), lambda tree: load_module_state(model, tree))
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),

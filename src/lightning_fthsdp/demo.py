@@ -18,8 +18,8 @@ from pathlib import Path
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("demo", help="run the local fault-injection demo (3 groups, one killed)",
                                    description=__doc__)
-    parser.add_argument("--steps", type=int, default=120, help="committed steps every group trains")
-    parser.add_argument("--kill-at", type=int, default=40, help="SIGKILL group b once it committed this step")
+    parser.add_argument("--steps", type=int, default=300, help="committed steps every group trains")
+    parser.add_argument("--kill-at", type=int, default=60, help="SIGKILL group b once it committed this step")
     parser.add_argument("--restart-after-s", type=float, default=2.0, help="restart b this long after the kill")
     parser.add_argument("--step-time-ms", type=int, default=40, help="pace of each step")
     parser.add_argument("--out", type=Path, default=None, help="keep logs and JSONL here (default: a temp dir)")

@@ -414,9 +414,12 @@ class Lighthouse:
             return
         quorum = decide(self.rules, self._previous, self._pending, frozenset(self._alive), time.monotonic())
         if quorum is not None:
+            changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
-            log.info("quorum %d: members %s step %d%s", quorum.quorum_id, ",".join(quorum.member_ids),
-                     quorum.max_step, f" recover {dict(quorum.recover_src)}" if quorum.recover_src else "")
+            # A new membership is news; the same quorum answered again each step is not.
+            log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
+                    ",".join(quorum.member_ids), quorum.max_step,
+                    f" recover {dict(quorum.recover_src)}" if quorum.recover_src else "")
             body = json.dumps({**quorum.to_json(), "store": self.store_address}, separators=(",", ":")).encode()
             # One encoding shared by every member; compressed once when large (O(members^2) bytes otherwise).
             answer = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > 16384 else None)

@@ -93,6 +93,7 @@ class Job:
         args = [str(EXAMPLE), "--replica-id", replica_id, "--lighthouse", self.lighthouse_url, "--steps", str(steps),
                 "--log-jsonl", str(jsonl), "--step-time-ms", str(step_time_ms),
                 "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms),
+                "--join-timeout-ms", str(self.join_timeout_ms),
                 "--collective-timeout-ms", str(self.collective_timeout_ms),
                 "--quorum-timeout-ms", str(self.collective_timeout_ms + 10_000),
                 "--connect-timeout-ms", str(self.collective_timeout_ms + 20_000), *extra]
