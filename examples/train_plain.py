@@ -19,7 +19,10 @@ data stream where its last committed batch ended.
 After each committed step every rank appends one JSON line to ``--log-jsonl``::
 
     {"t", "event": "commit", "replica_id", "rank", "step", "quorum_id", "participants", "params_sha256",
-     "batch", "loss"}
+     "optim_sha256", "batch", "contributions", "loss"}
+
+``contributions`` maps each group whose gradients went into the step to the index of its batch, so anyone can
+check that every group's stream was trained exactly once.
 
 and ``"event": "discard"`` lines for steps whose commit vote failed.
 """
@@ -34,6 +37,7 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -71,9 +75,18 @@ def make_batch(replica_id: str, index: int, rank: int) -> tuple[torch.Tensor, to
 
 
 def params_sha256(model: nn.Module) -> str:
+    return tensors_sha256(local(p) for p in model.parameters())
+
+
+def optim_sha256(optimizer: torch.optim.Optimizer) -> str:
+    return tensors_sha256(local(v) for s in optimizer.state.values() for _, v in sorted(s.items())
+                          if isinstance(v, torch.Tensor))
+
+
+def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(local(p).detach().contiguous().cpu().numpy().tobytes())
+    for t in tensors:
+        digest.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -87,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-time-ms", type=int, default=0, help="pad each step to at least this long (pacing)")
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
+    parser.add_argument("--ballast-mib", type=int, default=0,
+                        help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
     add_timeout_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -120,16 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     fault: Fault | None = args.fault
     manager: FTManager
 
-    def in_flight() -> None:
+    def on_phase(phase: str) -> None:
         if fault is not None:
-            fault.fire_if(manager.step, "allreduce", manager.rank)
+            fault.fire_if(manager.step, phase, manager.rank)
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
-                        device=device, timeouts=args.timeouts, on_collective_started=in_flight)
+                        device=device, timeouts=args.timeouts, on_phase=on_phase)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     manager.register_state("model", lambda: module_state(model), lambda tree: load_module_state(model, tree))
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
+    if args.ballast_mib:
+        ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
+        manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
     log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
     try:
         while manager.step < args.steps:
@@ -156,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                     "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
                     "participants": len(manager.participants),
                     "params_sha256": params_sha256(model),
+                    "optim_sha256": optim_sha256(optimizer),
                     "batch": batch_index,
+                    "contributions": manager.contributions if committed else {},
                     "loss": float(loss.detach()),
                 }
                 log_file.write(json.dumps(record) + "\n")

@@ -6,6 +6,8 @@ Grammar (one fault; ``--fault`` in the examples)::
     SIGNAL  sigkill | sigstop
     PHASE   before   (default) just before this rank enters the cross-group exchange of step N
             allreduce          while this rank's cross-group allreduce of step N is in flight
+            serve              as this rank starts streaming its state to a recovering group (any step >= N)
+            fetch              as this rank, recovering, starts fetching state (any step >= N)
     rank    only this shard rank of the group fires (default 0)
 
 A process that stops itself (SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.
@@ -18,7 +20,9 @@ import signal
 from dataclasses import dataclass
 
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
-PHASES = ("before", "allreduce")
+PHASES = ("before", "allreduce", "serve", "fetch")
+# Catch-up happens at a step nobody can predict: these phases fire at the first occurrence from step N on.
+_FROM_STEP_ON = ("serve", "fetch")
 
 
 @dataclass(frozen=True)
@@ -53,5 +57,6 @@ class Fault:
 
     def fire_if(self, step: int, phase: str, rank: int) -> None:
         """Send the signal to this very process when step, phase and rank match."""
-        if step == self.step and phase == self.phase and rank == self.rank:
+        reached = step >= self.step if phase in _FROM_STEP_ON else step == self.step
+        if reached and phase == self.phase and rank == self.rank:
             os.kill(os.getpid(), _SIGNALS[self.signal_name])

@@ -26,8 +26,15 @@ StateLoader = Callable[[StateTree], None]
 class CatchUp:
     """Registered state plus this rank's state server and at most one fetch in flight."""
 
-    def __init__(self, token: str | None, host: str, log: logging.LoggerAdapter) -> None:  # type: ignore[type-arg]
-        self._server = StateServer(host, token)
+    def __init__(
+        self,
+        token: str | None,
+        host: str,
+        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        on_phase: Callable[[str], None] | None = None,
+    ) -> None:
+        self._on_phase = on_phase
+        self._server = StateServer(host, token, on_stream_started=on_phase and (lambda: on_phase("serve")))
         self._token = token
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
@@ -92,6 +99,8 @@ class CatchUp:
         abort = threading.Event()
         future = self._executor.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
         self._fetch = (step, future, abort)
+        if self._on_phase is not None:
+            self._on_phase("fetch")
 
     def finish_fetch(self, timeout_s: float) -> StateTree | None:
         """The fetched tree, or None (failed, or not done in time: the group stays behind and retries)."""

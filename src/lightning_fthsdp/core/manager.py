@@ -55,7 +55,9 @@ class FTManager:
         device: where gradients live; cross-group buffers are allocated there.
         timeouts: the validated timeout hierarchy.
         state_host: the address this rank serves catch-up snapshots on (reachable by the other groups).
-        on_collective_started: failure-injection point, called while a cross-group collective is in flight.
+        on_phase: failure-injection point (see lightning_fthsdp.faults), called with ``"allreduce"`` while a
+            cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
+            rank, ``"fetch"`` when this rank starts fetching one.
     """
 
     def __init__(
@@ -69,7 +71,7 @@ class FTManager:
         device: torch.device | str = "cpu",
         timeouts: Timeouts | None = None,
         state_host: str = "127.0.0.1",
-        on_collective_started: Callable[[], None] | None = None,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self.replica_id = check_replica_id(
             resolve(replica_id, ENV_REPLICA_ID, "FTManager replica_id", "a stable name per replica group, e.g. 'a'")
@@ -91,18 +93,17 @@ class FTManager:
         self._step_ok = self._exchange_ok = False
         self._commit_failed = False
         self._participants: tuple[str, ...] = ()
-        self._recovering_from: str | None = None
+        self._contributions: dict[str, int] = {}
         self._fetched: StateTree | None = None
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
-                                    on_collective_started=on_collective_started)
+                                    on_collective_started=on_phase and (lambda: on_phase("allreduce")))
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
                                     step=lambda: self.step, on_dead=self._on_dead)
         self._heartbeat.start()
-        self._catchup = CatchUp(token, state_host, log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank,
-                                                                     lambda: self.step))
+        self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         # Loaded by _load (it also sets the step), so the registered loader has nothing left to do.
         self._catchup.register(_OWN_STATE, self._own_state, lambda tree: None)
@@ -125,6 +126,11 @@ class FTManager:
     def participants(self) -> tuple[str, ...]:
         """Groups whose real gradients went into the current (or last) step."""
         return self._participants
+
+    @property
+    def contributions(self) -> dict[str, int]:
+        """The last committed step's data: participant -> index of its batch that went into the step."""
+        return dict(self._contributions)
 
     @property
     def next_batch_index(self) -> int:
@@ -196,6 +202,7 @@ class FTManager:
         if ok:
             self.step += 1
             self.committed_steps += 1
+            self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
             for replica_id in self._participants:
                 self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + 1
             self._commit_failed = False

@@ -24,6 +24,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -64,15 +65,24 @@ class StateServer:
     """Serves this rank's latest snapshot over HTTP on ``host``, port 0 (ThreadingHTTPServer, daemon threads).
 
     ``token``: when set, every request needs ``Authorization: Bearer <token>``. ``chunk_bytes``: the unit of digests
-    and of sending (the client verifies, and an abort or a replacement takes effect, at chunk boundaries). Thread
-    safe: ``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
+    and of sending (the client verifies, and an abort or a replacement takes effect, at chunk boundaries).
+    ``on_stream_started``: called on the serving thread as a transfer begins (failure injection). Thread safe:
+    ``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
     """
 
-    def __init__(self, host: str = "127.0.0.1", token: str | None = None, chunk_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        token: str | None = None,
+        chunk_bytes: int = 8 << 20,
+        on_stream_started: Callable[[], None] | None = None,
+    ) -> None:
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise ValueError(f"StateServer needs chunk_bytes to be a positive integer, got {chunk_bytes!r}")
         self._expected = f"Bearer {token}".encode() if token else None
         self._chunk_bytes = chunk_bytes
+        # Failure-injection point (lightning_fthsdp.faults): runs when a transfer starts streaming.
+        self.on_stream_started = on_stream_started
         self._cond = threading.Condition()
         self._held: _Held | None = None
         self._closed = False
@@ -203,6 +213,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"bad query {parts.query!r}: send step=N (N >= 0) and optionally wait_ms=M")
         status, result = owner._await(step, wait_ms, self.connection)
         if isinstance(result, _Held):
+            if owner.on_stream_started is not None:
+                owner.on_stream_started()
             self._stream(result, owner._chunk_bytes)
         elif isinstance(result, str):
             self._error(status, result)

@@ -1,0 +1,117 @@
+"""Non-blocking catch-up with real processes: a restarted group rejoins bit-identical, data exactly once,
+and failures during the transfer (source dies, recovering group dies) leave the invariants intact."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+# Long enough that the healthy groups are still training when a restarted process (about 2 s to import torch and
+# start) comes back, even on a loaded 2-core machine.
+STEPS = 200
+KILL_STEP = 6
+
+
+def contributions_by_step(*groups: Group) -> dict[int, dict[str, int]]:
+    """Every committed step's contributions (participant -> batch index), merged over the groups' logs; groups
+    that committed the same step must agree on what went into it."""
+    steps: dict[int, dict[str, int]] = {}
+    for group in groups:
+        for record in group.records():
+            known = steps.setdefault(record["step"], record["contributions"])
+            assert known == record["contributions"], f"step {record['step']}: {known} != {record['contributions']}"
+    return steps
+
+
+def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
+    """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
+    and no gap. Returns each group's stream in step order."""
+    steps = contributions_by_step(*groups)
+    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
+    streams: dict[str, list[int]] = defaultdict(list)
+    for step in sorted(steps):
+        for replica_id, index in steps[step].items():
+            streams[replica_id].append(index)
+    for replica_id, indices in streams.items():
+        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
+    return streams
+
+
+def kill_and_wait_degraded(job: Job, victim: str, observer: Group) -> None:
+    assert job.wait_exit(job.groups[victim], 60) == -9
+    wait_for(lambda: observer.records()[-1]["participants"] == 2 and observer.last_step() >= KILL_STEP + 3, 60,
+             f"{observer.replica_id} to train on without {victim}")
+
+
+def restart(job: Job, replica_id: str, fault: str | None = None) -> Group:
+    return job.start_group(replica_id, STEPS, fault=fault)
+
+
+def after_restart(group: Group, since_step: int) -> list[dict]:
+    return [r for r in group.records() if r["step"] > since_step]
+
+
+def test_restarted_group_catches_up_bit_identical_and_data_is_trained_once(job: Job) -> None:
+    job.start_lighthouse()
+    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
+    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
+    kill_and_wait_degraded(job, "b", a)
+    died_at = max(r["step"] for r in job.groups["b"].records())
+    b = restart(job, "b")
+    for group in (a, b, c):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    rejoined = after_restart(b, died_at)
+    first = rejoined[0]["step"]
+    assert first > KILL_STEP + 3, "b can only rejoin at the step the others have reached"
+    assert [r["step"] for r in rejoined] == list(range(first, STEPS + 1)), "b skipped or repeated a step"
+    common = assert_consistent(a, b, c)
+    assert set(range(first, STEPS + 1)) <= common
+    assert len({g.records()[-1]["optim_sha256"] for g in (a, b, c)}) == 1, "optimizer states differ at the end"
+    # b contributed real gradients from the step after it caught up.
+    assert {r["participants"] for r in a.records() if r["step"] > first + 1} == {3}
+    b_stream = assert_exactly_once(a, b, c)["b"]
+    # After catching up, b trains its own stream from where its last committed batch ended.
+    trained = [r["batch"] for r in rejoined if "b" in r["contributions"]]
+    assert trained and trained == b_stream[len(b_stream) - len(trained):]
+
+
+def test_source_killed_mid_transfer_recovering_group_gets_another(job: Job) -> None:
+    """b recovers from a (the first up-to-date member); a dies as it starts streaming: b recovers from c."""
+    job.start_lighthouse()
+    a = job.start_group("a", STEPS, fault=f"sigkill:step={KILL_STEP + 2}:phase=serve")
+    c = job.start_group("c", STEPS)
+    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
+    kill_and_wait_degraded(job, "b", c)
+    died_at = max(r["step"] for r in job.groups["b"].records())
+    b = restart(job, "b")
+    assert job.wait_exit(a, 120) == -9, "the source should have died serving"
+    for group in (b, c):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    rejoined = after_restart(b, died_at)
+    assert rejoined and rejoined[-1]["step"] == STEPS
+    assert set(range(rejoined[0]["step"], STEPS + 1)) <= assert_consistent(b, c)
+    assert b.records()[-1]["optim_sha256"] == c.records()[-1]["optim_sha256"]
+    assert_exactly_once(a, b, c)
+
+
+def test_recovering_group_killed_mid_transfer_leaves_the_others_unaffected(job: Job) -> None:
+    job.start_lighthouse()
+    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
+    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
+    kill_and_wait_degraded(job, "b", a)
+    died_at = max(r["step"] for r in job.groups["b"].records())
+    doomed = restart(job, "b", fault="sigkill:step=0:phase=fetch")
+    assert job.wait_exit(doomed, 60) == -9
+    assert after_restart(doomed, died_at) == [], "the doomed restart must not have committed anything"
+    b = restart(job, "b")
+    for group in (a, b, c):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    assert set(range(after_restart(b, died_at)[0]["step"], STEPS + 1)) <= assert_consistent(a, b, c)
+    for group in (a, c):
+        assert len(group.records("discard")) <= 2, "one discarded step per failure at most"
+    assert_exactly_once(a, b, c)
