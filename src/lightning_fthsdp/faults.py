@@ -3,11 +3,14 @@
 Grammar (one fault; ``--fault`` in the examples)::
 
     SIGNAL:step=N[:phase=PHASE][:rank=R]
+
+The fault fires once, the first time this rank reaches PHASE at a step >= N (a group that catches up may jump
+over step N itself).
     SIGNAL  sigkill | sigstop
     PHASE   before   (default) just before this rank enters the cross-group exchange of step N
             allreduce          while this rank's cross-group allreduce of step N is in flight
-            serve              as this rank starts streaming its state to a recovering group (any step >= N)
-            fetch              as this rank, recovering, starts fetching state (any step >= N)
+            serve              as this rank starts streaming its state to a recovering group
+            fetch              as this rank, recovering, starts fetching state
     rank    only this shard rank of the group fires (default 0)
 
 A process that stops itself (SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.
@@ -17,20 +20,19 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 PHASES = ("before", "allreduce", "serve", "fetch")
-# Catch-up happens at a step nobody can predict: these phases fire at the first occurrence from step N on.
-_FROM_STEP_ON = ("serve", "fetch")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fault:
     signal_name: str
     step: int
     phase: str = "before"
     rank: int = 0
+    fired: bool = field(default=False, compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
@@ -56,7 +58,7 @@ class Fault:
         return cls(head, int(values["step"]), phase, int(rank))
 
     def fire_if(self, step: int, phase: str, rank: int) -> None:
-        """Send the signal to this very process when step, phase and rank match."""
-        reached = step >= self.step if phase in _FROM_STEP_ON else step == self.step
-        if reached and phase == self.phase and rank == self.rank:
+        """Send the signal to this very process the first time step, phase and rank match."""
+        if not self.fired and step >= self.step and phase == self.phase and rank == self.rank:
+            self.fired = True
             os.kill(os.getpid(), _SIGNALS[self.signal_name])

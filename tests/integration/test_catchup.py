@@ -44,7 +44,7 @@ def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
 
 def kill_and_wait_degraded(job: Job, victim: str, observer: Group) -> None:
     assert job.wait_exit(job.groups[victim], 60) == -9
-    wait_for(lambda: observer.records()[-1]["participants"] == 2 and observer.last_step() >= KILL_STEP + 3, 60,
+    wait_for(lambda: [r for r in observer.records()[-1:] if r["participants"] == 2 and r["step"] >= KILL_STEP + 3], 60,
              f"{observer.replica_id} to train on without {victim}")
 
 

@@ -76,4 +76,4 @@ def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
     for rank in (0, 1):
         assert_no_step_lost(a, STEPS, rank=rank)
         assert_consistent(a, b, rank=rank)
-    assert b.last_step() <= KILL_STEP
+    assert KILL_STEP <= b.last_step() < STEPS

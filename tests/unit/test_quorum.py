@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fthsdp.core.quorum import Quorum, QuorumRequest, QuorumRules, check_replica_id, decide, is_ready
+from lightning_fthsdp.core.quorum import (
+    Quorum,
+    QuorumRequest,
+    QuorumRules,
+    adopt,
+    check_replica_id,
+    decide,
+    is_late_member,
+    is_ready,
+)
 
 
 def req(rid: str, step: int = 0, at: float = 0.0, **kw: object) -> QuorumRequest:
@@ -159,3 +168,31 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
             unchanged = members == set(previous.member_ids) and not (rnd["failed"] & members)
             assert (q.quorum_id == previous.quorum_id) == unchanged, "id changes iff membership or failed commit"
         previous = q
+
+
+def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
+    """Groups that kept training on quorum 4 while the lighthouse was away get it back at once, unchanged; a
+    group that failed its commit or is at another step is not given it (it must wait for a real decision)."""
+    members = ("a", "b", "c")
+    held = pending(req("a", 9, address="h:1", quorum_id=4, members=members),
+                   req("b", 9, quorum_id=4, members=members),
+                   req("c", 8, quorum_id=4, members=members, commit_failed=True))
+    adopted = adopt(held)
+    assert adopted is not None
+    quorum, receivers = adopted
+    assert quorum.quorum_id == 4 and quorum.member_ids == members and quorum.max_step == 9
+    assert receivers == frozenset("ab") and not quorum.recover_src
+    assert quorum.member("a").address == "h:1"
+    assert adopt(pending(req("a"), req("b"))) is None  # a fresh job holds no quorum
+    assert adopt(pending(req("a", 3, quorum_id=2, members=("a",), commit_failed=True))) is None
+
+
+def test_late_member_of_the_answered_round_gets_the_same_quorum() -> None:
+    members = ("a", "b")
+    quorum, _ = adopt(pending(req("a", 9, quorum_id=4, members=members)))  # type: ignore[misc]
+    assert is_late_member(quorum, req("b", 9, quorum_id=4, members=members))
+    assert not is_late_member(quorum, req("b", 9, quorum_id=4, members=members, commit_failed=True))
+    assert not is_late_member(quorum, req("b", 8, quorum_id=4, members=members))  # behind: needs a decision
+    assert not is_late_member(quorum, req("c", 9, quorum_id=4, members=members))  # not a member
+    assert not is_late_member(quorum, req("a", 10, quorum_id=4, members=members))  # the next round
+    assert not is_late_member(None, req("a", 9, quorum_id=4, members=members))

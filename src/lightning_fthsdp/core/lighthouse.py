@@ -38,8 +38,10 @@ from lightning_fthsdp.core.quorum import (
     Quorum,
     QuorumRequest,
     QuorumRules,
+    adopt,
     check_replica_id,
     decide,
+    is_late_member,
     previous_from_requests,
 )
 
@@ -85,6 +87,7 @@ class Lighthouse:
         self._pending: dict[str, QuorumRequest] = {}
         self._waiters: dict[str, asyncio.Future[Response]] = {}
         self._previous: Quorum | None = None
+        self._answer: Response | None = None  # the encoded answer of _previous
         # Every rank of a group heartbeats on its own connection, keyed (replica_id, rank): the close of any one
         # means a process of the group died, and a group dies whole.
         self._liveness: dict[tuple[str, int], Connection] = {}
@@ -236,8 +239,11 @@ class Lighthouse:
         self._touch(replica_id, step)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Response] = loop.create_future()
-        self._add_pending(QuorumRequest(replica_id, step, shard_count, time.monotonic(), address, commit_failed,
-                                        quorum_id, tuple(members)), waiter)
+        request = QuorumRequest(replica_id, step, shard_count, time.monotonic(), address, commit_failed, quorum_id,
+                                tuple(members))
+        if self._answer is not None and is_late_member(self._previous, request):
+            return self._answer
+        self._add_pending(request, waiter)
         # A plain timer rather than asyncio.wait_for: fewer futures and callbacks per request when 10,000 groups ask.
         timer = loop.call_later(timeout_ms / 1000, self._time_out, replica_id, timeout_ms, waiter)
         try:
@@ -365,7 +371,8 @@ class Lighthouse:
             self._set_ref()
         if self._join_timer is None:
             self._arm_join_timer()
-        self._schedule_decide()
+        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once.
+        self._schedule_decide(force=self._previous is None)
 
     def _drop_pending(self, replica_id: str) -> None:
         request = self._pending.pop(replica_id, None)
@@ -412,7 +419,14 @@ class Lighthouse:
         self._decide_scheduled = False
         if self._stopping:
             return
-        quorum = decide(self.rules, self._previous, self._pending, frozenset(self._alive), time.monotonic())
+        receivers: frozenset[str] | None = None
+        adopted = adopt(self._pending) if self._previous is None else None
+        if adopted is not None:
+            quorum, receivers = adopted
+            log.info("adopting quorum %d (members %s) held by %s", quorum.quorum_id, ",".join(quorum.member_ids),
+                     ",".join(sorted(receivers)))
+        else:
+            quorum = decide(self.rules, self._previous, self._pending, frozenset(self._alive), time.monotonic())
         if quorum is not None:
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
@@ -422,8 +436,8 @@ class Lighthouse:
                     f" recover {dict(quorum.recover_src)}" if quorum.recover_src else "")
             body = json.dumps({**quorum.to_json(), "store": self.store_address}, separators=(",", ":")).encode()
             # One encoding shared by every member; compressed once when large (O(members^2) bytes otherwise).
-            answer = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > 16384 else None)
-            for replica_id in quorum.member_ids:
+            answer = self._answer = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > 16384 else None)
+            for replica_id in quorum.member_ids if receivers is None else receivers:
                 waiter = self._waiters.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():

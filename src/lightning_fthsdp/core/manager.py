@@ -94,6 +94,7 @@ class FTManager:
         self._commit_failed = False
         self._participants: tuple[str, ...] = ()
         self._contributions: dict[str, int] = {}
+        self._lighthouse_away = False
         self._fetched: StateTree | None = None
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
@@ -237,11 +238,14 @@ class FTManager:
         backoff_s = self.timeouts.heartbeat_interval_ms / 1000
         while True:
             try:
-                return self._quorum_client.request(self.replica_id, step, self.shard_count, ",".join(self._addresses),
-                                                   commit_failed, current)
+                answer = self._quorum_client.request(self.replica_id, step, self.shard_count,
+                                                     ",".join(self._addresses), commit_failed, current)
             except LighthouseUnavailable as exc:
                 if current is not None and not commit_failed:
-                    self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d", exc, current.quorum_id)
+                    if not self._lighthouse_away:
+                        self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d until it is back", exc,
+                                           current.quorum_id)
+                    self._lighthouse_away = True
                     return current, self._store_address
                 if time.monotonic() >= deadline:
                     raise QuorumUnavailable(
@@ -250,6 +254,11 @@ class FTManager:
                         f"the URL ({ENV_LIGHTHOUSE})"
                     ) from exc
                 time.sleep(backoff_s)
+                continue
+            if self._lighthouse_away:
+                self._qlog.info("lighthouse is back")
+                self._lighthouse_away = False
+            return answer
 
     def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:
         """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""

@@ -125,6 +125,40 @@ def previous_from_requests(pending: Mapping[str, QuorumRequest]) -> tuple[int, f
     return newest.quorum_id, frozenset(newest.members)
 
 
+def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]] | None:
+    """What a lighthouse without a previous quorum (fresh or restarted) answers at once: the quorum a healthy
+    group already holds, so groups that kept training on it while the lighthouse was away, and groups that reach
+    the restarted lighthouse first, keep using the same cross-group process groups (no deadlock between the two,
+    no reconfiguration).
+
+    Returns the adopted quorum and the requesters that may receive it: those holding that same quorum, healthy
+    (no failed commit) and at the same step as the group it is taken from. None when no request qualifies.
+    """
+    holders = [r for r in pending.values() if r.quorum_id >= 0 and not r.commit_failed and r.replica_id in r.members]
+    if not holders:
+        return None
+    source = max(holders, key=lambda r: (r.quorum_id, r.step))
+    receivers = frozenset(r.replica_id for r in holders
+                          if r.quorum_id == source.quorum_id and r.step == source.step and r.members == source.members)
+    members = tuple(Member(rid, source.step, pending[rid].address if rid in pending else "")
+                    for rid in sorted(source.members))
+    quorum = Quorum(source.quorum_id, members, source.step, source.shard_count)
+    return quorum, receivers
+
+
+def is_late_member(previous: Quorum | None, request: QuorumRequest) -> bool:
+    """Whether ``request`` asks for the round ``previous`` already answered, from one of its members that was not
+    answered yet (an adopted quorum is handed to its holders one by one): it gets ``previous`` too, at once,
+    since the members already answered are waiting for it inside that quorum's collectives."""
+    return (
+        previous is not None
+        and request.replica_id in previous.member_ids
+        and request.quorum_id == previous.quorum_id
+        and not request.commit_failed
+        and request.step == previous.member(request.replica_id).step == previous.max_step
+    )
+
+
 def is_ready(
     rules: QuorumRules,
     previous_members: frozenset[str],

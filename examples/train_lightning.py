@@ -1,0 +1,153 @@
+"""Fault-tolerant HSDP with Lightning: an ordinary LightningModule (no configure_model, no FT code), LightningCLI.
+
+One launch per replica group (Lightning starts the group's ranks itself)::
+
+    fthsdp lighthouse --port 29510 --min-replicas 1 &
+    FTHSDP_REPLICA_ID=a python examples/train_lightning.py fit --trainer.strategy=fthsdp \\
+        --trainer.strategy.init_args.replica_ids='[a,b]' --trainer.strategy.init_args.lighthouse=http://127.0.0.1:29510
+    FTHSDP_REPLICA_ID=b python examples/train_lightning.py fit ...   # the same command, another MASTER_PORT
+
+``--recorder.jsonl PATH`` makes every rank append one JSON line per optimizer step (``event: "step"``: global step,
+epoch, learning rate, this rank's parameter digest, the group's stream position) and one at the end of fit
+(``event: "end"``); ``--recorder.params PATH`` saves the full parameters at the end (rank 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
+from lightning_fthsdp.core.torch_state import local
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class TinyRegressor(pl.LightningModule):
+    """A residual MLP regressor: a plain LightningModule that knows nothing of sharding or fault tolerance."""
+
+    def __init__(self, features: int = 8, width: int = 16, blocks: int = 2, lr: float = 0.05,
+                 lr_decay: float = 0.95) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.inp = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        decay = self.hparams.lr_decay
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: decay**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def make_dataset(samples: int, features: int, seed: int = 1) -> TensorDataset:
+    """The same synthetic regression data in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=gen)
+    y = torch.tanh(x @ torch.linspace(-1.0, 1.0, features)).unsqueeze(1)
+    return TensorDataset(x, y)
+
+
+class TinyData(pl.LightningDataModule):
+    def __init__(self, samples: int = 512, features: int = 8, batch_size: int = 4) -> None:
+        super().__init__()
+        self.samples, self.features, self.batch_size = samples, features, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_dataset(self.samples, self.features), batch_size=self.batch_size, shuffle=True)
+
+
+class StepRecorder(pl.Callback):
+    """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps."""
+
+    def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0) -> None:
+        self.jsonl, self.params, self.sleep_s = jsonl, params, sleep_s
+        self._last_step = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        strategy = trainer.strategy
+        manager = strategy.manager  # type: ignore[attr-defined]
+        self._write(trainer, {
+            "event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+            "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "params_sha256": _digest(pl_module), "ft_step": manager.step,
+            "stream_step": manager.next_batch_index, "participants": list(manager.participants),
+            "discarded": manager.discarded_steps, "batch_sha256": _digest_tensors(batch),
+        })
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        full = {name: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                for name, p in pl_module.named_parameters()}  # a collective inside the group: every rank calls it
+        if self.params and trainer.global_rank == 0:
+            torch.save(full, self.params)
+        self._write(trainer, {"event": "end", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                              "params_sha256": _digest_tensors(list(full.values()))})
+
+    def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+        if self.jsonl:
+            record |= {"t": time.time(), "replica_id": os.environ.get("FTHSDP_REPLICA_ID"),
+                       "rank": trainer.global_rank}
+            with open(self.jsonl, "a") as sink:
+                sink.write(json.dumps(record) + "\n")
+
+
+def _digest(module: nn.Module) -> str:
+    return _digest_tensors([local(p) for p in module.parameters()])
+
+
+def _digest_tensors(tensors: Any) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class TinyCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(StepRecorder, "recorder")
+
+
+def main() -> None:
+    TinyCLI(TinyRegressor, TinyData, seed_everything_default=0, save_config_callback=None)
+
+
+if __name__ == "__main__":
+    main()
