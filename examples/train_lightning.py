@@ -101,15 +101,14 @@ class StepRecorder(pl.Callback):
         if trainer.global_step == self._last_step:
             return
         self._last_step = trainer.global_step
-        strategy = trainer.strategy
-        manager = strategy.manager  # type: ignore[attr-defined]
-        self._write(trainer, {
-            "event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-            "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "params_sha256": _digest(pl_module), "ft_step": manager.step,
-            "stream_step": manager.next_batch_index, "participants": list(manager.participants),
-            "discarded": manager.discarded_steps, "batch_sha256": _digest_tensors(batch),
-        })
+        record = {"event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                  "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                  "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch)}
+        manager = getattr(trainer.strategy, "manager", None)  # None: another strategy (the benchmark's baseline)
+        if manager is not None:
+            record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,
+                       "participants": list(manager.participants), "discarded": manager.discarded_steps}
+        self._write(trainer, record)
         if self.sleep_s:
             time.sleep(self.sleep_s)
 

@@ -46,13 +46,7 @@ from torch import nn
 
 from lightning_fthsdp.core.config import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.core.manager import FTManager
-from lightning_fthsdp.core.torch_state import (
-    load_module_state,
-    load_optimizer_state,
-    local,
-    module_state,
-    optimizer_state,
-)
+from lightning_fthsdp.core.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
 from lightning_fthsdp.faults import Fault
 
 FEATURES = 16
@@ -112,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    imports_done = time.time()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -142,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
                         device=device, timeouts=args.timeouts, on_phase=on_phase)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
-    manager.register_state("model", lambda: module_state(model), lambda tree: load_module_state(model, tree))
+    model_state = ModuleState(model)
+    manager.register_state("model", model_state.get, model_state.load)
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
     log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
+    if log_file is not None:
+        log_file.write(json.dumps({"t": time.time(), "event": "ready", "replica_id": manager.replica_id,
+                                   "rank": manager.rank, "imports_done": imports_done}) + "\n")
     try:
         while manager.step < args.steps:
             started = time.monotonic()
@@ -160,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             if fault is not None:
                 fault.fire_if(manager.step, "before", manager.rank)
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
+            recoveries = len(manager.recoveries)
             committed = manager.commit()
             if committed:
                 optimizer.step()
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     "optim_sha256": optim_sha256(optimizer),
                     "batch": batch_index,
                     "contributions": manager.contributions if committed else {},
+                    "recovery": manager.recoveries[-1] if len(manager.recoveries) > recoveries else None,
                     "loss": float(loss.detach()),
                 }
                 log_file.write(json.dumps(record) + "\n")

@@ -1,8 +1,67 @@
 """lightning-fthsdp: Fault Tolerant Hybrid-Sharded Data Parallelism for PyTorch.
 
 The fault-tolerant core (``lightning_fthsdp.core``) imports nothing of Lightning; front ends live beside it.
+With Lightning installed, importing this package registers ``Trainer(strategy="fthsdp")``: at once if
+``lightning.pytorch`` is already imported, else as soon as it is (so processes that never use Lightning, such as
+the lighthouse, do not pay for importing it).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
 __version__ = "0.1.0"
+
+_LIGHTNING = "lightning.pytorch"
+
+
+def _register_strategy() -> None:
+    front_end = sys.modules.get("lightning_fthsdp.lightning")
+    if front_end is not None and not hasattr(front_end, "register"):
+        return  # it is being imported (and imported Lightning): it registers itself when its import ends
+    from lightning_fthsdp.lightning import register
+
+    register()
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Runs the registration right after ``lightning.pytorch`` has been imported, then removes itself."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname != _LIGHTNING:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: ModuleType) -> None:
+            exec_module(module)
+            _register_strategy()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+# Lightning has no entry point for strategies: the name "fthsdp" exists only once this registration ran.
+if _LIGHTNING in sys.modules:
+    _register_strategy()
+elif importlib.util.find_spec("lightning") is not None:
+    sys.meta_path.insert(0, _RegisterAfterLightning())
+
+
+def __getattr__(name: str) -> Any:
+    """``lightning_fthsdp.FTHSDPStrategy`` (a LightningCLI class path) without importing Lightning eagerly."""
+    if name == "FTHSDPStrategy":
+        from lightning_fthsdp.lightning import FTHSDPStrategy
+
+        return FTHSDPStrategy
+    raise AttributeError(f"module 'lightning_fthsdp' has no attribute {name!r}")

@@ -87,6 +87,9 @@ class FTManager:
         self.batches_committed: dict[str, int] = {}
         self.committed_steps = 0
         self.discarded_steps = 0
+        self.recoveries: list[dict[str, object]] = []
+        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
+        self._fetch_info: dict[str, object] = {}
         self._quorum: Quorum | None = None
         self._store_address = ""
         self._pending: Future[tuple[Quorum, str]] | None = None
@@ -171,6 +174,7 @@ class FTManager:
         if source is not None:
             address = quorum.member(source).address.split(",")[self.rank]
             self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
+            fetch_started = time.monotonic()
             self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
@@ -187,6 +191,8 @@ class FTManager:
             self._fetched = self._catchup.finish_fetch(timeout_s=self.timeouts.heartbeat_timeout_ms / 1000)
             if self._fetched is None:
                 return False
+            self._fetch_info = {"source": source, "step": quorum.max_step,
+                                "fetch_s": time.monotonic() - fetch_started}
         self._step_ok = True
         return True
 
@@ -271,6 +277,7 @@ class FTManager:
         """Become the source's start-of-step state; the caller's optimizer step then makes us identical."""
         self._catchup.load(tree)
         own = tree[_OWN_STATE]
+        self.recoveries.append(self._fetch_info)
         self.step = int(own["step"])
         self.batches_committed = {str(k): int(v) for k, v in own["batches_committed"].items()}
         self._rlog.info("caught up: loaded the state of step %d", self.step)

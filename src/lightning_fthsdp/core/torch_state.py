@@ -22,21 +22,33 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def module_state(module: nn.Module) -> StateTree:
-    return {name: local(p).detach() for name, p in module.named_parameters()} | {
-        f"buffer:{name}": local(b).detach() for name, b in module.named_buffers()}
+class ModuleState:
+    """Getter and loader of a module's parameters and buffers (this rank's shards), for ``register_state``.
 
+    Captures the parameter objects once, at construction (after ``fully_shard``, before training): the catch-up
+    snapshot runs on a background thread during forward and backward, when FSDP2 has swapped the module's
+    registered parameters for unsharded ones; the sharded DTensors captured here (the optimizer's own parameters)
+    hold this rank's shard throughout.
+    """
 
-def load_module_state(module: nn.Module, tree: StateTree) -> None:
-    expected = set(module_state(module))
-    if set(tree) != expected:
-        raise ValueError(f"module state keys differ: missing {sorted(expected - set(tree))}, "
-                         f"unexpected {sorted(set(tree) - expected)}")
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            local(p).copy_(tree[name])
-        for name, b in module.named_buffers():
-            local(b).copy_(tree[f"buffer:{name}"])
+    def __init__(self, module: nn.Module) -> None:
+        self._parameters = list(module.named_parameters())
+        self._buffers = list(module.named_buffers())
+
+    def get(self) -> StateTree:
+        return {name: local(p).detach() for name, p in self._parameters} | {
+            f"buffer:{name}": local(b).detach() for name, b in self._buffers}
+
+    def load(self, tree: StateTree) -> None:
+        expected = {name for name, _ in self._parameters} | {f"buffer:{name}" for name, _ in self._buffers}
+        if set(tree) != expected:
+            raise ValueError(f"module state keys differ: missing {sorted(expected - set(tree))}, "
+                             f"unexpected {sorted(set(tree) - expected)}")
+        with torch.no_grad():
+            for name, p in self._parameters:
+                local(p).copy_(tree[name])
+            for name, b in self._buffers:
+                local(b).copy_(tree[f"buffer:{name}"])
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> StateTree:

@@ -1,0 +1,80 @@
+"""Catch-up benchmark: what admitting a restarted group costs the healthy groups, and how long a restart takes.
+
+    python bench/bench_catchup.py --mib 64 512        # writes bench/results/catchup.json
+
+Two healthy groups of examples/train_plain.py train with ``--ballast-mib`` extra state (so the state that travels
+is that large); a third group starts fresh and catches up. Measured from the groups' JSONL logs:
+- admit ratio: the healthy groups' step time in the step that admits the recovering group, over their steady
+  median (same run). Target <= 1.10.
+- the restarted process's time to its first committed step, split into process start (interpreter and imports),
+  model build (model, optimizer, manager), fetch (state transfer) and the rest of that first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lightning_fthsdp.testing.harness import Job, wait_for
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def measure(mib: int, step_time_ms: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(Path(tmp), min_replicas=2, heartbeat_timeout_ms=2_000, collective_timeout_ms=30_000)
+        try:
+            job.start_lighthouse()
+            extra = ("--ballast-mib", str(mib))
+            a, c = (job.start_group(r, 100_000, step_time_ms=step_time_ms, extra=extra) for r in "ac")
+            wait_for(lambda: min(a.last_step(), c.last_step()) >= 30, 300, "a and c to reach step 30")
+            spawned = time.time()
+            b = job.start_group("b", 100_000, step_time_ms=step_time_ms, extra=extra)
+            first = wait_for(lambda: b.records(), 300, "b's first committed step")[0]
+            wait_for(lambda: a.last_step() >= first["step"] + 5, 120, "a to train on after admitting b")
+            ready = b.records("ready")[0]
+            commits = {r["step"]: r["t"] for r in a.records()}
+        finally:
+            job.close()
+    durations = {s: commits[s] - commits[s - 1] for s in commits if s - 1 in commits}
+    admit = first["step"]  # a's step in which b loaded the state and applied the same update
+    steady = statistics.median(d for s, d in durations.items() if 10 <= s < admit - 1)
+    fetch_s = float(first["recovery"]["fetch_s"])
+    return {
+        "state_mib": mib,
+        "steady_step_s": steady,
+        "admit_step_s": durations[admit],
+        "admit_ratio": durations[admit] / steady,
+        "next_step_ratio": durations[admit + 1] / steady,
+        "process_start_s": ready["imports_done"] - spawned,
+        "model_build_s": ready["t"] - ready["imports_done"],
+        "fetch_s": fetch_s,
+        "first_step_rest_s": first["t"] - ready["t"] - fetch_s,
+        "to_first_commit_s": first["t"] - spawned,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--step-time-ms", type=int, default=60, help="pace of the healthy groups' steps")
+    args = parser.parse_args()
+    rows = [measure(mib, args.step_time_ms) for mib in args.mib]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "catchup.json").write_text(json.dumps(rows, indent=2))
+    cols = ("state_mib", "steady_step_s", "admit_step_s", "admit_ratio", "next_step_ratio", "process_start_s",
+            "model_build_s", "fetch_s", "first_step_rest_s", "to_first_commit_s")
+    print(" ".join(f"{c:>17}" for c in cols))
+    for row in rows:
+        print(" ".join(f"{row[c]:>17.3f}" if isinstance(row[c], float) else f"{row[c]:>17}" for c in cols))
+    print(f"target: admit_ratio <= 1.10; wrote {RESULTS / 'catchup.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

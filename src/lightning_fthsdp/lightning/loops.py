@@ -1,0 +1,64 @@
+"""Lightning's loop counters as catch-up state, and moving them to a replica group's own data position.
+
+Everything here touches Lightning's loop progress objects (public attributes of its loops, but not a documented
+API); it is kept in one module so a Lightning upgrade has one place to check.
+
+Two kinds of counters, two sources:
+
+- job-wide counters (the optimizer step count, i.e. ``global_step``, the logging step, the LR scheduler step
+  count) are the same in every healthy group and travel from the catch-up source;
+- stream counters (the epoch and the batch index inside it) describe this group's own data stream and are
+  derived from its own position (``FTManager.next_batch_index``), see ``align_to_stream``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_fthsdp.core.torch_state import StateTree
+
+
+def job_counters(trainer: pl.Trainer) -> StateTree:
+    """The job-wide counters at a step boundary (read on the serving group while its step is in flight)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return {
+        "global_step": epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
+        "batches_that_stepped": epoch_loop._batches_that_stepped,
+        "scheduler_steps": epoch_loop.scheduler_progress.total.completed,
+    }
+
+
+def load_job_counters(trainer: pl.Trainer, tree: StateTree) -> None:
+    """Become the source's counters in the middle of the step being committed.
+
+    Called inside ``optimizer_step``: Lightning has already counted this step as ready and will count it completed
+    when ``optimizer_step`` returns, so ``completed`` is the source's value and ``ready`` one more.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.completed = int(tree["global_step"])
+    step.ready = step.completed + 1
+    epoch_loop._batches_that_stepped = int(tree["batches_that_stepped"])
+    scheduler = epoch_loop.scheduler_progress.total
+    scheduler.ready = scheduler.completed = int(tree["scheduler_steps"])
+
+
+def align_to_stream(trainer: pl.Trainer, epoch: int, offset: int) -> None:
+    """Make Lightning's epoch and in-epoch batch index those of the stream position (epoch, offset) that the
+    next batch comes from, and restart the training data iterator there.
+
+    Called inside ``optimizer_step`` of a committed step (after Lightning counted the batch ready and started,
+    before it counts it processed and completed), so the counters are set one below their target.
+    """
+    fit_loop = trainer.fit_loop
+    for tracker in (fit_loop.epoch_progress.current, fit_loop.epoch_progress.total):
+        tracker.ready = tracker.started = epoch + 1
+        tracker.processed = tracker.completed = epoch
+    batch = fit_loop.epoch_loop.batch_progress.current
+    batch.ready = batch.started = offset
+    batch.processed = batch.completed = offset - 1
+    fetcher: Any = fit_loop._data_fetcher  # no public way to restart the epoch's iterator
+    if fetcher is not None:
+        iter(fetcher)  # a fresh DataLoader iterator: the sampler reads the new start position

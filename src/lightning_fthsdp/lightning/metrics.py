@@ -1,0 +1,52 @@
+"""Fault-tolerance metrics through Lightning's loggers and progress bar.
+
+Logged after every training step that stepped the optimizer (``on_step``, not reduced across ranks: every rank of
+a group holds the same values):
+
+- ``fthsdp/quorum_size``: groups in the quorum of the last step (progress bar);
+- ``fthsdp/participants``: groups whose gradients went into it (progress bar; below ``quorum_size`` while a group
+  catches up, below ``num_replica_groups`` while degraded);
+- ``fthsdp/discarded_steps``: attempts whose commit vote failed so far (each was retried on the same batch);
+- ``fthsdp/recoveries``: catch-ups this group performed;
+- ``fthsdp/stall_s``: seconds the last step spent in attempts that were discarded (0 when fault-free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+_PROGRESS_BAR = ("quorum_size", "participants")
+
+
+@dataclass
+class FTMetrics:
+    """The values of the last committed step."""
+
+    quorum_size: int = 0
+    participants: int = 0
+    discarded_steps: int = 0
+    recoveries: int = 0
+    stall_s: float = 0.0
+
+
+class FTMetricsLogger(Callback):
+    """Logs ``FTHSDPStrategy.ft_metrics``; the strategy adds one to the trainer, you never need to."""
+
+    def __init__(self, metrics: FTMetrics) -> None:
+        self._metrics = metrics
+        self._last_step = -1
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-batch: nothing was committed
+        self._last_step = trainer.global_step
+        for name, value in asdict(self._metrics).items():
+            pl_module.log(f"fthsdp/{name}", float(value), on_step=True, on_epoch=False,
+                          prog_bar=name in _PROGRESS_BAR, batch_size=1)

@@ -1,0 +1,48 @@
+"""The fully_shard policy FTHSDPStrategy applies to a LightningModule that has no ``configure_model``.
+
+Policy (FSDP2's usual recipe, per transformer block then the root):
+
+1. every module held in an ``nn.ModuleList`` (the usual home of transformer blocks), outermost lists only;
+2. every other direct child of the LightningModule with at least ``min_params`` parameters of its own subtree
+   (large embeddings and heads), unless it contains a unit of rule 1;
+3. the LightningModule itself, which takes every parameter not in a unit (so nothing stays unsharded).
+
+Each unit gathers its parameters just before its forward and frees them after, so peak memory is about one
+unit's full parameters plus the shards; smaller units mean more, smaller collectives. A module that already is
+an ``FSDPModule`` is left as it is, so applying the policy twice is harmless.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+DEFAULT_MIN_PARAMS = 1_000_000
+
+
+def shard_units(root: nn.Module, min_params: int = DEFAULT_MIN_PARAMS) -> list[nn.Module]:
+    """The modules rules 1 and 2 shard, in the order they are wrapped (the root comes after them)."""
+    units: list[nn.Module] = []
+    for _, module in root.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(_contains(u, module) for u in units):
+            units.extend(m for m in module if not any(_contains(u, m) for u in units))
+    for child in root.children():
+        holds_unit = any(_contains(child, u) for u in units)
+        if not holds_unit and sum(p.numel() for p in child.parameters()) >= min_params:
+            units.append(child)
+    return units
+
+
+def apply_fully_shard(root: nn.Module, mesh: DeviceMesh, min_params: int = DEFAULT_MIN_PARAMS) -> None:
+    """Shard ``root`` over ``mesh`` by the module's policy (idempotent)."""
+    if isinstance(root, FSDPModule):
+        return
+    for unit in shard_units(root, min_params):
+        if not isinstance(unit, FSDPModule):
+            fully_shard(unit, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())

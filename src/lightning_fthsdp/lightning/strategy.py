@@ -1,0 +1,441 @@
+"""FTHSDPStrategy: fault-tolerant HSDP for ``Trainer(strategy="fthsdp")`` with an unchanged LightningModule.
+
+One Lightning launch is one replica group: FSDP2 (``fully_shard``) over the group's devices, and across groups the
+fault-tolerant allreduce of ``FTManager``. See docs/lightning.md for usage and semantics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import types
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID, Timeouts, resolve
+from lightning_fthsdp.core.manager import FTManager
+from lightning_fthsdp.core.torch_state import (
+    ModuleState,
+    StateTree,
+    load_optimizer_state,
+    local,
+    optimizer_state,
+)
+from lightning_fthsdp.faults import Fault
+from lightning_fthsdp.lightning import loops
+from lightning_fthsdp.lightning.metrics import FTMetrics, FTMetricsLogger
+from lightning_fthsdp.lightning.policy import DEFAULT_MIN_PARAMS, apply_fully_shard
+from lightning_fthsdp.lightning.sampler import ReplicaStreamSampler
+
+#: Fallbacks for the data topology; an explicit argument always wins.
+ENV_NUM_REPLICA_GROUPS = "FTHSDP_NUM_REPLICA_GROUPS"
+ENV_REPLICA_INDEX = "FTHSDP_REPLICA_INDEX"
+
+LRScaling = Literal["none", "linear", "sqrt"]
+_LR_SCALINGS = ("none", "linear", "sqrt")
+# Arguments of Lightning's other sharded strategies that have no meaning here, with what to do instead.
+_FOREIGN_ARGUMENTS = {
+    "data_parallel_size": "the shard count is the group's devices: set Trainer(devices=...)",
+    "tensor_parallel_size": "tensor parallelism is not supported: use ModelParallelStrategy",
+    "dp_shard_size": "the shard count is the group's devices: set Trainer(devices=...)",
+    "cpu_offload": "that is an FSDPStrategy (FSDP1) option",
+    "sharding_strategy": "that is an FSDPStrategy (FSDP1) option: FT-HSDP always shards inside the group",
+    "auto_wrap_policy": "that is an FSDPStrategy (FSDP1) option: see auto_shard_min_params",
+    "find_unused_parameters": "that is a DDPStrategy option",
+    "static_graph": "that is a DDPStrategy option",
+}
+_CHECKPOINT_KEY = "fthsdp"
+
+
+class FTHSDPStrategy(ModelParallelStrategy):
+    """Fault-tolerant HSDP: FSDP2 inside this replica group, a fault-tolerant allreduce across replica groups.
+
+    Args:
+        replica_id: this group's stable id (survives restarts); default ``$FTHSDP_REPLICA_ID``.
+        lighthouse: ``http://HOST:PORT`` of the job's lighthouse; default ``$FTHSDP_LIGHTHOUSE``.
+        token: the job's shared secret; default ``$FTHSDP_TOKEN``.
+        num_replica_groups: replica groups in the job (the data is split over all of them, healthy or not);
+            default ``len(replica_ids)``, else ``$FTHSDP_NUM_REPLICA_GROUPS``, else 1.
+        replica_ids: every group's id in data-shard order; this group's index is the position of ``replica_id``.
+        replica_index: this group's data shard in ``[0, num_replica_groups)`` (instead of ``replica_ids``);
+            default ``$FTHSDP_REPLICA_INDEX``, else 0 when there is one group.
+        lr_scaling: while fewer than ``num_replica_groups`` groups contribute, multiply the learning rate of the
+            optimizer step by ``1`` ("none"), ``healthy/total`` ("linear") or ``sqrt(healthy/total)`` ("sqrt",
+            which the FT-HSDP paper found best); the scheduler's own values are untouched.
+        timeouts: the validated timeout hierarchy of the fault-tolerant path.
+        auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
+            child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
+        fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
+        save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
+
+    Raises ValueError/TypeError at construction for missing or inconsistent settings and for arguments of other
+    strategies; see docs/lightning.md for the failure semantics during training.
+    """
+
+    strategy_name = "fthsdp"
+
+    def __init__(
+        self,
+        replica_id: str | None = None,
+        lighthouse: str | None = None,
+        token: str | None = None,
+        num_replica_groups: int | None = None,
+        replica_ids: list[str] | None = None,
+        replica_index: int | None = None,
+        lr_scaling: LRScaling = "none",
+        timeouts: Timeouts | None = None,
+        auto_shard_min_params: int = DEFAULT_MIN_PARAMS,
+        fault: str | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        for name in kwargs:
+            hint = _FOREIGN_ARGUMENTS.get(name, "it is not an argument of this strategy")
+            raise TypeError(f"FTHSDPStrategy does not take {name}={kwargs[name]!r}: {hint}")
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.replica_id = resolve(replica_id, ENV_REPLICA_ID, "FTHSDPStrategy replica_id",
+                                  "a stable name per replica group, e.g. 'a'")
+        self.lighthouse = resolve(lighthouse, ENV_LIGHTHOUSE, "FTHSDPStrategy lighthouse",
+                                  "the URL `fthsdp lighthouse` prints, e.g. http://127.0.0.1:29510")
+        self._token = token
+        self.num_replica_groups, self.replica_index = _data_topology(self.replica_id, num_replica_groups,
+                                                                     replica_ids, replica_index)
+        if lr_scaling not in _LR_SCALINGS:
+            raise ValueError(f"FTHSDPStrategy lr_scaling must be one of {_LR_SCALINGS}, got {lr_scaling!r}")
+        self.lr_scaling = lr_scaling
+        self.timeouts = timeouts or Timeouts()
+        self.auto_shard_min_params = auto_shard_min_params
+        self._fault = Fault.parse(fault) if fault else None
+        self.ft_metrics = FTMetrics()
+        self._manager: FTManager | None = None
+        self._sampler: ReplicaStreamSampler | None = None
+        self._stream_step = 0  # this group's stream position (in optimizer steps) of the batch being trained
+        self._caught_up = False  # set by the loop-counter loader: this commit loaded a peer's state
+        self._unscaled_lrs: list[float] | None = None  # the step's learning rates before the degraded factor
+
+    @property
+    def manager(self) -> FTManager:
+        """The fault-tolerance manager of this rank (exists from ``setup`` on)."""
+        if self._manager is None:
+            raise RuntimeError("FTHSDPStrategy.manager is created in setup(): it does not exist before training")
+        return self._manager
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Evaluation data is split inside the group only (every group evaluates all of it); the training sampler
+        # is replaced by a ReplicaStreamSampler over every group in process_dataloader.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        # Inside one group all devices shard (FSDP2), none replicate: the replication is across groups.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+        module = self.lightning_module
+        assert module is not None
+        if not is_overridden("configure_model", module):
+            # Lightning calls configure_model right after this; an instance attribute makes it apply our policy.
+            module.configure_model = types.MethodType(self._configure_model_by_policy, module)  # type: ignore[method-assign]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._manager = FTManager(replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
+                                  group=group if self.world_size > 1 else None,
+                                  backend="gloo" if self.root_device.type == "cpu" else "nccl",
+                                  device=self.root_device, timeouts=self.timeouts,
+                                  on_phase=self._fire_fault)
+        self._register_catchup_state(trainer)
+        if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
+            trainer.callbacks.append(FTMetricsLogger(self.ft_metrics))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        if not isinstance(dataloader, DataLoader) or not isinstance(dataloader.sampler, DistributedSampler):
+            raise ValueError(
+                f"FTHSDPStrategy needs a map-style training DataLoader with Lightning's DistributedSampler, got "
+                f"{type(dataloader).__name__} with sampler {type(getattr(dataloader, 'sampler', None)).__name__}: "
+                "keep Trainer(use_distributed_sampler=True) and return a DataLoader over a sized dataset"
+            )
+        injected = dataloader.sampler
+        batch_size = dataloader.batch_size or 1
+        self._sampler = ReplicaStreamSampler(
+            dataloader.dataset,  # type: ignore[arg-type]
+            num_replica_groups=self.num_replica_groups, replica_index=self.replica_index,
+            shard_count=self.world_size, shard_rank=self.global_rank, batch_size=batch_size,
+            position=self._stream_start, shuffle=injected.shuffle, seed=injected.seed, drop_last=injected.drop_last)
+        return _update_dataloader(dataloader, self._sampler)
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        batches = self._sampler.batches_per_epoch if self._sampler is not None else 0
+        if batches % trainer.accumulate_grad_batches:
+            raise ValueError(
+                f"FTHSDPStrategy needs accumulate_grad_batches={trainer.accumulate_grad_batches} to divide the "
+                f"{batches} micro-batches per epoch of each shard: a stream position is committed steps times "
+                "accumulate_grad_batches. Change the batch size, the dataset size or the accumulation"
+            )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Overlap the quorum request with this step's forward and backward (only on the stepping micro-batch).
+        if not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
+            self.manager.begin_step()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """FSDP2's reduce-scatter is skipped during accumulation micro-batches (Lightning only knows DDP's)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        """Lightning's step with the cross-group sync between backward and clipping / ``on_before_optimizer_step``.
+
+        The sync retries until a commit succeeds, so a discarded attempt never reaches ``optimizer.step()``, the LR
+        schedulers or Lightning's step counters: it is retrained on the same batch (the weights did not change,
+        so its gradient is the one computed before the failed attempt, restored from a copy).
+        """
+        def closure_then_sync() -> Any:
+            result = closure()
+            self._sync_until_committed(optimizer)
+            return result
+
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        saved_lrs = [group["lr"] for group in inner.param_groups]
+        self._unscaled_lrs = None
+        try:
+            return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        finally:
+            # The degraded-LR factor applies to this step only; catch-up may have replaced the param groups.
+            for group, lr in zip(inner.param_groups, self._unscaled_lrs or saved_lrs, strict=True):
+                group["lr"] = lr
+
+    @override
+    def teardown(self) -> None:
+        if self._manager is not None:
+            self._manager.shutdown()
+            self._manager = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls,
+            description="Fault-tolerant HSDP: FSDP2 inside a replica group, fault-tolerant allreduce across groups")
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Only the lowest live replica group writes (the others return at once); every rank of it takes part."""
+        if not self.is_checkpoint_writer:
+            return
+        checkpoint[_CHECKPOINT_KEY] = {"writer": self.replica_id, "step": self.manager.step,
+                                       "batches_committed": dict(self.manager.batches_committed)}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_checkpoint_writer:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Every group may resume from the one checkpoint: the FT step and the data positions come with it."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        if state is None:
+            raise ValueError(f"FTHSDPStrategy cannot resume from {checkpoint_path}: it was not written by "
+                             "FTHSDPStrategy (no 'fthsdp' entry); start from weights instead")
+        self.manager.step = int(state["step"])
+        self.manager.batches_committed = {str(k): int(v) for k, v in state["batches_committed"].items()}
+        return checkpoint
+
+    @property
+    def is_checkpoint_writer(self) -> bool:
+        """Whether this group writes durable checkpoints: it is the lowest replica id of the last quorum."""
+        quorum = self.manager.quorum
+        return quorum is None or self.replica_id == min(quorum.member_ids)
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _configure_model_by_policy(self, module: pl.LightningModule) -> None:
+        apply_fully_shard(module, self.device_mesh["data_parallel"], self.auto_shard_min_params)
+
+    def _stream_start(self) -> int:
+        """Where the sampler starts: this group's committed position, in micro-batches (read at every __iter__)."""
+        self._stream_step = self.manager.next_batch_index
+        return self._stream_step * self.lightning_module.trainer.accumulate_grad_batches
+
+    def _sync_until_committed(self, optimizer: Optimizer) -> None:
+        assert self.model is not None
+        manager = self.manager
+        for p in self.model.parameters():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)  # every group must send the same tensors (gloo sizes must match)
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        ours = [g.clone() for g in grads]
+        started, attempts = time.monotonic(), 0
+        while True:
+            attempts += 1
+            self._fire_fault("before")
+            manager.sync_gradients(grads)
+            self._check_quorum_size()
+            self._caught_up = False
+            if manager.commit():
+                break
+            for grad, own in zip(grads, ours, strict=True):
+                grad.copy_(own)
+            last_failed = time.monotonic()
+        trainer = self.lightning_module.trainer
+        participated = self.replica_id in manager.participants
+        self._stream_step += 1
+        if self._caught_up or not participated or manager.next_batch_index != self._stream_step:
+            # Catch-up (or a commit made without us): our data stream continues at our committed position.
+            position = manager.next_batch_index * trainer.accumulate_grad_batches
+            assert self._sampler is not None
+            loops.align_to_stream(trainer, *self._sampler.locate(position))
+        if self._caught_up:
+            self.ft_metrics.recoveries += 1
+        self.ft_metrics.quorum_size = len(manager.quorum.members) if manager.quorum is not None else 0
+        self.ft_metrics.participants = len(manager.participants)
+        self.ft_metrics.discarded_steps = manager.discarded_steps
+        self.ft_metrics.stall_s = last_failed - started if attempts > 1 else 0.0
+        self._scale_lr(optimizer, len(manager.participants))
+
+    def _scale_lr(self, optimizer: Optimizer, healthy: int) -> None:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        self._unscaled_lrs = [group["lr"] for group in inner.param_groups]
+        ratio = min(healthy / self.num_replica_groups, 1.0)
+        factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+        for group in inner.param_groups:
+            group["lr"] = group["lr"] * factor
+
+    def _check_quorum_size(self) -> None:
+        quorum = self.manager.quorum
+        if quorum is not None and len(quorum.members) > self.num_replica_groups:
+            raise ValueError(
+                f"FTHSDPStrategy (group {self.replica_id}) has num_replica_groups={self.num_replica_groups} but the "
+                f"quorum holds {len(quorum.members)} groups ({','.join(quorum.member_ids)}): their data shards "
+                f"would overlap. Set num_replica_groups (or ${ENV_NUM_REPLICA_GROUPS}) to the job's group count"
+            )
+
+    def _register_catchup_state(self, trainer: pl.Trainer) -> None:
+        """What a restarted group fetches from a healthy one, loaded inside the step it catches up in."""
+        assert self.model is not None
+        model = ModuleState(self.model)
+        manager = self.manager
+        manager.register_state("model", model.get, model.load)
+        for i, optimizer in enumerate(self.optimizers):
+            manager.register_state(f"optimizer_{i}", lambda o=optimizer: optimizer_state(o),
+                                   lambda tree, o=optimizer: load_optimizer_state(o, tree))
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        manager.register_state("lr_schedulers", lambda: {str(i): _jsonable(s.state_dict())
+                                                         for i, s in enumerate(schedulers)},
+                               lambda tree: _load_schedulers(schedulers, tree))
+        manager.register_state("loops", lambda: loops.job_counters(trainer), self._load_loops)
+
+    def _load_loops(self, tree: StateTree) -> None:
+        loops.load_job_counters(self.lightning_module.trainer, tree)
+        self._caught_up = True
+
+    def _fire_fault(self, phase: str) -> None:
+        if self._fault is not None and self._manager is not None:
+            self._fault.fire_if(self._manager.step, phase, self._manager.rank)
+
+
+def _data_topology(replica_id: str, num_replica_groups: int | None, replica_ids: list[str] | None,
+                   replica_index: int | None) -> tuple[int, int]:
+    """(num_replica_groups, replica_index), resolved from the arguments, then the environment; validated."""
+    if num_replica_groups is None:
+        if replica_ids is not None:
+            num_replica_groups = len(replica_ids)
+        else:
+            num_replica_groups = int(os.environ.get(ENV_NUM_REPLICA_GROUPS, "1"))
+    if num_replica_groups < 1:
+        raise ValueError(f"FTHSDPStrategy needs num_replica_groups >= 1, got {num_replica_groups}")
+    if replica_ids is not None:
+        if len(replica_ids) != num_replica_groups:
+            raise ValueError(f"FTHSDPStrategy got {len(replica_ids)} replica_ids {replica_ids} but "
+                             f"num_replica_groups={num_replica_groups}: list every group once")
+        if replica_id not in replica_ids:
+            raise ValueError(f"FTHSDPStrategy replica_id={replica_id!r} is not in replica_ids={replica_ids}")
+        index_from_ids = replica_ids.index(replica_id)
+        if replica_index is not None and replica_index != index_from_ids:
+            raise ValueError(f"FTHSDPStrategy got replica_index={replica_index} but replica_id={replica_id!r} is at "
+                             f"position {index_from_ids} of replica_ids: pass one of them")
+        replica_index = index_from_ids
+    if replica_index is None:
+        from_env = os.environ.get(ENV_REPLICA_INDEX)
+        if from_env is not None:
+            replica_index = int(from_env)
+        elif num_replica_groups == 1:
+            replica_index = 0
+        else:
+            raise ValueError(
+                f"FTHSDPStrategy needs this group's data shard with num_replica_groups={num_replica_groups}: pass "
+                f"replica_ids=[...] (every group's id, in order) or replica_index (or set ${ENV_REPLICA_INDEX})")
+    if not 0 <= replica_index < num_replica_groups:
+        raise ValueError(f"FTHSDPStrategy needs 0 <= replica_index < num_replica_groups, got replica_index="
+                         f"{replica_index} and num_replica_groups={num_replica_groups}")
+    return num_replica_groups, replica_index
+
+
+def _jsonable(value: Any) -> Any:
+    """The JSON part of a scheduler's state (lambdas and other objects cannot travel and are not state)."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items() if _is_plain(v)}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return all(_is_plain(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _load_schedulers(schedulers: list[Any], tree: StateTree) -> None:
+    for i, scheduler in enumerate(schedulers):
+        state = scheduler.state_dict()
+        state.update(tree[str(i)])
+        scheduler.load_state_dict(state)

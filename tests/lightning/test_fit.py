@@ -1,0 +1,208 @@
+"""Real replica groups (Lightning launches, gloo, loopback) against a real lighthouse."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+
+sys.path.insert(0, str(ROOT / "examples"))
+from train_lightning import TinyRegressor, make_dataset
+
+pytestmark = pytest.mark.integration
+EXAMPLE = ROOT / "examples" / "train_lightning.py"
+LR, DECAY = 0.05, 0.95
+STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps: int, extra: tuple[str, ...] = (),
+                          replica_ids: tuple[str, ...] = ("a", "b")) -> Group:
+    """``fit`` one replica group; every rank appends to ``<workdir>/<replica_id>.jsonl``."""
+    jsonl = job.workdir / f"{replica_id}.jsonl"
+    log = job.workdir / f"{replica_id}-{len(job._procs)}.log"
+    cmd = [sys.executable, str(EXAMPLE), "fit",
+           f"--trainer.strategy={STRATEGY}", f"--trainer.strategy.replica_ids=[{','.join(replica_ids)}]",
+           "--trainer.accelerator=cpu", f"--trainer.devices={devices}", f"--trainer.max_steps={max_steps}",
+           "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+           f"--trainer.default_root_dir={job.workdir}", f"--recorder.jsonl={jsonl}", *extra]
+    env = {"FTHSDP_REPLICA_ID": replica_id, "FTHSDP_LIGHTHOUSE": job.lighthouse_url,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
+    job._procs.append(proc)  # so Job.close() ends it by process-group id
+    group = Group(replica_id, proc, jsonl, log, devices)
+    job.groups[replica_id] = group
+    return group
+
+
+def records(group: Group, event: str = "step", rank: int = 0) -> list[dict[str, Any]]:
+    if not group.jsonl.exists():
+        return []
+    rows = [json.loads(line) for line in group.jsonl.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["event"] == event and r["rank"] == rank]
+
+
+def _job(tmp_path: Path, min_replicas: int) -> Iterator[Job]:
+    job = Job(tmp_path, min_replicas=min_replicas, join_timeout_ms=3_000)
+    try:
+        job.start_lighthouse()
+        yield job
+    finally:
+        job.close()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    """Both groups train from the first step (the lighthouse waits for two)."""
+    yield from _job(tmp_path, 2)
+
+
+@pytest.fixture
+def job_alone_ok(tmp_path: Path) -> Iterator[Job]:
+    """A group may go on alone (while the other is down)."""
+    yield from _job(tmp_path, 1)
+
+
+def reference(steps: int, *, shards: int, samples: int, batch_size: int, accumulate: int = 1,
+              clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Single-process training on the union of every shard's data, step by step."""
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DistributedSampler
+
+    seed_everything(0)
+    model = TinyRegressor(lr=LR, lr_decay=DECAY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: DECAY**s)
+    data = make_dataset(samples, 8)
+    samplers = [DistributedSampler(data, num_replicas=shards, rank=k, shuffle=True, seed=0) for k in range(shards)]
+    per_epoch = samplers[0].num_samples // batch_size
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            epoch, offset = divmod(step * accumulate + micro, per_epoch)
+            index: list[int] = []
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+                index += list(sampler)[offset * batch_size:(offset + 1) * batch_size]
+            x, y = data[index]
+            (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def run_pair(job: Job, *, devices: int, steps: int, extra: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    groups = {}
+    for rid in ("a", "b"):
+        params = job.workdir / f"{rid}.pt"
+        groups[rid] = start_lightning_group(job, rid, devices=devices, max_steps=steps,
+                                            extra=(*extra, f"--recorder.params={params}"))
+    for group in groups.values():
+        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+    return {rid: torch.load(job.workdir / f"{rid}.pt") for rid in groups}
+
+
+@pytest.mark.timeout(200)
+def test_two_groups_of_two_ranks_equal_single_process_training_on_the_union(job: Job) -> None:
+    steps = 6  # crosses an epoch boundary: 64 samples / 4 shards / batch 4 = 4 batches per epoch
+    params = run_pair(job, devices=2, steps=steps, extra=("--data.samples=64", "--data.batch_size=4"))
+    expected = reference(steps, shards=4, samples=64, batch_size=4)
+    assert max_diff(params["a"], params["b"]) == 0.0
+    assert max_diff(params["a"], expected) <= 1e-6
+    assert [r["global_step"] for r in records(job.groups["a"])] == list(range(1, steps + 1))
+
+
+@pytest.mark.timeout(200)
+def test_accumulation_and_clipping_sync_before_clipping(job: Job) -> None:
+    steps, clip = 4, 0.05
+    params = run_pair(job, devices=1, steps=steps,
+                      extra=("--data.samples=64", "--data.batch_size=4", "--trainer.accumulate_grad_batches=2",
+                             f"--trainer.gradient_clip_val={clip}"))
+    expected = reference(steps, shards=2, samples=64, batch_size=4, accumulate=2, clip=clip)
+    # Clipping each group's own gradient before the cross-group average would give a different update.
+    unsynced_clip = reference(steps, shards=2, samples=64, batch_size=4, accumulate=2, clip=None)
+    assert max_diff(expected, unsynced_clip) > 1e-4, "the clip value must be active for this test to mean anything"
+    assert max_diff(params["a"], params["b"]) == 0.0
+    assert max_diff(params["a"], expected) <= 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> None:
+    job = job_alone_ok
+    steps = 60
+    common = ("--data.samples=512", "--data.batch_size=4", "--recorder.sleep_s=0.15")
+    a = start_lightning_group(job, "a", devices=2, max_steps=steps, extra=common)
+    # b kills itself while its cross-group allreduce of step 4 is in flight: a's step 4 is discarded.
+    b = start_lightning_group(job, "b", devices=2, max_steps=steps,
+                              extra=(*common, "--trainer.strategy.fault=sigkill:step=4:phase=allreduce"))
+    wait_for(lambda: b.proc.poll() is not None, 90, "group b to kill itself at step 4")
+    os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
+    first_life = records(b)
+    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in records(a)), 60,
+             "group a to discard the failed step and continue alone")
+    b = start_lightning_group(job, "b", devices=2, max_steps=steps, extra=common)
+    for group in (a, b):
+        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+
+    a_steps = records(a)
+    assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a's global_step drifted"
+    for r in a_steps:  # the LR schedule follows the committed steps: a discarded attempt did not step it
+        assert math.isclose(r["lr"], LR * DECAY ** r["global_step"], rel_tol=1e-9), r
+    second_life = records(b)[len(first_life):]
+    assert second_life[0]["global_step"] > 4, "b must join where the job is, not restart from 0"
+    assert [r["global_step"] for r in second_life] == list(range(second_life[0]["global_step"], steps + 1))
+    assert records(a, "end")[0]["params_sha256"] == records(b, "end")[0]["params_sha256"]
+    assert all(ra["params_sha256"] == rb["params_sha256"] for ra in a_steps for rb in second_life
+               if ra["global_step"] == rb["global_step"]), "a and b differ at a common step"
+    # Exactly-once data for b: the batches b contributed, over both lives, are its stream without repeats or gaps.
+    contributed = [r for r in records(b) if "b" in r["participants"]]
+    positions = [r["stream_step"] for r in contributed]
+    assert positions == list(range(positions[0], positions[0] + len(positions))), positions
+    assert len({r["batch_sha256"] for r in contributed}) == len(contributed)
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_written_by_one_group_and_every_group_resumes_from_it(job: Job) -> None:
+    ckpts = job.workdir / "ckpts"
+    common = ("--data.samples=128", "--data.batch_size=4",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              f"--trainer.callbacks.dirpath={ckpts}", "--trainer.callbacks.every_n_train_steps=3",
+              "--trainer.callbacks.save_top_k=-1")
+    full = run_pair(job, devices=1, steps=6, extra=common)
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt"], names
+    meta = torch.load(ckpts / names[0] / "meta.pt", weights_only=False)
+    assert meta["fthsdp"]["writer"] == "a" and meta["global_step"] == 3
+
+    for rid in ("a", "b"):
+        (job.workdir / f"{rid}.jsonl").unlink()
+    resumed = run_pair(job, devices=1, steps=6, extra=(*common[:2], f"--ckpt_path={ckpts / names[0]}"))
+    assert [r["global_step"] for r in records(job.groups["a"])] == [4, 5, 6]
+    assert max_diff(resumed["a"], resumed["b"]) == 0.0
+    assert max_diff(resumed["a"], full["a"]) <= 1e-6

@@ -1,0 +1,116 @@
+"""In-process tests of the Lightning front end: registry, LightningCLI, errors, sampler, policy, LR scaling."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_fthsdp
+from lightning_fthsdp.lightning import FTHSDPStrategy, ReplicaStreamSampler
+from lightning_fthsdp.lightning.policy import shard_units
+from lightning_fthsdp.testing.harness import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+from train_lightning import TinyCLI, TinyData, TinyRegressor
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _ft_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTHSDP_REPLICA_ID", "a")
+    monkeypatch.setenv("FTHSDP_LIGHTHOUSE", "http://127.0.0.1:1")
+
+
+def test_import_registers_the_strategy_name() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "fthsdp" in StrategyRegistry
+    trainer = Trainer(strategy="fthsdp", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, FTHSDPStrategy)
+    assert lightning_fthsdp.FTHSDPStrategy is FTHSDPStrategy
+
+
+def test_lightning_cli_yaml_config_with_class_path() -> None:
+    cli = TinyCLI(TinyRegressor, TinyData, run=False, args=["--config", str(HERE / "cli.yaml")])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, FTHSDPStrategy)
+    assert (strategy.replica_id, strategy.num_replica_groups, strategy.replica_index) == ("b", 2, 1)
+    assert strategy.lr_scaling == "sqrt"
+
+
+def test_missing_lighthouse_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FTHSDP_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="FTHSDP_LIGHTHOUSE"):
+        FTHSDPStrategy()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"data_parallel_size": 2}, TypeError, "data_parallel_size=2: the shard count is the group's devices"),
+    ({"cpu_offload": True}, TypeError, "FSDPStrategy"),
+    ({"lr_scaling": "cubic"}, ValueError, "lr_scaling must be one of"),
+    ({"replica_ids": ["x", "y"]}, ValueError, "replica_id='a' is not in replica_ids"),
+    ({"num_replica_groups": 2}, ValueError, "pass replica_ids"),
+    ({"num_replica_groups": 2, "replica_index": 2}, ValueError, "0 <= replica_index < num_replica_groups"),
+    ({"replica_ids": ["a", "b"], "num_replica_groups": 3}, ValueError, "got 2 replica_ids"),
+])
+def test_clear_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        FTHSDPStrategy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_replica_index_from_replica_ids_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert FTHSDPStrategy(replica_ids=["b", "a"]).replica_index == 1
+    monkeypatch.setenv("FTHSDP_NUM_REPLICA_GROUPS", "3")
+    monkeypatch.setenv("FTHSDP_REPLICA_INDEX", "2")
+    strategy = FTHSDPStrategy()
+    assert (strategy.num_replica_groups, strategy.replica_index) == (3, 2)
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 0.25), ("sqrt", 0.5)])
+def test_degraded_lr_scaling(scaling: str, factor: float) -> None:
+    strategy = FTHSDPStrategy(num_replica_groups=4, replica_index=0, lr_scaling=scaling)  # type: ignore[arg-type]
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
+    strategy._scale_lr(optimizer, healthy=1)
+    assert math.isclose(optimizer.param_groups[0]["lr"], 0.4 * factor)
+
+
+def test_sampler_shards_are_disjoint_and_cover_the_data() -> None:
+    data = list(range(48))
+    samplers = [ReplicaStreamSampler(data, num_replica_groups=2, replica_index=r, shard_count=2, shard_rank=s,
+                                     batch_size=4, position=lambda: 0, seed=7) for r in range(2) for s in range(2)]
+    seen = [i for sampler in samplers for i in sampler]
+    assert sorted(seen) == data
+
+
+def test_sampler_resumes_its_stream_at_a_position_in_a_later_epoch() -> None:
+    data = list(range(32))
+    position = 0
+
+    def make() -> ReplicaStreamSampler:
+        return ReplicaStreamSampler(data, num_replica_groups=2, replica_index=1, shard_count=1, shard_rank=0,
+                                    batch_size=4, position=lambda: position, seed=3)
+
+    stream = []
+    for epoch in range(2):
+        sampler = make()
+        position = epoch * sampler.batches_per_epoch
+        stream += list(sampler)
+    position = 5  # epoch 1, second batch
+    assert make().locate(5) == (1, 1)
+    assert list(make()) == stream[5 * 4:]
+    assert stream[:16] != stream[16:], "the shuffle must change with the epoch"
+
+
+def test_policy_shards_each_block_then_the_root() -> None:
+    model = TinyRegressor(blocks=3)
+    units = shard_units(model, min_params=10_000)
+    assert units == list(model.blocks)
+    assert model.head not in shard_units(model, min_params=10_000)
+    assert model.inp in shard_units(model, min_params=1)
