@@ -27,7 +27,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def measure(mib: int, step_time_ms: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), min_replicas=2, heartbeat_timeout_ms=2_000, collective_timeout_ms=30_000)
+        # The join timeout must outlast the transfer: a recovering group that is still fetching is a heartbeating
+        # straggler to the lighthouse, and would be dropped (cutting its transfer off) when the join timeout passes.
+        job = Job(Path(tmp), min_replicas=2, heartbeat_timeout_ms=2_000, join_timeout_ms=20_000,
+                  collective_timeout_ms=30_000)
         try:
             job.start_lighthouse()
             extra = ("--ballast-mib", str(mib))

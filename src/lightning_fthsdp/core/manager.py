@@ -187,8 +187,9 @@ class FTManager:
             return False
         self._exchange_ok = True
         if source is not None:
-            # The fetch had the whole step to run; waiting longer would only delay our own next try.
-            self._fetched = self._catchup.finish_fetch(timeout_s=self.timeouts.heartbeat_timeout_ms / 1000)
+            # The fetch ran during the whole step. Waiting for the rest of it costs the healthy groups (they need us in
+            # the next step) less than giving up: a retry would take a fresh snapshot and transfer everything again.
+            self._fetched = self._catchup.finish_fetch(timeout_s=self.timeouts.collective_timeout_ms / 1000)
             if self._fetched is None:
                 return False
             self._fetch_info = {"source": source, "step": quorum.max_step,
