@@ -42,6 +42,15 @@ def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
     return streams
 
 
+def start_three_and_kill_b(job: Job) -> tuple[Group, Group, int]:
+    """Groups a and c train on; b kills itself at KILL_STEP. Returns a, c and b's last committed step."""
+    job.start_lighthouse()
+    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
+    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
+    kill_and_wait_degraded(job, "b", a)
+    return a, c, max(r["step"] for r in job.groups["b"].records())
+
+
 def kill_and_wait_degraded(job: Job, victim: str, observer: Group) -> None:
     assert job.wait_exit(job.groups[victim], 60) == -9
     wait_for(lambda: [r for r in observer.records()[-1:] if r["participants"] == 2 and r["step"] >= KILL_STEP + 3], 60,
@@ -57,11 +66,7 @@ def after_restart(group: Group, since_step: int) -> list[dict]:
 
 
 def test_restarted_group_catches_up_bit_identical_and_data_is_trained_once(job: Job) -> None:
-    job.start_lighthouse()
-    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
-    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
-    kill_and_wait_degraded(job, "b", a)
-    died_at = max(r["step"] for r in job.groups["b"].records())
+    a, c, died_at = start_three_and_kill_b(job)
     b = restart(job, "b")
     for group in (a, b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
@@ -100,11 +105,7 @@ def test_source_killed_mid_transfer_recovering_group_gets_another(job: Job) -> N
 
 
 def test_recovering_group_killed_mid_transfer_leaves_the_others_unaffected(job: Job) -> None:
-    job.start_lighthouse()
-    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
-    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
-    kill_and_wait_degraded(job, "b", a)
-    died_at = max(r["step"] for r in job.groups["b"].records())
+    a, c, died_at = start_three_and_kill_b(job)
     doomed = restart(job, "b", fault="sigkill:step=0:phase=fetch")
     assert job.wait_exit(doomed, 60) == -9
     assert after_restart(doomed, died_at) == [], "the doomed restart must not have committed anything"
