@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 REPLICA_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -63,9 +64,17 @@ class Quorum:
     recover_src: Mapping[str, str] = field(default_factory=dict)
     """Members behind ``max_step`` -> the up-to-date member they recover from (shard rank to shard rank)."""
 
-    @property
+    @cached_property
     def member_ids(self) -> tuple[str, ...]:
         return tuple(m.replica_id for m in self.members)
+
+    @cached_property
+    def _index(self) -> dict[str, int]:
+        # O(1) lookups: the lighthouse checks every request of a 10,000-group job against the current quorum.
+        return {m.replica_id: i for i, m in enumerate(self.members)}
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._index
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -73,7 +82,7 @@ class Quorum:
         return tuple(m.replica_id for m in self.members if m.step == self.max_step)
 
     def rank_of(self, replica_id: str) -> int:
-        return self.member_ids.index(replica_id)
+        return self._index[replica_id]
 
     def member(self, replica_id: str) -> Member:
         return self.members[self.rank_of(replica_id)]
@@ -152,7 +161,7 @@ def is_late_member(previous: Quorum | None, request: QuorumRequest) -> bool:
     since the members already answered are waiting for it inside that quorum's collectives."""
     return (
         previous is not None
-        and request.replica_id in previous.member_ids
+        and request.replica_id in previous
         and request.quorum_id == previous.quorum_id
         and not request.commit_failed
         and request.step == previous.member(request.replica_id).step == previous.max_step
