@@ -16,6 +16,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.core.lighthouse_cli",
     "lightning_fthsdp.demo",
     "lightning_fthsdp.sim.cli",
+    "lightning_fthsdp.launch.cli",
+    "lightning_fthsdp.launch.fit",
 )
 
 

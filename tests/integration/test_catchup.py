@@ -11,9 +11,9 @@ from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-# Long enough that the healthy groups are still training when a restarted process (about 2 s to import torch and
+# Long enough that the healthy groups are still training when a restarted process (2-3 s to import torch and
 # start) comes back, even on a loaded 2-core machine.
-STEPS = 200
+STEPS = 300
 KILL_STEP = 6
 
 

@@ -155,13 +155,15 @@ def test_accumulation_and_clipping_sync_before_clipping(job: Job) -> None:
 @pytest.mark.timeout(240)
 def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> None:
     job = job_alone_ok
-    steps = 60
+    steps = 150  # at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
     common = ("--data.samples=512", "--data.batch_size=4", "--recorder.sleep_s=0.15")
     a = start_lightning_group(job, "a", devices=2, max_steps=steps, extra=common)
-    # b kills itself while its cross-group allreduce of step 4 is in flight: a's step 4 is discarded.
+    # a holds the job's state from its first step on, whatever b does (b joins it and catches up).
+    wait_for(lambda: records(a), 90, "group a's first step")
+    # b kills itself while its cross-group allreduce of step >= 4 is in flight: a's step is discarded.
     b = start_lightning_group(job, "b", devices=2, max_steps=steps,
                               extra=(*common, "--trainer.strategy.fault=sigkill:step=4:phase=allreduce"))
-    wait_for(lambda: b.proc.poll() is not None, 90, "group b to kill itself at step 4")
+    wait_for(lambda: b.proc.poll() is not None, 90, "group b to kill itself at step >= 4")
     os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
     first_life = records(b)
     wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in records(a)), 60,

@@ -39,8 +39,8 @@ class CatchUp:
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
-        self._serving: tuple[int, Future[None]] | None = None
-        self._fetch: tuple[int, Future[StateTree], threading.Event] | None = None
+        self._serving: tuple[int, Future[None], threading.Event] | None = None
+        self._fetch: tuple[tuple[str, int], Future[StateTree], threading.Event] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -71,18 +71,28 @@ class CatchUp:
         with self._lock:  # the leader's quorum thread and its main thread may both ask
             if self._serving is not None and self._serving[0] == step:
                 return
-            self._serving = (step, self._executor.submit(lambda: self._server.publish(step, snapshot(self.capture()))))
+            cancelled = threading.Event()
+
+            def take() -> None:
+                copy = snapshot(self.capture())
+                # A snapshot whose wait timed out may have read tensors the optimizer step was changing: never
+                # publish it.
+                if not cancelled.is_set():
+                    self._server.publish(step, copy)
+
+            self._serving = (step, self._executor.submit(take), cancelled)
 
     def wait_snapshot(self, timeout_s: float) -> None:
         """Block until the snapshot copy is done: the live state may change after this returns."""
         if self._serving is None:
             return
-        step, future = self._serving
+        step, future, cancelled = self._serving
         try:
             future.result(timeout=timeout_s)
-        except Exception as exc:  # a failed snapshot only means this step serves nobody
-            self._log.warning("snapshot of step %d failed: %s", step, exc)
-            self._serving = None
+        except Exception as exc:  # a failed or late snapshot only means this step serves nobody
+            cancelled.set()
+            self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", step, timeout_s, exc)
+            self.stop_serving()
 
     def stop_serving(self) -> None:
         with self._lock:
@@ -93,12 +103,13 @@ class CatchUp:
     # ------------------------------------------------------------------------------------------ recovering
 
     def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
-        if self._fetch is not None and self._fetch[0] == step and not self._fetch[1].done():
+        """Fetch ``step`` from ``address`` in the background; a fetch of the same state still running is kept."""
+        if self._fetch is not None and self._fetch[0] == (address, step) and not self._fetch[1].done():
             return
         self.cancel_fetch()
         abort = threading.Event()
         future = self._executor.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
-        self._fetch = (step, future, abort)
+        self._fetch = ((address, step), future, abort)
         if self._on_phase is not None:
             self._on_phase("fetch")
 
@@ -106,7 +117,7 @@ class CatchUp:
         """The fetched tree, or None (failed, or not done in time: the group stays behind and retries)."""
         if self._fetch is None:
             return None
-        step, future, _ = self._fetch
+        (_, step), future, _ = self._fetch
         try:
             tree = future.result(timeout=timeout_s)
         except TimeoutError:

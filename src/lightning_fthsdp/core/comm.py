@@ -79,6 +79,7 @@ class CrossGroupComm:
         self._size = 0
         self._graveyard: list[_Parked] = []
         self._store: tuple[str, dist.Store] | None = None
+        self._target: int | None = None  # the quorum being configured or in use (for abort)
         self._wake = threading.Event()
         self._aborted = False
         self._lock = threading.Lock()
@@ -89,9 +90,15 @@ class CrossGroupComm:
     def quorum_id(self) -> int | None:
         return self._quorum_id
 
-    def abort(self, reason: str) -> None:
-        """Abandon whatever this rank is waiting on (callable from any thread, e.g. the heartbeat watchdog)."""
+    def abort(self, reason: str, quorum_id: int | None = None) -> None:
+        """Abandon whatever this rank is waiting on (callable from any thread, e.g. the heartbeat watchdog).
+
+        With ``quorum_id``, only if that is the quorum this rank is configuring or using: a watchdog that read an
+        older quorum must not abort the next one.
+        """
         with self._lock:
+            if quorum_id is not None and quorum_id != self._target:
+                return
             self._aborted = True
             self._abort_reason = reason
         self._wake.set()
@@ -105,6 +112,8 @@ class CrossGroupComm:
 
         Raises CollectiveAborted if the rendezvous is aborted or does not complete within connect_timeout.
         """
+        with self._lock:
+            self._target = quorum_id
         if self._quorum_id == quorum_id and (self._backend is not None or size == 1):
             return
         self._retire(None)

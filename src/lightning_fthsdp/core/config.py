@@ -80,7 +80,7 @@ def from_env(value: str | None, env_name: str) -> str | None:
 
 def add_timeout_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
     """Add ``--<field>`` options for Timeouts fields (all, or ``names``); help text is the field's docstring."""
-    docs = _field_docs()
+    docs = field_docs(Timeouts)
     for f in fields(Timeouts):
         if names is None or f.name in names:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, help=docs.get(f.name))
@@ -90,19 +90,20 @@ def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
     return Timeouts(**{f.name: getattr(args, f.name) for f in fields(Timeouts) if hasattr(args, f.name)})
 
 
-def _field_docs() -> dict[str, str]:
-    """Field docstrings (the string literal after each field) so --help and the docs share one source."""
+def field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal right after each field) of a dataclass, whitespace-normalised, so
+    ``--help`` texts, recipes and docs share one source."""
     import ast
     import inspect
     import textwrap
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Timeouts)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, following in itertools.pairwise(body):
         is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-        if isinstance(node, ast.AnnAssign) and is_doc:
-            docs[node.target.id] = " ".join(str(following.value.value).split())  # type: ignore[union-attr]
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            docs[node.target.id] = " ".join(str(following.value.value).split())  # type: ignore[attr-defined]
     return docs
 
 

@@ -64,7 +64,7 @@ class Request:
         """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
         try:
             data = json.loads(self.body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except ValueError as e:  # also int strings past Python's digit limit, not only JSONDecodeError
             raise HttpError(400, f"request body is not valid JSON ({e}): send a JSON object") from None
         if not isinstance(data, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(data).__name__}")

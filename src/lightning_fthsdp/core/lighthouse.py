@@ -48,6 +48,7 @@ from lightning_fthsdp.core.quorum import (
 log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_LONG_POLL_MS = 5_000
+MAX_QUORUM_TIMEOUT_MS = 3_600_000
 _NEVER = float("inf")
 
 
@@ -56,6 +57,8 @@ class _Replica:
     step: int
     last_seen: float
     dead: bool = False
+    deaths: int = 0
+    """Times declared dead: a group compares it across a step so it never commits a step it was declared dead in."""
 
 
 class Lighthouse:
@@ -201,6 +204,10 @@ class Lighthouse:
         known_epoch, wait_ms = require_int(body, "known_epoch", None), require_int(body, "wait_ms", 0)
         rank = require_int(body, "rank", 0) if "rank" in body else 0
         self._check_shard_count(replica_id, shard_count)
+        if rank > 0 and replica_id not in self._replicas:
+            # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left
+            # must not bring the group back as a ghost the others would wait for.
+            raise HttpError(404, f"replica {replica_id!r} is not known: its rank 0 must heartbeat first")
         self._touch(replica_id, step)
         key = (replica_id, rank)
         old = self._liveness.get(key)
@@ -218,6 +225,7 @@ class Lighthouse:
                 "epoch": self._epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
                 "dead": sorted(rid for rid, r in self._replicas.items() if r.dead),
+                "deaths": {rid: r.deaths for rid, r in self._replicas.items() if r.deaths},
                 "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
             }).encode()
         return Response(200, self._heartbeat_body)
@@ -229,6 +237,9 @@ class Lighthouse:
         address = require(body, "address", str, "a string (may be empty)")
         commit_failed = require(body, "commit_failed", bool, "true or false")
         quorum_id, timeout_ms = require_int(body, "quorum_id", -1), require_int(body, "timeout_ms", 1)
+        if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
+            raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
+                                 f"{timeout_ms}: a quorum request is bounded")
         members = require(body, "members", list, "a list of replica ids")
         for member in members:
             try:
@@ -336,6 +347,7 @@ class Lighthouse:
         if replica is None or replica.dead:
             return
         replica.dead = True
+        replica.deaths += 1
         self._set_alive(replica_id, False)
         log.warning("replica %s declared dead at step %d: %s", replica_id, replica.step, reason)
         self._bump_epoch()

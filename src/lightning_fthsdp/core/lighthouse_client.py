@@ -22,7 +22,15 @@ from lightning_fthsdp.core.quorum import Quorum
 
 
 class LighthouseUnavailable(ConnectionError):
-    """The lighthouse could not be reached (refused, reset, timed out): its state is unknown."""
+    """The lighthouse could not be reached (refused, reset, timed out): its state is unknown.
+
+    ``refused``: nothing listens at its address (the lighthouse process is gone), as opposed to a connection
+    that broke or timed out (the lighthouse may be up and may have declared us dead).
+    """
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class LighthouseRejected(RuntimeError):
@@ -58,7 +66,7 @@ class _Connection:
             payload = response.read()
         except (OSError, http.client.HTTPException) as exc:
             self.close()
-            raise LighthouseUnavailable(f"{path}: {exc}") from exc
+            raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError)) from exc
         try:
             data = json.loads(payload or b"{}")
         except ValueError as exc:
@@ -78,9 +86,8 @@ class Heartbeat:
     """A daemon thread that heartbeats as long-polls and reports who the lighthouse declared dead.
 
     ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes.
-    ``lease_valid()`` is the commit fence: False once this process may have been declared dead (its last
-    acknowledged heartbeat was sent longer than the heartbeat timeout ago, e.g. after a SIGSTOP) while the
-    lighthouse was reachable. While the lighthouse is unreachable nobody can be declared dead, so the lease holds.
+    ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
+    this group dead, as of the last acknowledged heartbeat.
     """
 
     def __init__(
@@ -103,7 +110,11 @@ class Heartbeat:
         self._epoch = -1
         self._dead: frozenset[str] = frozenset()
         self._last_ack_sent = time.monotonic()
-        self._unreachable_since_ack = False
+        self.deaths = 0
+        # "ok": acknowledged; "unverified": the connection broke (we may have been declared dead: find out before
+        # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
+        self._state = "unverified"
+        self._settled = threading.Event()  # set in "ok" and "away"
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fthsdp-heartbeat-{replica_id}-{rank}", daemon=True)
 
@@ -111,12 +122,26 @@ class Heartbeat:
         self._thread.start()
 
     @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
     def dead(self) -> frozenset[str]:
         return self._dead
 
-    def lease_valid(self) -> bool:
+    def lease_valid(self, deaths_before: int) -> bool:
+        """Whether this group may commit a step it started when the lighthouse had declared it dead
+        ``deaths_before`` times: False if it was declared dead since (a broken heartbeat connection, a SIGSTOP)
+        or could have been (no acknowledgement for a heartbeat timeout). After a broken connection it waits (a
+        few heartbeat intervals at most) for the reconnect that tells. While nothing listens at the lighthouse's
+        address, nobody can be declared dead and the lease holds (a lighthouse that declared us dead and then
+        died within one heartbeat interval is the residual risk)."""
+        if not self._settled.wait(3 * self._timeouts.heartbeat_interval_ms / 1000):
+            return False
+        if self._state == "away":
+            return True
         fresh = time.monotonic() - self._last_ack_sent < self._timeouts.heartbeat_timeout_ms / 1000
-        return fresh or self._unreachable_since_ack
+        return fresh and self.deaths == deaths_before
 
     def _run(self) -> None:
         interval_s = self._timeouts.heartbeat_interval_ms / 1000
@@ -133,17 +158,26 @@ class Heartbeat:
             }
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
-            except LighthouseUnavailable:
-                self._unreachable_since_ack = True
+            except LighthouseUnavailable as exc:
                 self.connected.clear()
-                self._stop.wait(interval_s)
+                if exc.refused:
+                    self._state = "away"
+                    self._settled.set()
+                    self._stop.wait(interval_s)
+                elif self._state != "unverified":
+                    self._state = "unverified"
+                    self._settled.clear()  # reconnect at once: a commit may be waiting for the answer
+                else:
+                    self._stop.wait(interval_s)
                 continue
             except LighthouseRejected:
                 # A request the lighthouse refuses (e.g. wrong token) never becomes valid by retrying fast.
                 self._stop.wait(interval_s)
                 continue
             self._last_ack_sent = sent
-            self._unreachable_since_ack = False
+            self.deaths = int(dict(answer.get("deaths", {})).get(self._replica_id, 0))
+            self._state = "ok"
+            self._settled.set()
             self.connected.set()
             self._epoch = int(answer.get("epoch", -1))
             dead = frozenset(str(d) for d in answer.get("dead", ()))

@@ -31,7 +31,7 @@ from lightning_fthsdp.core.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.core.comm import CollectiveAborted, CrossGroupComm
 from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, Timeouts, from_env, resolve
 from lightning_fthsdp.core.lighthouse_client import Heartbeat, LighthouseRejected, LighthouseUnavailable, QuorumClient
-from lightning_fthsdp.core.quorum import Quorum, check_replica_id
+from lightning_fthsdp.core.quorum import Member, Quorum, check_replica_id
 from lightning_fthsdp.core.torch_state import StateTree, load_rng_state, rng_state
 
 _GATEWAY_TIMEOUT = 504
@@ -98,6 +98,7 @@ class FTManager:
         self._participants: tuple[str, ...] = ()
         self._contributions: dict[str, int] = {}
         self._lighthouse_away = False
+        self._deaths_at_quorum = 0
         self._fetched: StateTree | None = None
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
@@ -106,7 +107,6 @@ class FTManager:
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")))
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
                                     step=lambda: self.step, on_dead=self._on_dead)
-        self._heartbeat.start()
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         # Loaded by _load (it also sets the step), so the registered loader has nothing left to do.
@@ -153,6 +153,10 @@ class FTManager:
 
     def begin_step(self) -> None:
         """Start this step's quorum request in the background (leader only; other ranks: nothing)."""
+        if not self._heartbeat.started:
+            # Heartbeating starts with the first step, not at construction: a group still building its model
+            # is not yet a heartbeating group the others must wait for or count in their majority.
+            self._heartbeat.start()
         if self._executor is not None and self._pending is None:
             step = self.step
             self._pending = self._executor.submit(self._request_quorum, step, self._commit_failed, self._quorum)
@@ -184,6 +188,7 @@ class FTManager:
             log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step).warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
+            self._catchup.cancel_fetch()  # its source may be what failed: the next quorum may name another
             return False
         self._exchange_ok = True
         if source is not None:
@@ -199,7 +204,7 @@ class FTManager:
 
     def commit(self) -> bool:
         """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
-        lease_ok = self._heartbeat.lease_valid()
+        lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
         ok, exchanged = self._vote(self._step_ok and lease_ok, self._exchange_ok and lease_ok)
         self._step_ok = self._exchange_ok = False
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
@@ -248,12 +253,16 @@ class FTManager:
                 answer = self._quorum_client.request(self.replica_id, step, self.shard_count,
                                                      ",".join(self._addresses), commit_failed, current)
             except LighthouseUnavailable as exc:
-                if current is not None and not commit_failed:
+                # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
+                # up-to-date members: last step's recovery assignments must not be replayed.
+                if current is not None and not commit_failed and step == current.max_step + 1:
                     if not self._lighthouse_away:
                         self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d until it is back", exc,
                                            current.quorum_id)
                     self._lighthouse_away = True
-                    return current, self._store_address
+                    kept = Quorum(current.quorum_id, tuple(Member(m.replica_id, step, m.address)
+                                                           for m in current.members), step, current.shard_count)
+                    return kept, self._store_address
                 if time.monotonic() >= deadline:
                     raise QuorumUnavailable(
                         f"FTManager could not reach the lighthouse within connect_timeout_ms="
@@ -300,9 +309,13 @@ class FTManager:
         if self.is_leader:
             assert self._pending is not None
             try:
+                # Outlasts every attempt _request_quorum makes (connect timeout, then one quorum request).
                 quorum, store = self._pending.result(timeout=(self.timeouts.connect_timeout_ms
-                                                              + self.timeouts.quorum_timeout_ms) / 1000)
+                                                              + self.timeouts.quorum_timeout_ms) / 1000 + 30)
                 message = {"quorum": quorum.to_json(), "store": store}
+            except TimeoutError:
+                message = {"error": "the lighthouse client did not return within connect + quorum timeouts",
+                           "fatal": True}
             except LighthouseRejected as exc:
                 fatal = exc.status != _GATEWAY_TIMEOUT
                 message = {"error": str(exc), "fatal": fatal}
@@ -322,6 +335,7 @@ class FTManager:
                             ",".join(quorum.member_ids), quorum.max_step, len(quorum.participants),
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, str(message["store"])
+        self._deaths_at_quorum = self._heartbeat.deaths
         if self.replica_id in quorum.recover_src.values():
             self._catchup.serve(self.step)
         else:
@@ -375,4 +389,4 @@ class FTManager:
             return
         gone = dead & set(quorum.member_ids)
         if gone:
-            self._comm.abort(f"lighthouse declared {','.join(sorted(gone))} dead")
+            self._comm.abort(f"lighthouse declared {','.join(sorted(gone))} dead", quorum.quorum_id)

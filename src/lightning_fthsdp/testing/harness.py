@@ -108,6 +108,13 @@ class Job:
         self.groups[replica_id] = group
         return group
 
+    def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path, nproc: int = 1,
+                      env: dict[str, str] | None = None) -> Group:
+        """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours."""
+        group = Group(replica_id, self._spawn(cmd, log, env), jsonl, log, nproc)
+        self.groups[replica_id] = group
+        return group
+
     def wait_exit(self, group: Group, timeout_s: float) -> int:
         try:
             return group.proc.wait(timeout=timeout_s)
@@ -132,8 +139,8 @@ class Job:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
 
-    def _spawn(self, cmd: list[str], out: Path) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def _spawn(self, cmd: list[str], out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         with out.open("wb") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
                                     env=env)

@@ -1,0 +1,154 @@
+"""The structured configs every recipe is validated against: one dataclass per section, a docstring per field.
+
+A recipe (``recipes/*.yaml``) sets any subset of these fields; everything it leaves out keeps the default here.
+Fields with a fixed set of values declare it as ``metadata={"choices": ...}`` and numeric fields their lower
+bound as ``metadata={"min": ...}``; ``lightning_fthsdp.configs.loader`` enforces both and names the key, the value
+and what is allowed. Cross-field rules live in each section's ``check()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_fthsdp.core.config import Timeouts
+
+
+def _choice(default: str, *choices: str) -> Any:
+    return field(default=default, metadata={"choices": choices})
+
+
+def _at_least(default: float, minimum: float) -> Any:
+    return field(default=default, metadata={"min": minimum})
+
+
+@dataclass
+class LMConfig:
+    """A decoder-only language model over bytes of text (task ``lm``)."""
+
+    style: str = _choice("gpt", "gpt", "llama")
+    """Block design. "gpt": learned positions, LayerNorm, GELU MLP. "llama": rotary positions, RMSNorm, SwiGLU.
+    Both are pre-norm with a weight-tied output head."""
+    n_layer: int = _at_least(2, 1)
+    """Transformer blocks. Each block is its own FSDP2 unit (the strategy's policy shards ModuleList members)."""
+    n_head: int = _at_least(4, 1)
+    """Attention heads; must divide d_model."""
+    d_model: int = _at_least(96, 8)
+    """Width of the residual stream. Parameters grow as about 12 x n_layer x d_model^2."""
+    context: int = _at_least(64, 2)
+    """Tokens (bytes) per training sequence."""
+    corpus_mb: float = _at_least(2.0, 0.01)
+    """Megabytes of text read at start-up from the Python standard library's own *.py files (sorted, so every
+    group reads the same bytes); nothing is downloaded or shipped. More text means fewer repeated windows."""
+    batch_size: int = _at_least(16, 1)
+    """Sequences per shard rank and step: the global batch is batch_size x devices_per_replica x replicas."""
+    lr: float = _at_least(3e-3, 0.0)
+    """Peak AdamW learning rate, reached after warmup_steps (see ft.lr_scaling for degraded steps)."""
+    weight_decay: float = _at_least(0.0, 0.0)
+    """AdamW weight decay."""
+    warmup_steps: int = _at_least(20, 0)
+    """Linear warm-up steps; afterwards the learning rate decays with a cosine to 10% at trainer.max_steps."""
+
+    def check(self, key: str) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"{key}.n_head={self.n_head} must divide {key}.d_model={self.d_model}: "
+                             f"choose n_head among {[h for h in range(1, 17) if self.d_model % h == 0]}")
+        if self.style == "llama" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"{key}.style=llama needs an even head width (d_model / n_head), got "
+                             f"{self.d_model} / {self.n_head}: rotary positions rotate pairs of channels")
+
+
+@dataclass
+class RegressionConfig:
+    """A residual MLP regressor on generated data (task ``regression``): tiny, for tests."""
+
+    features: int = _at_least(8, 1)
+    """Input features of the generated data (x ~ N(0, 1), y = tanh(x . w) with a fixed w)."""
+    width: int = _at_least(16, 1)
+    """Hidden width."""
+    blocks: int = _at_least(2, 1)
+    """Residual blocks (each its own FSDP2 unit)."""
+    samples: int = _at_least(512, 1)
+    """Generated samples (the same in every process: a fixed seed)."""
+    batch_size: int = _at_least(4, 1)
+    """Samples per shard rank and step."""
+    lr: float = _at_least(0.01, 0.0)
+    """SGD learning rate (momentum 0.9)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The Lightning Trainer of every replica group."""
+
+    accelerator: str = _choice("cpu", "cpu", "gpu", "cuda", "auto")
+    """Where each rank runs. "cpu" uses gloo inside and across groups; "gpu"/"cuda" uses NCCL."""
+    precision: str = _choice("32-true", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
+    """Lightning precision plugin. bf16 needs a GPU that supports it."""
+    max_steps: int = _at_least(200, 1)
+    """Committed optimizer steps every group trains to (the job ends when all reach it)."""
+    gradient_clip_val: float | None = None
+    """Clip the global gradient norm (after the cross-group average) to this; null: no clipping."""
+    log_every_n_steps: int = _at_least(10, 1)
+    """Lightning's logging cadence (the launcher's own JSONL records every step regardless)."""
+    seed: int = 0
+    """Seed of every process: all groups start from the same initial weights."""
+    min_step_time_s: float = _at_least(0.0, 0.0)
+    """Pad each step to at least this many seconds. For demos and tests of tiny models, so that a killed
+    group restarts before the survivors finish; 0 in real training."""
+
+
+@dataclass
+class FTConfig:
+    """Fault tolerance: the lighthouse's quorum rule, degraded training and the timeout hierarchy."""
+
+    min_replicas: int = _at_least(1, 1)
+    """Smallest quorum the lighthouse forms. Lower keeps training through more failures; it must not exceed
+    launch.replicas (else one failure stops the job)."""
+    lr_scaling: str = _choice("sqrt", "none", "linear", "sqrt")
+    """Learning-rate factor while h of R groups contribute: 1, h/R or sqrt(h/R) (the paper found sqrt best)."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    """The bounded waits (milliseconds), validated as heartbeat < collective < quorum < connect;
+    see docs/timeouts.md."""
+
+
+@dataclass
+class LaunchConfig:
+    """How ``fthsdp launch`` runs the job on this machine."""
+
+    replicas: int = _at_least(2, 1)
+    """Replica groups (--replicas wins). Each holds a full copy of the model and optimizer state."""
+    devices_per_replica: int = _at_least(1, 1)
+    """Shard ranks per group (--devices-per-replica wins); every group uses the same."""
+    max_restarts: int = _at_least(3, 0)
+    """Restarts per group before the launcher gives up on it (a crash or an injected kill counts)."""
+    restart_delay_s: float = _at_least(1.0, 0.0)
+    """Pause before restarting a dead group (a real scheduler takes longer to find it a node)."""
+    chaos: str = ""
+    """Failure schedule (--chaos wins), e.g. "kill:at=step40:group=b,hang:at=30s:for=5s"; see docs/launch.md."""
+    chaos_seed: int = 0
+    """Seed of the random choices of the chaos schedule (which group, when none is named)."""
+    timeout_s: float = _at_least(900.0, 1.0)
+    """Bound on the whole run; the launcher stops every process and reports failure when it passes."""
+
+
+@dataclass
+class RecipeConfig:
+    """A complete training job: what to train (task and its section), how, and how to launch it."""
+
+    task: str = _choice("lm", "lm", "regression")
+    """Which model and data: "lm" uses the lm section, "regression" the regression section."""
+    lm: LMConfig = field(default_factory=LMConfig)
+    """The language model (task lm)."""
+    regression: RegressionConfig = field(default_factory=RegressionConfig)
+    """The MLP regressor (task regression)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The Lightning Trainer."""
+    ft: FTConfig = field(default_factory=FTConfig)
+    """Fault tolerance."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """The local launcher."""
+
+    def check(self, key: str) -> None:
+        if self.ft.min_replicas > self.launch.replicas:
+            raise ValueError(f"ft.min_replicas={self.ft.min_replicas} exceeds launch.replicas="
+                             f"{self.launch.replicas}: the lighthouse could never form a quorum; lower ft.min_replicas")

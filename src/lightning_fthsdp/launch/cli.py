@@ -1,0 +1,154 @@
+"""``fthsdp launch``: a whole fault-tolerant job on this machine, with failure injection and a report.
+
+Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning's launcher starts the group's
+``--devices-per-replica`` ranks), restarts a group that dies (up to ``launch.max_restarts``), injects the
+``--chaos`` schedule (grammar: ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the
+end writes ``DIR/report.json``, ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a
+summary. Exit code 0 when every group reached ``trainer.max_steps`` with identical final parameters.
+Recipe overrides (``key=value``) come right after the recipe; the flags win over the recipe's ``launch`` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import string
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_fthsdp.configs.schema import RecipeConfig
+    from lightning_fthsdp.launch.chaos import ChaosSchedule
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.max_steps=50")
+    parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
+    parser.add_argument("--devices-per-replica", type=int, default=None,
+                        help="shard ranks per group (default: launch.devices_per_replica)")
+    parser.add_argument("--chaos", default=None, metavar="SPEC",
+                        help="failures to inject, e.g. kill:every=20s,hang:at=45s:for=10s (default: launch.chaos)")
+    parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
+    parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
+                        help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_fthsdp.configs.loader import RecipeError, load_recipe, to_yaml
+    from lightning_fthsdp.launch import chaos
+
+    overrides = list(args.overrides)
+    for flag, key in ((args.replicas, "launch.replicas"), (args.devices_per_replica, "launch.devices_per_replica"),
+                      (args.chaos, "launch.chaos")):
+        if flag is not None:
+            overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        replica_ids = _replica_ids(recipe.launch.replicas)
+        faults = chaos.parse(recipe.launch.chaos, replica_ids)
+    except (RecipeError, ValueError) as err:
+        raise SystemExit(f"fthsdp launch: error: {err}") from None
+    out: Path = args.out
+    for owned in ("groups", "logs", "lightning"):  # a previous run's records would mix with this run's
+        shutil.rmtree(out / owned, ignore_errors=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(to_yaml(recipe))
+    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    from lightning_fthsdp.launch.plot import write_png
+
+    write_png(report, out / "report.png")
+    ok = _summary(report, out)
+    return 0 if ok else 1
+
+
+def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path,
+             live: bool | None) -> dict[str, Any]:
+    from lightning_fthsdp.launch.report import build_report
+    from lightning_fthsdp.launch.supervisor import Supervisor
+    from lightning_fthsdp.launch.view import ConsoleView
+    from lightning_fthsdp.testing.harness import Job
+
+    timeouts = recipe.ft.timeouts
+    job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
+              join_timeout_ms=timeouts.join_timeout_ms)
+    supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
+                            recipe.launch.restart_delay_s)
+    view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
+    # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
+    signal.signal(signal.SIGTERM, _terminate)
+    started = time.time()
+    deadline = started + recipe.launch.timeout_s
+    outcome = "finished"
+    try:
+        view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
+                   f"{recipe.launch.devices_per_replica} ranks; logs in {out / 'logs'}")
+        supervisor.start_all()
+        seen = 0
+        while not supervisor.finished:
+            if time.time() > deadline:
+                outcome = f"timed out after launch.timeout_s={recipe.launch.timeout_s:g}"
+                view.event(f"{outcome}: stopping every process")
+                break
+            supervisor.poll()
+            supervisor.abandon_stranded()
+            commits = [r["t"] for g in supervisor.groups.values() for r in g.records if r["event"] == "step"]
+            if commits:
+                step = max(g.step for g in supervisor.groups.values())
+                # A group at its last step is about to exit: killing it then would restart it with no peer left.
+                targets = [r for r in supervisor.training if supervisor.groups[r].step < recipe.trainer.max_steps]
+                for injection in schedule.due(time.time() - min(commits), step, targets):
+                    view.event(f"inject {injection.kind} on group {injection.group} ({injection.spec})")
+                    supervisor.inject(injection)
+            for event in supervisor.transitions[seen:]:
+                if event["event"] not in ("kill", "hang"):
+                    view.event(f"group {event['group']}: {event['event']} (step {event['step']})")
+            seen = len(supervisor.transitions)
+            view.update(supervisor.groups)
+            time.sleep(0.1)  # the launcher's polling pace; every wait above is non-blocking
+    finally:
+        view.close()
+        job.close()
+    meta = {"recipe": str(out / "recipe.yaml"), "chaos": recipe.launch.chaos, "outcome": outcome,
+            "devices_per_replica": recipe.launch.devices_per_replica, "wall_s": round(time.time() - started, 3),
+            "failures_planned": schedule.planned}
+    return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
+                        max_steps=recipe.trainer.max_steps, meta=meta)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _summary(report: dict[str, Any], out: Path) -> bool:
+    loss = report["loss"]
+    reached = all(g["final_step"] == report["target_steps"] and g["status"] == "done"
+                  for g in report["groups"].values())
+    print(f"\nsummary ({report['wall_s']:.1f} s, {report['outcome']}):")
+    print(f"  committed steps: {report['committed_steps']}/{report['target_steps']}; discarded attempts: "
+          f"{report['discarded_steps']}; every group finished: {reached}")
+    if loss["first"] is not None:
+        print(f"  loss: {loss['first']:.4f} -> {loss['last']:.4f} ({'fell' if loss['fell'] else 'did NOT fall'})")
+    print(f"  failures injected: {report['failures_injected']}; stalls of the healthy groups (s): "
+          f"{report['stalls_s']}")
+    for r in report["recoveries"]:
+        how = "caught up from a peer" if r["caught_up"] else "resumed on its own"
+        print(f"  group {r['replica_id']} ({r['kind']}) trained again after {r['recovery_s']:.2f} s at step "
+              f"{r['rejoined_at_step']}: {how}")
+    print(f"  final parameters identical across groups: {report['final_params_identical']}")
+    print(f"  effective training time: {report['effective_training_time']:.3f}")
+    print(f"  report: {out / 'report.json'}, {out / 'report.png'}")
+    return bool(report["final_params_identical"] and reached)
+
+
+def _replica_ids(replicas: int) -> list[str]:
+    """a, b, c, ... then g26, g27, ... (stable names: a restarted group keeps its id)."""
+    return [string.ascii_lowercase[i] if i < 26 else f"g{i}" for i in range(replicas)]

@@ -1,0 +1,78 @@
+"""What each replica group tells the launcher: one JSON line per committed step, written by the group's rank 0.
+
+Records (``event``):
+
+- ``start``: the group (re)started training (``step``: Lightning's global step, 0 unless resumed);
+- ``step``: a committed optimizer step: ``step`` (the job's committed step after it), ``loss`` (rank 0's
+  micro-batch), ``quorum_size``, ``participants`` (ids whose gradients went into it), ``discarded`` (failed commit
+  attempts of this process so far), ``recoveries`` (catch-ups of this process), ``stall_s`` (time of this step
+  spent in discarded attempts);
+- ``end``: training finished; ``params_sha256`` digests the full (unsharded) parameters, so groups compare their
+  final states from the outside.
+
+Every record has ``t`` (Unix time), ``replica_id`` and ``pid``. ``min_step_time_s`` pads steps (demos and tests of
+tiny models).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_fthsdp.core.config import ENV_REPLICA_ID
+
+
+class LaunchRecorder(Callback):
+    """Appends the records above to ``jsonl`` (rank 0 only); ``None`` records nothing and only paces."""
+
+    def __init__(self, jsonl: str | None = None, min_step_time_s: float = 0.0) -> None:
+        self.jsonl, self.min_step_time_s = jsonl, min_step_time_s
+        self._last_step = -1
+        self._last_t = 0.0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step, self._last_t = trainer.global_step, time.monotonic()
+        self._write(trainer, {"event": "start", "step": trainer.global_step})
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-batch: nothing was committed
+        self._last_step = trainer.global_step
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        record: dict[str, Any] = {"event": "step", "step": trainer.global_step, "loss": float(loss)}
+        metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy
+        if metrics is not None:
+            manager = trainer.strategy.manager  # type: ignore[attr-defined]
+            record |= {"quorum_size": metrics.quorum_size, "participants": list(manager.participants),
+                       "discarded": metrics.discarded_steps, "recoveries": metrics.recoveries,
+                       "stall_s": round(metrics.stall_s, 4)}
+        self._write(trainer, record)
+        if self.min_step_time_s:
+            time.sleep(max(0.0, self.min_step_time_s - (time.monotonic() - self._last_t)))
+        self._last_t = time.monotonic()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        digest = hashlib.sha256()
+        for _, p in sorted(pl_module.named_parameters()):
+            # full_tensor() is a collective inside the group: every rank calls it, in the same (sorted) order.
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            digest.update(full.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        self._write(trainer, {"event": "end", "step": trainer.global_step, "params_sha256": digest.hexdigest()})
+
+    def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+        if self.jsonl and trainer.global_rank == 0:
+            record |= {"t": time.time(), "replica_id": os.environ.get(ENV_REPLICA_ID), "pid": os.getpid()}
+            with open(self.jsonl, "a") as sink:
+                sink.write(json.dumps(record) + "\n")

@@ -1,0 +1,98 @@
+"""``report.json``: what a launch measured, from the groups' JSONL records and the launcher's timeline.
+
+Times are seconds. ``t0`` is the job's first committed step (start-up and imports are not training time).
+
+- ``failures_injected``: failures the chaos schedule injected.
+- ``committed_steps``: the job's highest committed step.
+- ``discarded_steps``: failed commit attempts, summed over groups (each was retrained on the same batch).
+- ``stalls_s``: one per failure: from the injection until a group other than the target committed a step
+  (the healthy groups' standstill: failure detection, the failed step's retry, reconfiguration).
+- ``recoveries``: one per failure whose target trained again: ``recovery_s`` from the injection until the
+  target's first committed step after it (restart and catch-up included), as ``fthsdp simulate --from-report``
+  expects; ``caught_up``: the target loaded a peer's state (rather than resuming on its own).
+- ``final_params_identical``: every group finished and their full final parameters have the same digest.
+- ``effective_training_time``: useful work / wall time between the first and the last committed step, where a
+  step's useful work is (participants / replicas) x the median duration of fault-free steps (all replicas
+  participating). 1.0 is a fault-free run; a stall earns nothing, a step with k of R groups earns k/R.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+from lightning_fthsdp.launch.supervisor import GroupState
+
+ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x median fault-free step time, divided by "
+                  "the wall time from the first to the last committed step")
+
+
+def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]], *, replicas: int,
+                 max_steps: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """The report as a JSON-able dict (fields in the module docstring, plus per-group details and the timeline)."""
+    steps = [r for g in groups.values() for r in g.records if r["event"] == "step"]
+    t0 = min((r["t"] for r in steps), default=0.0)
+    injections = [e for e in transitions if e["event"] in ("kill", "hang")]
+    stalls, recoveries = [], []
+    for event in injections:
+        others = [r["t"] for r in steps if r["t"] > event["t"] and r["replica_id"] != event["group"]]
+        if others:
+            stalls.append(round(min(others) - event["t"], 3))
+        mine = [r for r in groups[event["group"]].records if r["event"] == "step" and r["t"] > event["t"]
+                and (event["event"] != "kill" or r["incarnation"] > event["incarnation"])]
+        if mine:
+            recoveries.append({"replica_id": event["group"], "kind": event["event"],
+                               "injected_at_s": round(event["t"] - t0, 3),
+                               "recovery_s": round(mine[0]["t"] - event["t"], 3),
+                               "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("recoveries", 0) > 0})
+    finals = {g.replica_id: g.params_sha256 for g in groups.values()}
+    losses = _loss_by_step(steps)
+    head, tail = losses[:10], losses[-10:]
+    return {
+        **meta,
+        "replicas": replicas,
+        "failures_injected": len(injections),
+        "committed_steps": max((r["step"] for r in steps), default=0),
+        "target_steps": max_steps,
+        "discarded_steps": sum(g.discarded for g in groups.values()),
+        "stalls_s": stalls,
+        "recoveries": recoveries,
+        "final_params_identical": None not in finals.values() and len(set(finals.values())) == 1,
+        "effective_training_time": _ett(steps, replicas),
+        "effective_training_time_definition": ETT_DEFINITION,
+        "loss": {"first": _mean(head), "last": _mean(tail), "fell": bool(head and tail and _mean(tail) < _mean(head))},
+        "groups": {g.replica_id: {"final_step": g.step, "restarts": g.restarts, "exit_codes": g.exit_codes,
+                                  "status": g.status, "discarded": g.discarded, "recoveries": g.recoveries,
+                                  "params_sha256": g.params_sha256} for g in groups.values()},
+        "timeline": [{**e, "t": round(e["t"] - t0, 3)} for e in transitions],
+        "losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["loss"], 5)]
+                                  for r in g.records if r["event"] == "step"] for g in groups.values()},
+    }
+
+
+def _loss_by_step(steps: list[dict[str, Any]]) -> list[float]:
+    """Mean loss over the groups that recorded each step, in step order."""
+    by_step: dict[int, list[float]] = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append(r["loss"])
+    return [statistics.fmean(v) for _, v in sorted(by_step.items())]
+
+
+def _ett(steps: list[dict[str, Any]], replicas: int) -> float:
+    first: dict[int, tuple[float, int]] = {}  # step -> (when the job first committed it, its participants)
+    for r in sorted(steps, key=lambda r: r["t"]):
+        first.setdefault(r["step"], (r["t"], len(r.get("participants", [])) or 1))
+    ordered = sorted(first.items())
+    if len(ordered) < 2:
+        return 0.0
+    durations = [(b[1][0] - a[1][0], b[1][1]) for a, b in itertools.pairwise(ordered)]
+    healthy = [d for d, n in durations if n >= replicas] or [d for d, _ in durations]
+    typical = statistics.median(healthy)
+    wall = ordered[-1][1][0] - ordered[0][1][0]
+    useful = sum(min(n, replicas) / replicas * typical for _, n in durations)
+    return round(min(1.0, useful / wall), 4) if wall > 0 else 0.0
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.fmean(values), 5) if values else None

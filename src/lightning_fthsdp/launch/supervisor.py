@@ -1,0 +1,202 @@
+"""Supervises the replica groups of one local job: starts each as one ``fthsdp fit`` launch, follows its JSONL,
+restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group.
+
+Processes are started and ended through ``lightning_fthsdp.testing.harness.Job`` (own session each, ended by
+process-group id, SIGCONT before SIGKILL). The supervisor never blocks: ``poll()`` does one bounded round of work
+and the caller decides the pace and the overall deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID
+from lightning_fthsdp.launch.chaos import Injection
+from lightning_fthsdp.lightning.strategy import ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_INDEX
+from lightning_fthsdp.testing.harness import Group, Job
+
+# Group states, as shown in the live view and the report's timeline.
+STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
+ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
+_ENDED = (DONE, FAILED, ABANDONED)
+
+
+@dataclass
+class GroupState:
+    """Everything the launcher knows about one replica group, across its restarts."""
+
+    replica_id: str
+    status: str = STARTING
+    incarnation: int = -1
+    restarts: int = 0
+    step: int = 0
+    loss: float | None = None
+    participants: list[str] = field(default_factory=list)
+    discarded: int = 0
+    recoveries: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)  # every incarnation's, with "incarnation" added
+    exit_codes: list[int] = field(default_factory=list)
+    params_sha256: str | None = None
+    process: Group | None = None
+    restart_at: float | None = None
+    resume_at: float | None = None
+    _offset: int = 0
+    _base_discarded: int = 0
+    _base_recoveries: int = 0
+
+
+@dataclass
+class Supervisor:
+    """Starts, follows, restarts and signals the job's replica groups (see the module docstring)."""
+
+    job: Job
+    recipe_path: Path
+    out: Path
+    replica_ids: list[str]
+    max_restarts: int
+    restart_delay_s: float
+    transitions: list[dict[str, Any]] = field(default_factory=list)
+    groups: dict[str, GroupState] = field(default_factory=dict)
+
+    def start_all(self) -> None:
+        for replica_id in self.replica_ids:
+            self.groups[replica_id] = GroupState(replica_id)
+            self._start(self.groups[replica_id])
+
+    def poll(self) -> None:
+        """Read new records, notice exits, restart dead groups when due and resume hung ones when due."""
+        now = time.time()
+        for state in self.groups.values():
+            self._read(state)
+            if state.resume_at is not None and now >= state.resume_at:
+                self._signal(state, signal.SIGCONT)
+                state.resume_at = None
+                self._set(state, TRAINING)
+            proc = state.process.proc if state.process else None
+            if proc is not None and state.status not in (DOWN, *_ENDED) and proc.poll() is not None:
+                self._read(state)
+                self._exited(state, proc.returncode)
+            if state.restart_at is not None and now >= state.restart_at:
+                state.restart_at = None
+                state.restarts += 1
+                self._start(state)
+
+    def inject(self, injection: Injection) -> None:
+        """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group)."""
+        state = self.groups[injection.group]
+        self._signal(state, signal.SIGKILL if injection.kind == "kill" else signal.SIGSTOP)
+        # Timed after the signal: a record the target wrote before it has an earlier t, none can come after it.
+        self.transitions.append({"t": time.time(), "group": state.replica_id, "event": injection.kind,
+                                 "spec": injection.spec, "step": state.step, "incarnation": state.incarnation})
+        if injection.kind == "kill":
+            assert state.process is not None
+            state.process.proc.wait(timeout=30)
+            self._exited(state, state.process.proc.returncode)
+        else:
+            state.resume_at = time.time() + injection.duration_s
+            self._set(state, HUNG)
+
+    def abandon_stranded(self) -> list[str]:
+        """Once a group finished and none is training, end the groups still starting, down or hung.
+
+        They could only train alone from their own (old or initial) state and end with different parameters; the
+        report shows them as abandoned. Returns their ids.
+        """
+        states = self.groups.values()
+        if not any(s.status == DONE for s in states) or any(s.status == TRAINING for s in states):
+            return []
+        stranded = [s for s in states if s.status not in _ENDED]
+        for state in stranded:
+            state.restart_at = state.resume_at = None
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                self._signal(state, sig)
+            self._set(state, ABANDONED)
+        return [s.replica_id for s in stranded]
+
+    @property
+    def training(self) -> list[str]:
+        return [r for r, s in self.groups.items() if s.status == TRAINING]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status in _ENDED for s in self.groups.values())
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _start(self, state: GroupState) -> None:
+        state.incarnation += 1
+        state._offset = 0
+        state._base_discarded, state._base_recoveries = state.discarded, state.recoveries
+        name = f"{state.replica_id}.{state.incarnation}"
+        jsonl = self.out / "groups" / f"{name}.jsonl"
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(self.recipe_path),
+               "--record", str(jsonl), "--", "--trainer.enable_progress_bar=false",
+               "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
+               f"--trainer.default_root_dir={self.out / 'lightning'}"]
+        env = {ENV_REPLICA_ID: state.replica_id, ENV_LIGHTHOUSE: self.job.lighthouse_url,
+               ENV_NUM_REPLICA_GROUPS: str(len(self.replica_ids)),
+               ENV_REPLICA_INDEX: str(self.replica_ids.index(state.replica_id)),
+               # Each launch is its own torch.distributed world: its own rendezvous port on loopback.
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        state.process = self.job.start_command(state.replica_id, cmd, jsonl=jsonl,
+                                               log=self.out / "logs" / f"{name}.log", env=env)
+        self._set(state, STARTING)
+
+    def _read(self, state: GroupState) -> None:
+        """Consume the complete new lines of the current incarnation's JSONL."""
+        if state.process is None or not state.process.jsonl.exists():
+            return
+        with state.process.jsonl.open("rb") as source:
+            source.seek(state._offset)
+            chunk = source.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        state._offset += len(complete)
+        for line in complete.decode().splitlines():
+            record = json.loads(line) | {"incarnation": state.incarnation}
+            state.records.append(record)
+            if record["event"] == "step":
+                state.step, state.loss = record["step"], record["loss"]
+                state.participants = record.get("participants", [])
+                state.discarded = state._base_discarded + record.get("discarded", 0)
+                state.recoveries = state._base_recoveries + record.get("recoveries", 0)
+                if state.status == STARTING:
+                    self._set(state, TRAINING)
+            elif record["event"] == "end":
+                state.params_sha256 = record["params_sha256"]
+
+    def _exited(self, state: GroupState, code: int) -> None:
+        state.exit_codes.append(code)
+        if code == 0 and state.params_sha256 is not None:
+            self._set(state, DONE)
+        elif state.restarts < self.max_restarts:
+            self._set(state, DOWN)
+            state.restart_at = time.time() + self.restart_delay_s
+        else:
+            self._set(state, FAILED)
+
+    def _signal(self, state: GroupState, sig: signal.Signals) -> None:
+        if state.process is not None:
+            with contextlib.suppress(ProcessLookupError):  # it already exited: poll() records the exit
+                os.killpg(state.process.proc.pid, sig)
+
+    def _set(self, state: GroupState, status: str) -> None:
+        if state.status != status or not self.transitions or status == STARTING:
+            state.status = status
+            self.transitions.append({"t": time.time(), "group": state.replica_id, "event": status,
+                                     "step": state.step, "incarnation": state.incarnation})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,79 @@
+"""Byte-level text from the Python standard library's own source files: a corpus every machine has.
+
+Nothing is downloaded or shipped. The selection is deterministic (sorted relative paths of ``*.py`` under
+``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages`` and test suites) and capped, so every replica group
+of a job on the same Python build reads the same bytes. Groups on different Python builds would read different
+text; the data module therefore logs the corpus digest for comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sysconfig
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger("fthsdp.data")
+_SKIPPED_PARTS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+def stdlib_corpus(max_bytes: int, root: Path | None = None) -> bytes:
+    """The first ``max_bytes`` of the concatenated, sorted ``*.py`` files under ``root`` (default: the stdlib).
+
+    Raises ValueError when the folder holds no such text (a Python installed without its sources).
+    """
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not _SKIPPED_PARTS.intersection(p.relative_to(root).parts))
+    chunks, size = [], 0
+    for path in files:
+        if size >= max_bytes:
+            break
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+    corpus = b"".join(chunks)[:max_bytes]
+    if not corpus:
+        raise ValueError(f"no *.py source text under {root}: the LM recipes read the standard library's sources; "
+                         "install a Python that ships them (most do) or use task=regression")
+    return corpus
+
+
+class ByteWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Non-overlapping windows of ``context + 1`` bytes: input = the first ``context``, target = shifted by one."""
+
+    def __init__(self, corpus: bytes, context: int) -> None:
+        self._tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+        self._context = context
+        self._count = (len(corpus) - 1) // context
+        if self._count < 1:
+            raise ValueError(f"a corpus of {len(corpus)} bytes holds no window of context={context} + 1 bytes")
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self._context
+        window = self._tokens[start:start + self._context + 1].long()
+        return window[:-1], window[1:]
+
+
+class StdlibTextData(pl.LightningDataModule):
+    """Byte-level windows of the standard library's source text (shuffled by Lightning's sampler)."""
+
+    def __init__(self, context: int = 64, corpus_mb: float = 2.0, batch_size: int = 16) -> None:
+        super().__init__()
+        self.context, self.corpus_bytes, self.batch_size = context, int(corpus_mb * 2**20), batch_size
+        self._dataset: ByteWindows | None = None
+
+    def setup(self, stage: str) -> None:
+        corpus = stdlib_corpus(self.corpus_bytes)
+        log.info("corpus: %d bytes of stdlib source, sha256 %s", len(corpus), hashlib.sha256(corpus).hexdigest()[:16])
+        self._dataset = ByteWindows(corpus, self.context)
+
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        assert self._dataset is not None, "Lightning calls setup() before train_dataloader()"
+        return DataLoader(self._dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)

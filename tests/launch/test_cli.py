@@ -1,0 +1,57 @@
+"""Every sub-command answers --help; ``fthsdp fit`` turns a recipe into a LightningCLI config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from lightning_fthsdp.cli import main
+from lightning_fthsdp.launch.fit import split_rest
+from lightning_fthsdp.testing.harness import ROOT
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("lighthouse", "--min-replicas"),
+    ("demo", "--kill-at"),
+    ("simulate", "--from-report"),
+    ("launch", "--chaos"),
+    ("fit", "--config"),
+])
+def test_every_subcommand_has_help(command: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_subcommand() -> None:
+    result = subprocess.run([sys.executable, "-m", "lightning_fthsdp.cli", "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert result.returncode == 0
+    for command in ("lighthouse", "demo", "simulate", "launch", "fit"):
+        assert command in result.stdout
+
+
+def test_fit_splits_overrides_from_lightning_arguments() -> None:
+    rest = ["trainer.max_steps=5", "--trainer.logger=false", "--trainer.max_epochs", "3", "--", "lm.lr=0.1"]
+    assert split_rest(rest) == (["trainer.max_steps=5", "lm.lr=0.1"],
+                                ["--trainer.logger=false", "--trainer.max_epochs", "3"])
+
+
+@pytest.mark.timeout(120)
+def test_fit_print_config_shows_the_strategy_and_the_recipe() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(ROOT / "recipes" / "mlp.yaml"),
+         "trainer.max_steps=7", "regression.width=5", "--", "--print_config"],
+        capture_output=True, text=True, timeout=100, cwd=ROOT, env={"FTHSDP_REPLICA_ID": "a", "PATH": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    for text in ("class_path: lightning_fthsdp.FTHSDPStrategy", "max_steps: 7", "width: 5",
+                 "class_path: lightning_fthsdp.models.mlp.Regressor", "heartbeat_timeout_ms: 1000"):
+        assert text in result.stdout
+
+
+def test_fit_refuses_a_bad_recipe_naming_the_key() -> None:
+    with pytest.raises(SystemExit, match=r"fthsdp fit: error: .*trainer\.max_steps='many'.*an integer"):
+        main(["fit", "--config", str(ROOT / "recipes" / "mlp.yaml"), "trainer.max_steps=many"])

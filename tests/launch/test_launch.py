@@ -1,0 +1,56 @@
+"""``fthsdp launch`` end to end: a real lighthouse and two replica groups, one killed and one hung on schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fthsdp.sim.report import read_report
+from lightning_fthsdp.testing.harness import ROOT
+
+pytestmark = pytest.mark.integration
+STEPS = 300
+CHAOS = "kill:at=step20:group=b,hang:at=step150:group=a:for=2s"
+
+
+@pytest.mark.timeout(300)
+def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # The pace keeps the survivor training while the killed group restarts (a Lightning start-up takes seconds).
+    cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
+           f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", "--replicas", "2",
+           "--devices-per-replica", "1", "--chaos", CHAOS, "--out", str(out), "--no-live"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        output, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:  # SIGTERM first: the launcher then ends the groups it started
+            os.killpg(launcher.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                launcher.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, output[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_params_identical"] is True
+    assert report["failures_injected"] == report["failures_planned"] == 2
+    assert len(report["stalls_s"]) == 2 and all(s >= 0 for s in report["stalls_s"])
+    assert report["committed_steps"] == STEPS
+    assert all(g["final_step"] == STEPS and g["status"] == "done" for g in report["groups"].values())
+    assert report["groups"]["b"]["restarts"] >= 1
+    killed = [r for r in report["recoveries"] if r["kind"] == "kill"]
+    assert killed and killed[0]["replica_id"] == "b" and killed[0]["caught_up"]
+    assert 0 < report["effective_training_time"] <= 1
+    assert report["loss"]["fell"]
+    assert (out / "report.png").stat().st_size > 0
+    assert "final parameters identical across groups: True" in output
+    calibration = read_report(out / "report.json")  # the simulator's --from-report accepts it
+    assert calibration.failures_injected == 2 and calibration.recoveries == len(report["recoveries"])

@@ -1,0 +1,74 @@
+"""Recipes: composition, overrides, and refusals that name the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from lightning_fthsdp.configs import RecipeConfig, RecipeError, field_docs, load_recipe, to_yaml
+from lightning_fthsdp.testing.harness import ROOT
+
+RECIPES = ROOT / "recipes"
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "mlp", "llama_gpu"])
+def test_shipped_recipes_validate(name: str) -> None:
+    recipe = load_recipe(RECIPES / f"{name}.yaml")
+    assert recipe.ft.timeouts.heartbeat_timeout_ms < recipe.ft.timeouts.collective_timeout_ms
+
+
+def test_defaults_compose_in_order_and_overrides_win(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("trainer: {max_steps: 7, seed: 3}\nlaunch: {replicas: 4}\n")
+    (tmp_path / "mid.yaml").write_text("defaults: [base]\ntrainer: {max_steps: 9}\n")
+    (tmp_path / "top.yaml").write_text("defaults: [mid.yaml]\ntask: regression\n")
+    recipe = load_recipe(tmp_path / "top.yaml", ["launch.replicas=3", "ft.lr_scaling=linear"])
+    assert (recipe.trainer.max_steps, recipe.trainer.seed, recipe.launch.replicas) == (9, 3, 3)
+    assert (recipe.task, recipe.ft.lr_scaling) == ("regression", "linear")
+
+
+def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
+    recipe = load_recipe(RECIPES / "tiny_gpt.yaml", ["trainer.gradient_clip_val=0.5"])
+    (tmp_path / "resolved.yaml").write_text(to_yaml(recipe))
+    assert load_recipe(tmp_path / "resolved.yaml") == recipe
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("trainer.max_step=3", ["'trainer.max_step'", "allowed keys here:", "max_steps"]),
+    ("trainer.max_steps=abc", ["trainer.max_steps='abc'", "expected an integer"]),
+    ("trainer.gradient_clip_val=x", ["trainer.gradient_clip_val='x'", "a number or null"]),
+    ("ft.lr_scaling=cube", ["ft.lr_scaling='cube'", "allowed values: none, linear, sqrt"]),
+    ("task=vision", ["task='vision'", "allowed values: lm, regression"]),
+    ("launch.replicas=0", ["launch.replicas=0", ">= 1"]),
+    ("lm.n_head=5", ["lm.n_head=5", "lm.d_model=96", "[1, 2, 3, 4, 6, 8, 12, 16]"]),
+    ("ft.min_replicas=9", ["ft.min_replicas=9", "launch.replicas=3"]),
+    ("ft.timeouts.heartbeat_timeout_ms=50000", ["heartbeat_timeout_ms=50000", "collective_timeout_ms=20000"]),
+    ("max_steps", ["'max_steps'", "key=value"]),
+])
+def test_bad_values_are_refused_with_key_value_and_allowed(override: str, expected: list[str]) -> None:
+    with pytest.raises(RecipeError) as err:
+        load_recipe(RECIPES / "tiny_gpt.yaml", [override])
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_bad_recipe_files_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "loop.yaml").write_text("defaults: [loop]\n")
+    with pytest.raises(RecipeError, match="include itself"):
+        load_recipe(tmp_path / "loop.yaml")
+    (tmp_path / "missing.yaml").write_text("defaults: [nowhere]\n")
+    with pytest.raises(RecipeError, match=r"nowhere\.yaml does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+    (tmp_path / "typo.yaml").write_text("trainer:\n  acelerator: cpu\n")
+    with pytest.raises(RecipeError, match=r"typo\.yaml: unknown key 'trainer\.acelerator'.*accelerator"):
+        load_recipe(tmp_path / "typo.yaml")
+
+
+def test_every_config_field_has_a_docstring() -> None:
+    sections = [RecipeConfig] + [f.default_factory for f in dataclasses.fields(RecipeConfig)  # type: ignore[misc]
+                                 if f.default_factory is not dataclasses.MISSING]
+    for section in sections:
+        documented = field_docs(section)
+        missing = [f.name for f in dataclasses.fields(section) if f.name not in documented]
+        assert not missing, f"{section.__name__} fields without a docstring: {missing}"
