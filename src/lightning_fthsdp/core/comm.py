@@ -112,8 +112,6 @@ class CrossGroupComm:
 
         Raises CollectiveAborted if the rendezvous is aborted or does not complete within connect_timeout.
         """
-        with self._lock:
-            self._target = quorum_id
         if self._quorum_id == quorum_id and (self._backend is not None or size == 1):
             return
         self._retire(None)
@@ -224,7 +222,9 @@ class CrossGroupComm:
         """Destroy retired groups whose last op has finished (destroying one mid-op would block)."""
         self._graveyard = [p for p in self._graveyard if p.work is not None and not p.work.is_completed()]
 
-    def clear_abort(self) -> None:
-        """Forget an abort that arrived while nothing was in flight (it concerned an older step)."""
+    def expect(self, quorum_id: int) -> None:
+        """The step ahead uses quorum ``quorum_id``: forget aborts meant for older quorums, and from now on
+        accept only aborts for this one (see ``abort``)."""
         with self._lock:
+            self._target = quorum_id
             self._aborted = False

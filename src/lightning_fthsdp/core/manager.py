@@ -340,8 +340,8 @@ class FTManager:
             self._catchup.serve(self.step)
         else:
             self._catchup.stop_serving()
-        self._comm.clear_abort()
-        self._on_dead(self._heartbeat.dead)
+        self._comm.expect(quorum.quorum_id)
+        self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
         return quorum
 
     def _exchange(self, tensors: Sequence[torch.Tensor], contribute: bool) -> None:
