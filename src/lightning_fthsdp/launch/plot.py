@@ -36,9 +36,8 @@ def write_png(report: dict[str, Any], path: Path) -> None:
             member_ax.axvline(event["t"], color="black", ls="--", lw=0.8)
             member_ax.text(event["t"], -0.55, f" {event['event']} {event['group']}", fontsize=8, va="bottom")
     member_ax.set_yticks(range(len(groups)), [f"group {g}" for g in groups])
-    member_ax.set(title="membership (green: training, gray: starting or catching up, red: down, orange: hung, "
-                        "blue: done); t=0: first commit",
-                  xlabel="seconds")
+    member_ax.set(title="membership\ngreen: training, gray: starting or catching up, red: down, orange: hung, "
+                        "blue: done", xlabel="seconds since the first commit")
 
     labels = [f"{r['kind']} {r['replica_id']}" for r in report["recoveries"]]
     stall_ax.bar(range(len(report["stalls_s"])), report["stalls_s"], width=0.4, label="stall of the healthy groups")
