@@ -440,6 +440,10 @@ class Lighthouse:
         else:
             quorum = decide(self.rules, self._previous, self._pending, frozenset(self._alive), time.monotonic())
         if quorum is not None:
+            if self._previous is not None and quorum.max_step < self._previous.max_step:
+                log.warning("quorum %d restarts from step %d although step %d was committed: no group holding that "
+                            "state is left, so it is lost; resume every group from a durable checkpoint to keep it",
+                            quorum.quorum_id, quorum.max_step, self._previous.max_step)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
             # A new membership is news; the same quorum answered again each step is not.
