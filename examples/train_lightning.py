@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
 from lightning_fthsdp.core.torch_state import local
+from lightning_fthsdp.lightning import release_process_groups
 
 
 class Block(nn.Module):
@@ -146,6 +147,7 @@ class TinyCLI(LightningCLI):
 
 def main() -> None:
     TinyCLI(TinyRegressor, TinyData, seed_everything_default=0, save_config_callback=None)
+    release_process_groups()
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ class CrossGroupComm:
     def close(self) -> None:
         self._retire(None)
         self._reap()
+        self._store = None  # the store client's connection goes now, not among interpreter-exit destructors
         # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
         # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
         for parked in self._graveyard:

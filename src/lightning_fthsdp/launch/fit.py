@@ -101,7 +101,7 @@ def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path 
     import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 
-    import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
+    from lightning_fthsdp.lightning import release_process_groups  # also registers strategy="fthsdp"
 
     config = json.dumps(lightning_config(recipe, record))  # JSON is YAML: jsonargparse reads it as a config string
     # We pass the translated recipe as args but must leave sys.argv alone: Lightning's launcher re-executes it to
@@ -109,3 +109,4 @@ def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path 
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                  save_config_callback=None, args=["fit", "--config", config, *lightning_args])
+    release_process_groups()
