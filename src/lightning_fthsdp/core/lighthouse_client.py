@@ -115,7 +115,6 @@ class Heartbeat:
         # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
         self._state = "unverified"
         self._settled = threading.Event()  # set in "ok" and "away"
-        self.connected = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"fthsdp-heartbeat-{replica_id}-{rank}", daemon=True)
 
     def start(self) -> None:
@@ -159,7 +158,6 @@ class Heartbeat:
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:
-                self.connected.clear()
                 if exc.refused:
                     self._state = "away"
                     self._settled.set()
@@ -178,7 +176,6 @@ class Heartbeat:
             self.deaths = int(dict(answer.get("deaths", {})).get(self._replica_id, 0))
             self._state = "ok"
             self._settled.set()
-            self.connected.set()
             self._epoch = int(answer.get("epoch", -1))
             dead = frozenset(str(d) for d in answer.get("dead", ()))
             if dead != self._dead:

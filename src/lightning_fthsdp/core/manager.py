@@ -103,14 +103,14 @@ class FTManager:
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
+        self._elog = log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")))
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
                                     step=lambda: self.step, on_dead=self._on_dead)
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
-        # Loaded by _load (it also sets the step), so the registered loader has nothing left to do.
-        self._catchup.register(_OWN_STATE, self._own_state, lambda tree: None)
+        self._catchup.register(_OWN_STATE, self._own_state, self._load_own_state)
         self._addresses = self._gather_addresses()
         self._quorum_client = QuorumClient(url, token, self.timeouts) if self.is_leader else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum") if self.is_leader else None
@@ -185,7 +185,7 @@ class FTManager:
                                  self._store_address)
             self._exchange(tensors, contribute=self.replica_id in quorum.participants)
         except CollectiveAborted as exc:
-            log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step).warning(
+            self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
             self._catchup.cancel_fetch()  # its source may be what failed: the next quorum may name another
@@ -286,14 +286,15 @@ class FTManager:
     def _load(self, tree: StateTree) -> None:
         """Become the source's start-of-step state; the caller's optimizer step then makes us identical."""
         self._catchup.load(tree)
-        own = tree[_OWN_STATE]
         self.recoveries.append(self._fetch_info)
-        self.step = int(own["step"])
-        self.batches_committed = {str(k): int(v) for k, v in own["batches_committed"].items()}
         self._rlog.info("caught up: loaded the state of step %d", self.step)
 
     def _own_state(self) -> StateTree:
         return {"step": self.step, "batches_committed": dict(self.batches_committed)}
+
+    def _load_own_state(self, own: StateTree) -> None:
+        self.step = int(own["step"])
+        self.batches_committed = {str(k): int(v) for k, v in own["batches_committed"].items()}
 
     def _gather_addresses(self) -> list[str]:
         """Every rank's state-server address (the leader advertises them all, shard rank order)."""
