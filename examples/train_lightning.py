@@ -29,39 +29,17 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
 from lightning_fthsdp.core.torch_state import local
 from lightning_fthsdp.lightning import release_process_groups
+from lightning_fthsdp.models.mlp import Regressor
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.linear(x))
-
-
-class TinyRegressor(pl.LightningModule):
-    """A residual MLP regressor: a plain LightningModule that knows nothing of sharding or fault tolerance."""
+class TinyRegressor(Regressor):
+    """The recipes' residual MLP regressor plus a step-wise LR decay: a plain LightningModule that knows nothing of
+    sharding or fault tolerance."""
 
     def __init__(self, features: int = 8, width: int = 16, blocks: int = 2, lr: float = 0.05,
                  lr_decay: float = 0.95) -> None:
-        super().__init__()
+        super().__init__(features, width, blocks, lr)
         self.save_hyperparameters()
-        self.inp = nn.Linear(features, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
