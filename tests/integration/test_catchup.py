@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, wait_for
+from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, kept_commits, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -18,11 +18,14 @@ KILL_STEP = 6
 
 
 def contributions_by_step(*groups: Group) -> dict[int, dict[str, int]]:
-    """Every committed step's contributions (participant -> batch index), merged over the groups' logs; groups
-    that committed the same step must agree on what went into it."""
+    """Every kept committed step's contributions (participant -> batch index), merged over the groups' logs;
+    groups that committed the same step in the kept quorum must agree on what went into it."""
+    kept = kept_commits(*groups)
     steps: dict[int, dict[str, int]] = {}
     for group in groups:
         for record in group.records():
+            if record["quorum_id"] != kept[record["step"]]:
+                continue  # superseded: the others trained that step again (assert_consistent checks the rest)
             known = steps.setdefault(record["step"], record["contributions"])
             assert known == record["contributions"], f"step {record['step']}: {known} != {record['contributions']}"
     return steps

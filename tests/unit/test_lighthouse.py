@@ -71,9 +71,10 @@ def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: 
 
 
 def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = (), commit_failed: bool = False,
-       timeout_ms: int = 10_000, shard_count: int = 2) -> dict[str, Any]:
+       timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1) -> dict[str, Any]:
     return {"replica_id": rid, "step": step, "shard_count": shard_count, "address": f"{rid}:1",
-            "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members), "timeout_ms": timeout_ms}
+            "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
+            "committed_in": committed_in, "timeout_ms": timeout_ms}
 
 
 def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -108,6 +109,18 @@ def form(url: str, *rids: str, **kw: Any) -> list[dict[str, Any]]:
     assert all(code == 200 for code, _ in answers), answers
     assert len({a["quorum_id"] for _, a in answers}) == 1
     return [a for _, a in answers]
+
+
+def test_a_member_holding_another_state_of_the_same_step_recovers_from_the_others(
+        lighthouse: Callable[..., str]) -> None:
+    """b committed step 5 in quorum 3, a and c trained step 5 again in quorum 4: b must take their state."""
+    url = lighthouse(min_replicas=3)
+    clients = {rid: Client(url) for rid in "abc"}
+    for rid, client in clients.items():
+        client.send("POST", "/v1/quorum", qr(rid, 5, committed_in=3 if rid == "b" else 4))
+    answers = [client.recv() for client in clients.values()]
+    assert all(code == 200 and answer == answers[0][1] for code, answer in answers), answers
+    assert answers[0][1]["recover_src"] == {"b": "a"} and answers[0][1]["max_step"] == 5
 
 
 def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., str]) -> None:
@@ -263,6 +276,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/quorum", qr("a", timeout_ms=0), 400, "'timeout_ms'"),
     ("POST", "/v1/quorum", qr("a", members=("ok", "no way")), 400, "'members'"),
     ("POST", "/v1/quorum", qr("a") | {"commit_failed": 1}, 400, "'commit_failed'"),
+    ("POST", "/v1/quorum", qr("a", committed_in=-2), 400, "'committed_in'"),
     ("POST", "/v1/quorum", qr("a", shard_count=4), 409, "shard_count 2 of the current quorum 0"),
     ("POST", "/v1/leave", {"replica_id": "zz"}, 404, "'zz'"),
     ("POST", "/v1/leave", {}, 400, "'replica_id'"),

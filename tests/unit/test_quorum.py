@@ -93,6 +93,16 @@ def test_recovery_sources_round_robin_among_up_to_date_members() -> None:
     assert q.participants == ("a", "b")
 
 
+def test_members_at_the_top_step_holding_another_state_recover_from_the_majority() -> None:
+    """b committed step 5 in quorum 3 whose exchange a and c abandoned; they trained step 5 again in quorum 4."""
+    q = decide(RULES, None, pending(req("a", 5, committed_in=4), req("b", 5, committed_in=3),
+                                    req("c", 5, committed_in=4)), frozenset("abc"), 0.0)
+    assert q is not None and dict(q.recover_src) == {"b": "a"} and q.participants == ("a", "c")
+    # Two states held by one group each: the one committed last is kept.
+    q = decide(RULES, None, pending(req("a", 5, committed_in=3), req("b", 5, committed_in=4)), frozenset("ab"), 0.0)
+    assert q is not None and dict(q.recover_src) == {"a": "b"}
+
+
 def test_restarted_lighthouse_continues_numbering_from_requests() -> None:
     members = ("a", "b")
     requests = pending(req("a", 7, quorum_id=4, members=members), req("b", 7, quorum_id=4, members=members))
@@ -138,6 +148,7 @@ round_strategy = st.fixed_dictionaries({
     "asking": st.sets(st.sampled_from(IDS)),
     "steps": st.dictionaries(st.sampled_from(IDS), st.integers(0, 4)),
     "failed": st.sets(st.sampled_from(IDS), max_size=1),
+    "committed_in": st.dictionaries(st.sampled_from(IDS), st.integers(-1, 2)),
     "elapsed": st.floats(0, 20),
 })
 
@@ -150,7 +161,8 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
     for now, rnd in enumerate(rounds):
         alive = frozenset(rnd["alive"])
         requests = pending(*(
-            req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"])
+            req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"],
+                committed_in=rnd["committed_in"].get(rid, -1))
             for rid in sorted(rnd["asking"])
         ))
         q = decide(rules, previous, requests, alive, now + rnd["elapsed"])
@@ -160,9 +172,16 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         assert members <= alive & set(requests), "members are alive requesters"
         assert len(members) >= min_replicas and 2 * len(members) > len(alive), "min_replicas and a majority"
         assert list(q.member_ids) == sorted(members)
-        up_to_date = {m.replica_id for m in q.members if m.step == q.max_step}
-        assert set(q.recover_src.values()) <= up_to_date, "sources are up to date"
-        assert set(q.recover_src) == members - up_to_date, "every lagging member recovers"
+        at_max = [requests[m.replica_id] for m in q.members if m.step == q.max_step]
+        states = {r.committed_in for r in at_max if r.replica_id not in q.recover_src}
+        assert len(states) == 1, "the members that keep their state all hold the same one"
+        held = states.pop()
+        holders = {r.replica_id for r in at_max if r.committed_in == held}
+        assert all(len(holders) >= sum(r.committed_in == other for r in at_max) for other in (-1, 0, 1, 2)), \
+            "the state most up-to-date members hold is kept"
+        assert set(q.recover_src.values()) <= holders, "sources are up to date"
+        assert set(q.recover_src) == members - holders, "every lagging or diverged member recovers"
+        assert set(q.participants) == holders
         if previous is not None:
             assert q.quorum_id >= previous.quorum_id, "quorum_id never decreases"
             unchanged = members == set(previous.member_ids) and not (rnd["failed"] & members)
@@ -184,6 +203,9 @@ def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
     assert receivers == frozenset("ab") and not quorum.recover_src
     assert quorum.member("a").address == "h:1"
     assert adopt(pending(req("a"), req("b"))) is None  # a fresh job holds no quorum
+    # Same quorum and step but another state (a commit the others trained again): not a receiver.
+    diverged = dict(held, b=req("b", 9, quorum_id=4, members=members, committed_in=3))
+    assert adopt(diverged) is not None and adopt(diverged)[1] == frozenset("a")
     assert adopt(pending(req("a", 3, quorum_id=2, members=("a",), commit_failed=True))) is None
 
 

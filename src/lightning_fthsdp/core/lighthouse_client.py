@@ -208,6 +208,7 @@ class QuorumClient:
         address: str,
         commit_failed: bool,
         current: Quorum | None,
+        committed_in: int,
     ) -> tuple[Quorum, str]:
         """Return the next quorum and the rendezvous store address ``HOST:PORT``.
 
@@ -222,6 +223,7 @@ class QuorumClient:
             "commit_failed": commit_failed,
             "quorum_id": current.quorum_id if current else -1,
             "members": list(current.member_ids) if current else [],
+            "committed_in": committed_in,
             "timeout_ms": timeout_ms,
         }
         answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)

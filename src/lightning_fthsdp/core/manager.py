@@ -95,6 +95,7 @@ class FTManager:
         self._pending: Future[tuple[Quorum, str]] | None = None
         self._step_ok = self._exchange_ok = False
         self._commit_failed = False
+        self._committed_in = -1  # the quorum our latest commit happened in: names our state beyond the step count
         self._participants: tuple[str, ...] = ()
         self._contributions: dict[str, int] = {}
         self._lighthouse_away = False
@@ -159,7 +160,8 @@ class FTManager:
             self._heartbeat.start()
         if self._executor is not None and self._pending is None:
             step = self.step
-            self._pending = self._executor.submit(self._request_quorum, step, self._commit_failed, self._quorum)
+            self._pending = self._executor.submit(self._request_quorum, step, self._commit_failed, self._quorum,
+                                                  self._committed_in)
             self._pending.add_done_callback(lambda f: self._serve_early(f, step))
 
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -179,7 +181,11 @@ class FTManager:
             address = quorum.member(source).address.split(",")[self.rank]
             self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
             fetch_started = time.monotonic()
-            self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
+            if self.step == quorum.max_step:
+                self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
+                                   "trained again: taking their state from %s", self.step, self._committed_in, source)
+            else:
+                self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                  self._store_address)
@@ -215,6 +221,8 @@ class FTManager:
         if ok:
             self.step += 1
             self.committed_steps += 1
+            assert self._quorum is not None, "a step commits only inside a quorum"
+            self._committed_in = self._quorum.quorum_id
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
             for replica_id in self._participants:
                 self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + 1
@@ -243,7 +251,8 @@ class FTManager:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _request_quorum(self, step: int, commit_failed: bool, current: Quorum | None) -> tuple[Quorum, str]:
+    def _request_quorum(self, step: int, commit_failed: bool, current: Quorum | None,
+                        committed_in: int) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         assert self._quorum_client is not None
         deadline = time.monotonic() + self.timeouts.connect_timeout_ms / 1000
@@ -251,7 +260,8 @@ class FTManager:
         while True:
             try:
                 answer = self._quorum_client.request(self.replica_id, step, self.shard_count,
-                                                     ",".join(self._addresses), commit_failed, current)
+                                                     ",".join(self._addresses), commit_failed, current,
+                                                     committed_in)
             except LighthouseUnavailable as exc:
                 # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
                 # up-to-date members: last step's recovery assignments must not be replayed.

@@ -43,6 +43,10 @@ class QuorumRequest:
     """The requester's current quorum id (-1: none). Lets a restarted lighthouse continue the numbering."""
     members: tuple[str, ...] = ()
     """The requester's current members. Lets a restarted lighthouse keep the membership without a reconfigure."""
+    committed_in: int = -1
+    """The quorum in which the requester committed its latest step (-1: none since its process started). The
+    step count alone does not identify a state: a group may commit a step that the others discarded and then
+    trained again in a later quorum (the commit vote is per group), so two groups at the same step may differ."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class Quorum:
     @property
     def participants(self) -> tuple[str, ...]:
         """Members that contribute real gradients this step (recovering members send zeros)."""
-        return tuple(m.replica_id for m in self.members if m.step == self.max_step)
+        return tuple(m.replica_id for m in self.members if m.replica_id not in self.recover_src)
 
     def rank_of(self, replica_id: str) -> int:
         return self._index[replica_id]
@@ -148,7 +152,8 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
         return None
     source = max(holders, key=lambda r: (r.quorum_id, r.step))
     receivers = frozenset(r.replica_id for r in holders
-                          if r.quorum_id == source.quorum_id and r.step == source.step and r.members == source.members)
+                          if r.quorum_id == source.quorum_id and r.step == source.step and r.members == source.members
+                          and r.committed_in == source.committed_in)
     members = tuple(Member(rid, source.step, pending[rid].address if rid in pending else "")
                     for rid in sorted(source.members))
     quorum = Quorum(source.quorum_id, members, source.step, source.shard_count)
@@ -195,6 +200,20 @@ def is_ready(
     return now - first >= rules.join_timeout_s
 
 
+def reference_branch(at_max_step: list[QuorumRequest]) -> int:
+    """Which of the states at the highest step every member must hold, named by the quorum it was committed in.
+
+    Groups at the same step normally hold one state. They differ when a group committed a step whose exchange
+    the others abandoned (a member was declared dead just as it completed) and the others then trained that step
+    again in a later quorum: the state most groups hold wins, on a tie the one committed last (live training
+    beats a checkpoint load or a lone group's stale commit); the others recover from it like a group behind.
+    """
+    counts: dict[int, int] = {}
+    for r in at_max_step:
+        counts[r.committed_in] = counts.get(r.committed_in, 0) + 1
+    return max(counts, key=lambda committed_in: (counts[committed_in], committed_in))
+
+
 def decide(
     rules: QuorumRules,
     previous: Quorum | None,
@@ -224,8 +243,9 @@ def decide(
     same = member_ids == previous_members and not commit_failed and previous_id >= 0
     quorum_id = previous_id if same else previous_id + 1
     max_step = max(r.step for r in requests)
-    up_to_date = [r.replica_id for r in requests if r.step == max_step]
-    behind = [r.replica_id for r in requests if r.step < max_step]
+    branch = reference_branch([r for r in requests if r.step == max_step])
+    up_to_date = [r.replica_id for r in requests if r.step == max_step and r.committed_in == branch]
+    behind = [r.replica_id for r in requests if r.step < max_step or r.committed_in != branch]
     recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
     return Quorum(
         quorum_id=quorum_id,

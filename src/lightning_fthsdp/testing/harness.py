@@ -148,9 +148,36 @@ class Job:
         return proc
 
 
+def kept_commits(*groups: Group, rank: int = 0) -> dict[int, int]:
+    """step -> the quorum whose commit of that step the job kept: the latest one.
+
+    The commit vote is per group, so a group may commit a step whose exchange the others abandoned (a member was
+    declared dead as it completed); they train that step again in a later quorum, and the lone commit is
+    superseded: its group died, or it recovers their state (see ``assert_consistent``).
+    """
+    kept: dict[int, int] = {}
+    for group in groups:
+        for record in group.records(rank=rank):
+            kept[record["step"]] = max(kept.get(record["step"], -1), record["quorum_id"])
+    return kept
+
+
 def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
-    """At every step two groups both committed, their parameters are bit-identical; returns the common steps."""
-    by_group = [{r["step"]: r["params_sha256"] for r in g.records(rank=rank)} for g in groups]
+    """At every step two groups both committed in the kept quorum, their parameters are bit-identical, and a group
+    whose commit was superseded commits nothing more of its own before it recovers or restarts. Returns the steps
+    every group committed in the kept quorum."""
+    kept = kept_commits(*groups, rank=rank)
+    by_group = []
+    for group in groups:
+        rows = group.records(event=None, rank=rank)
+        for i, row in enumerate(rows):
+            if row["event"] == "commit" and row["quorum_id"] != kept[row["step"]]:
+                following = next((r for r in rows[i + 1:] if r["event"] != "discard"), None)
+                assert following is None or following["event"] == "ready" or following.get("recovery"), (
+                    f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
+                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {following}")
+        by_group.append({r["step"]: r["params_sha256"] for r in rows
+                         if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
     common = set.intersection(*(set(d) for d in by_group))
     for step in sorted(common):
         digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True)}
