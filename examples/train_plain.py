@@ -19,10 +19,11 @@ data stream where its last committed batch ended.
 After each committed step every rank appends one JSON line to ``--log-jsonl``::
 
     {"t", "event": "commit", "replica_id", "rank", "step", "quorum_id", "participants", "params_sha256",
-     "optim_sha256", "batch", "contributions", "loss"}
+     "optim_sha256", "batch", "contributions", "shares", "loss"}
 
-``contributions`` maps each group whose gradients went into the step to the index of its batch, so anyone can
-check that every group's stream was trained exactly once.
+``contributions`` maps each group whose gradients went into the step to the index of its first batch, ``shares``
+to how many of its batches (one each, unless ``--global-batches`` keeps the global batch constant while
+degraded), so anyone can check that every group's stream was trained exactly once.
 
 and ``"event": "discard"`` lines for steps whose commit vote failed.
 """
@@ -93,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--step-time-ms", type=int, default=0, help="pad each step to at least this long (pacing)")
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
+    parser.add_argument("--global-batches", type=int, default=None,
+                        help="keep every step at this many group batches while degraded (usually the group count)")
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             fault.fire_if(manager.step, phase, manager.rank)
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
-                        device=device, timeouts=args.timeouts, on_phase=on_phase)
+                        device=device, timeouts=args.timeouts, on_phase=on_phase, global_batches=args.global_batches)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)
@@ -156,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             x, y = make_batch(manager.replica_id, batch_index, manager.rank)
             loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
             loss.backward()
+            for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
+                x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
+                nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
             if fault is not None:
                 fault.fire_if(manager.step, "before", manager.rank)
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                     "optim_sha256": optim_sha256(optimizer),
                     "batch": batch_index,
                     "contributions": manager.contributions if committed else {},
+                    "shares": manager.shares if committed else {},
                     "recovery": manager.recoveries[-1] if len(manager.recoveries) > recoveries else None,
                     "loss": float(loss.detach()),
                 }

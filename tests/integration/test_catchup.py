@@ -3,11 +3,9 @@ and failures during the transfer (source dies, recovering group dies) leave the 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
-from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, kept_commits, wait_for
+from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, assert_exactly_once, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -15,34 +13,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 # start) comes back, even on a loaded 2-core machine.
 STEPS = 300
 KILL_STEP = 6
-
-
-def contributions_by_step(*groups: Group) -> dict[int, dict[str, int]]:
-    """Every kept committed step's contributions (participant -> batch index), merged over the groups' logs;
-    groups that committed the same step in the kept quorum must agree on what went into it."""
-    kept = kept_commits(*groups)
-    steps: dict[int, dict[str, int]] = {}
-    for group in groups:
-        for record in group.records():
-            if record["quorum_id"] != kept[record["step"]]:
-                continue  # superseded: the others trained that step again (assert_consistent checks the rest)
-            known = steps.setdefault(record["step"], record["contributions"])
-            assert known == record["contributions"], f"step {record['step']}: {known} != {record['contributions']}"
-    return steps
-
-
-def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
-    """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
-    and no gap. Returns each group's stream in step order."""
-    steps = contributions_by_step(*groups)
-    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
-    streams: dict[str, list[int]] = defaultdict(list)
-    for step in sorted(steps):
-        for replica_id, index in steps[step].items():
-            streams[replica_id].append(index)
-    for replica_id, indices in streams.items():
-        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
-    return streams
 
 
 def start_three_and_kill_b(job: Job) -> tuple[Group, Group, int]:

@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from lightning_fthsdp.testing.harness import Job, assert_consistent, assert_no_step_lost, wait_for
+from lightning_fthsdp.testing.harness import (
+    Job,
+    assert_consistent,
+    assert_exactly_once,
+    assert_no_step_lost,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -31,6 +37,24 @@ def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
         assert len(group.records("discard")) <= 1, group.records("discard")
     # c's gradients were in every step before it died; afterwards only a's and b's.
     assert {r["participants"] for r in a.records() if r["step"] > KILL_STEP + 1} == {2}
+
+
+def test_global_batch_stays_constant_while_degraded(job: Job) -> None:
+    """With --global-batches 3, c's death leaves its batch to a and b: a trains two of its own per step, b one,
+    every kept step holds three batches, and every stream is still trained exactly once."""
+    job.start_lighthouse()
+    extra = ("--global-batches", "3")
+    a, b = job.start_group("a", STEPS, extra=extra), job.start_group("b", STEPS, extra=extra)
+    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}", extra=extra)
+    assert job.wait_exit(c, 120) == -9
+    for group in (a, b):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    assert set(range(KILL_STEP + 1, STEPS + 1)) <= assert_consistent(a, b)
+    assert_exactly_once(a, b, c)
+    after_kill = [r["shares"] for r in a.records() if r["step"] > KILL_STEP + 1]
+    assert after_kill and all(shares == {"a": 2, "b": 1} for shares in after_kill)
+    # Before the kill too (b or c may have joined a step late): every step held three batches.
+    assert all(sum(r["shares"].values()) == 3 for r in a.records())
 
 
 def test_sigstop_stall_is_about_the_heartbeat_timeout(job: Job) -> None:

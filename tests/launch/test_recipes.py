@@ -43,6 +43,7 @@ def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
     ("launch.replicas=0", ["launch.replicas=0", ">= 1"]),
     ("lm.n_head=5", ["lm.n_head=5", "lm.d_model=96", "[1, 2, 3, 4, 6, 8, 12, 16]"]),
     ("ft.min_replicas=9", ["ft.min_replicas=9", "launch.replicas=3"]),
+    ("ft.keep_global_batch=true", ["ft.keep_global_batch=true", "ft.lr_scaling=sqrt", "set ft.lr_scaling=none"]),
     ("ft.timeouts.heartbeat_timeout_ms=50000", ["heartbeat_timeout_ms=50000", "collective_timeout_ms=20000"]),
     ("max_steps", ["'max_steps'", "key=value"]),
 ])

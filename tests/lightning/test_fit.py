@@ -83,8 +83,9 @@ def job_alone_ok(tmp_path: Path) -> Iterator[Job]:
 
 
 def reference(steps: int, *, shards: int, samples: int, batch_size: int, accumulate: int = 1,
-              clip: float | None = None) -> dict[str, torch.Tensor]:
-    """Single-process training on the union of every shard's data, step by step."""
+              clip: float | None = None, batches: dict[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Single-process training on the union of every shard's data, step by step; ``batches``: shard -> its
+    batches per step (default: every shard, one each)."""
     from lightning.pytorch import seed_everything
     from torch.utils.data import DistributedSampler
 
@@ -95,14 +96,16 @@ def reference(steps: int, *, shards: int, samples: int, batch_size: int, accumul
     data = make_dataset(samples, 8)
     samplers = [DistributedSampler(data, num_replicas=shards, rank=k, shuffle=True, seed=0) for k in range(shards)]
     per_epoch = samplers[0].num_samples // batch_size
+    per_step = batches or dict.fromkeys(range(shards), 1)
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(accumulate):
-            epoch, offset = divmod(step * accumulate + micro, per_epoch)
             index: list[int] = []
-            for sampler in samplers:
-                sampler.set_epoch(epoch)
-                index += list(sampler)[offset * batch_size:(offset + 1) * batch_size]
+            for shard, count in per_step.items():
+                for slot in range(count):
+                    epoch, offset = divmod((step * count + slot) * accumulate + micro, per_epoch)
+                    samplers[shard].set_epoch(epoch)
+                    index += list(samplers[shard])[offset * batch_size:(offset + 1) * batch_size]
             x, y = data[index]
             (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
         if clip is not None:
@@ -150,6 +153,25 @@ def test_accumulation_and_clipping_sync_before_clipping(job: Job) -> None:
     assert max_diff(expected, unsynced_clip) > 1e-4, "the clip value must be active for this test to mean anything"
     assert max_diff(params["a"], params["b"]) == 0.0
     assert max_diff(params["a"], expected) <= 1e-6
+
+
+@pytest.mark.timeout(200)
+def test_keep_global_batch_while_degraded_equals_the_healthy_batch(job_alone_ok: Job) -> None:
+    """b of a two-group job never comes: with keep_global_batch, a trains two batches of its own stream per step
+    (across an epoch boundary), the update of single-process training on those samples."""
+    steps, params = 5, job_alone_ok.workdir / "a.pt"  # 64 samples / 2 shards / batch 4 = 8 batches per epoch
+    a = start_lightning_group(job_alone_ok, "a", devices=1, max_steps=steps,
+                              extra=("--data.samples=64", "--data.batch_size=4", f"--recorder.params={params}",
+                                     "--trainer.strategy.keep_global_batch=true"))
+    assert job_alone_ok.wait_exit(a, 150) == 0, a.log.read_text()[-3000:]
+    expected = reference(steps, shards=2, samples=64, batch_size=4, batches={0: 2})
+    shrunk = reference(steps, shards=2, samples=64, batch_size=4, batches={0: 1})
+    assert max_diff(expected, shrunk) > 1e-4
+    assert max_diff(torch.load(params), expected) <= 1e-6
+    steps_done = records(a)
+    assert [r["global_step"] for r in steps_done] == list(range(1, steps + 1))
+    assert [r["stream_step"] for r in steps_done] == list(range(2, 2 * steps + 1, 2))
+    assert [r["epoch"] for r in steps_done] == [0, 0, 0, 1, 1]
 
 
 @pytest.mark.timeout(240)

@@ -55,6 +55,7 @@ def test_missing_lighthouse_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     ({"data_parallel_size": 2}, TypeError, "data_parallel_size=2: the shard count is the group's devices"),
     ({"cpu_offload": True}, TypeError, "FSDPStrategy"),
     ({"lr_scaling": "cubic"}, ValueError, "lr_scaling must be one of"),
+    ({"lr_scaling": "sqrt", "keep_global_batch": True}, ValueError, "lr_scaling='none' with keep_global_batch=True"),
     ({"replica_ids": ["x", "y"]}, ValueError, "replica_id='a' is not in replica_ids"),
     ({"num_replica_groups": 2}, ValueError, "pass replica_ids"),
     ({"num_replica_groups": 2, "replica_index": 2}, ValueError, "0 <= replica_index < num_replica_groups"),

@@ -106,6 +106,9 @@ class FTConfig:
     launch.replicas (else one failure stops the job)."""
     lr_scaling: str = _choice("sqrt", "none", "linear", "sqrt")
     """Learning-rate factor while h of R groups contribute: 1, h/R or sqrt(h/R) (the paper found sqrt best)."""
+    keep_global_batch: bool = False
+    """While h of R groups contribute, the healthy ones train R/h times their batches (split as evenly as possible)
+    so the global batch stays that of a healthy job; steps take longer. Needs lr_scaling=none."""
     timeouts: Timeouts = field(default_factory=Timeouts)
     """The bounded waits (milliseconds), validated as heartbeat < collective < quorum < connect;
     see docs/timeouts.md."""
@@ -152,3 +155,7 @@ class RecipeConfig:
         if self.ft.min_replicas > self.launch.replicas:
             raise ValueError(f"ft.min_replicas={self.ft.min_replicas} exceeds launch.replicas="
                              f"{self.launch.replicas}: the lighthouse could never form a quorum; lower ft.min_replicas")
+        if self.ft.keep_global_batch and self.ft.lr_scaling != "none":
+            raise ValueError(f"ft.keep_global_batch=true keeps the global batch constant while degraded, so "
+                             f"ft.lr_scaling={self.ft.lr_scaling} (a factor for a shrinking batch) does not apply: set "
+                             "ft.lr_scaling=none")

@@ -4,6 +4,8 @@ One step::
 
     manager.begin_step()                      # the leader asks for a quorum, overlapped with compute
     loss = model(batch); loss.backward()
+    for _ in range(manager.step_batches() - 1):   # only with global_batches set, while degraded
+        loss = model(next_batch); loss.backward()  # gradients add up: the average weighs them
     manager.sync_gradients(grads)             # cross-group allreduce (SUM / contributors); never raises on
                                               # a peer failure: it marks the step failed instead
     if manager.commit():                      # vote inside the replica group
@@ -58,6 +60,9 @@ class FTManager:
         on_phase: failure-injection point (see lightning_fthsdp.faults), called with ``"allreduce"`` while a
             cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
             rank, ``"fetch"`` when this rank starts fetching one.
+        global_batches: keep every step at this many group batches (usually the job's group count): while fewer
+            groups participate, each trains several of its own batches (``step_batches()``), so the global batch
+            stays constant. None (default): one batch per participant, the global batch shrinks while degraded.
     """
 
     def __init__(
@@ -72,7 +77,12 @@ class FTManager:
         timeouts: Timeouts | None = None,
         state_host: str = "127.0.0.1",
         on_phase: Callable[[str], None] | None = None,
+        global_batches: int | None = None,
     ) -> None:
+        if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
+            raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
+                             f"None, got {global_batches!r}")
+        self.global_batches = global_batches
         self.replica_id = check_replica_id(
             resolve(replica_id, ENV_REPLICA_ID, "FTManager replica_id", "a stable name per replica group, e.g. 'a'")
         )
@@ -97,7 +107,10 @@ class FTManager:
         self._commit_failed = False
         self._committed_in = -1  # the quorum our latest commit happened in: names our state beyond the step count
         self._participants: tuple[str, ...] = ()
+        self._shares: dict[str, int] = {}
         self._contributions: dict[str, int] = {}
+        self._step_quorum: Quorum | None = None
+        self._step_agreed = False  # whether this step's quorum was agreed (by step_batches or sync_gradients)
         self._lighthouse_away = False
         self._deaths_at_quorum = 0
         self._fetched: StateTree | None = None
@@ -134,8 +147,13 @@ class FTManager:
 
     @property
     def contributions(self) -> dict[str, int]:
-        """The last committed step's data: participant -> index of its batch that went into the step."""
+        """The last committed step's data: participant -> index of its first batch that went into the step."""
         return dict(self._contributions)
+
+    @property
+    def shares(self) -> dict[str, int]:
+        """The current (or last) step's data: participant -> how many of its batches go into the step."""
+        return dict(self._shares)
 
     @property
     def next_batch_index(self) -> int:
@@ -164,17 +182,23 @@ class FTManager:
                                                   self._committed_in)
             self._pending.add_done_callback(lambda f: self._serve_early(f, step))
 
+    def step_batches(self) -> int:
+        """How many of its own batches this group trains in the current step: its share of ``global_batches``
+        while degraded, else 1. Waits for the step's quorum (every rank of the group must call it)."""
+        quorum = self._agreed_quorum()
+        return self._shares.get(self.replica_id, 1) if quorum is not None else 1
+
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place over the groups that contribute real gradients this step.
 
-        Returns whether the exchange succeeded; on False the tensors hold garbage and ``commit()`` will vote no.
+        ``tensors`` hold the sum of the gradients of this group's ``step_batches()`` batches (each a mean over its
+        batch); the average is weighted by them. Returns whether the exchange succeeded; on False the tensors hold
+        garbage and ``commit()`` will vote no.
         """
-        self.begin_step()
-        quorum = self._agree_on_quorum()
+        quorum = self._agreed_quorum()
         self._step_ok = self._exchange_ok = False
         if quorum is None:
             return False
-        self._participants = quorum.participants
         self._fetched = None
         source = quorum.recover_src.get(self.replica_id)
         if source is not None:
@@ -210,6 +234,7 @@ class FTManager:
 
     def commit(self) -> bool:
         """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
+        self._step_agreed = False
         lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
         ok, exchanged = self._vote(self._step_ok and lease_ok, self._exchange_ok and lease_ok)
         self._step_ok = self._exchange_ok = False
@@ -224,8 +249,8 @@ class FTManager:
             assert self._quorum is not None, "a step commits only inside a quorum"
             self._committed_in = self._quorum.quorum_id
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
-            for replica_id in self._participants:
-                self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + 1
+            for replica_id, batches in self._shares.items():
+                self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
             self._commit_failed = False
             self._log.debug("committed with %d participants", len(self._participants),
                             extra={"participants": len(self._participants)})
@@ -306,6 +331,17 @@ class FTManager:
         self.step = int(own["step"])
         self.batches_committed = {str(k): int(v) for k, v in own["batches_committed"].items()}
 
+    def _agreed_quorum(self) -> Quorum | None:
+        """This step's quorum, agreed once per step (the first of ``step_batches``/``sync_gradients`` asks)."""
+        if not self._step_agreed:
+            self.begin_step()
+            self._step_quorum = self._agree_on_quorum()
+            self._step_agreed = True
+            if self._step_quorum is not None:
+                self._participants = self._step_quorum.participants
+                self._shares = split_batches(self._participants, self.global_batches)
+        return self._step_quorum
+
     def _gather_addresses(self) -> list[str]:
         """Every rank's state-server address (the leader advertises them all, shard rank order)."""
         if self._group is None:
@@ -360,7 +396,7 @@ class FTManager:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        divisor = len(self._participants)
+        divisor = sum(self._shares.values())
         for group in by_dtype.values():
             if contribute:
                 flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)
@@ -401,3 +437,11 @@ class FTManager:
         gone = dead & set(quorum.member_ids)
         if gone:
             self._comm.abort(f"lighthouse declared {','.join(sorted(gone))} dead", quorum.quorum_id)
+
+
+def split_batches(participants: Sequence[str], global_batches: int | None) -> dict[str, int]:
+    """participant -> its batches in a step: ``global_batches`` split as evenly as possible (the first in id
+    order take one more), at least one each; one each without ``global_batches``."""
+    total = max(global_batches or 0, len(participants))
+    base, extra = divmod(total, len(participants))
+    return {p: base + (i < extra) for i, p in enumerate(participants)}

@@ -54,11 +54,19 @@ class ReplicaStreamSampler(DistributedSampler):
         """(epoch, micro-batch offset inside that epoch) of a stream position."""
         return divmod(position, self.batches_per_epoch)
 
+    def indices_at(self, position: int) -> list[int]:
+        """The dataset indices of the micro-batch at a stream position."""
+        epoch, offset = self.locate(position)
+        return self._shard_of_epoch(epoch)[offset * self.batch_size:(offset + 1) * self.batch_size]
+
     def __iter__(self) -> Iterator[int]:
         self.start_position = self._position()
         epoch, offset = self.locate(self.start_position)
+        return iter(self._shard_of_epoch(epoch)[offset * self.batch_size:])
+
+    def _shard_of_epoch(self, epoch: int) -> list[int]:
         self.epoch = epoch  # the shuffle of DistributedSampler depends on it
-        return iter(list(super().__iter__())[offset * self.batch_size:])
+        return list(super().__iter__())
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the epoch is a function of the stream position (see the module docstring)."""

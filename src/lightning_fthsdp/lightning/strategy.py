@@ -78,6 +78,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         lr_scaling: while fewer than ``num_replica_groups`` groups contribute, multiply the learning rate of the
             optimizer step by ``1`` ("none"), ``healthy/total`` ("linear") or ``sqrt(healthy/total)`` ("sqrt",
             which the FT-HSDP paper found best); the scheduler's own values are untouched.
+        keep_global_batch: while fewer than ``num_replica_groups`` groups contribute, the healthy ones train extra
+            batches of their own streams (their share of the missing groups', e.g. 2 instead of 1 when 2 of 3 are
+            healthy) so every optimizer step sees the global batch of a healthy job; steps take longer instead of
+            the batch shrinking. Excludes ``lr_scaling`` (the batch no longer shrinks).
         timeouts: the validated timeout hierarchy of the fault-tolerant path.
         auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
             child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
@@ -99,6 +103,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         replica_ids: list[str] | None = None,
         replica_index: int | None = None,
         lr_scaling: LRScaling = "none",
+        keep_global_batch: bool = False,
         timeouts: Timeouts | None = None,
         auto_shard_min_params: int = DEFAULT_MIN_PARAMS,
         fault: str | None = None,
@@ -121,13 +126,19 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                                                      replica_ids, replica_index)
         if lr_scaling not in _LR_SCALINGS:
             raise ValueError(f"FTHSDPStrategy lr_scaling must be one of {_LR_SCALINGS}, got {lr_scaling!r}")
+        if keep_global_batch and lr_scaling != "none":
+            raise ValueError(f"FTHSDPStrategy got keep_global_batch=True with lr_scaling={lr_scaling!r}: the learning "
+                             "rate scaling is for a global batch that shrinks while degraded; keep_global_batch keeps "
+                             "it constant. Choose one (lr_scaling='none' with keep_global_batch=True)")
         self.lr_scaling = lr_scaling
+        self.keep_global_batch = keep_global_batch
         self.timeouts = timeouts or Timeouts()
         self.auto_shard_min_params = auto_shard_min_params
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
         self._sampler: ReplicaStreamSampler | None = None
+        self._collate: Callable[[list[Any]], Any] | None = None
         self._stream_step = 0  # this group's stream position (in optimizer steps) of the batch being trained
         self._caught_up = False  # set by the loop-counter loader: this commit loaded a peer's state
         self._unscaled_lrs: list[float] | None = None  # the step's learning rates before the degraded factor
@@ -166,7 +177,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                   group=group if self.world_size > 1 else None,
                                   backend="gloo" if self.root_device.type == "cpu" else "nccl",
                                   device=self.root_device, timeouts=self.timeouts,
-                                  on_phase=self._fire_fault)
+                                  on_phase=self._fire_fault,
+                                  global_batches=self.num_replica_groups if self.keep_global_batch else None)
         self._register_catchup_state(trainer)
         if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
             trainer.callbacks.append(FTMetricsLogger(self.ft_metrics))
@@ -189,6 +201,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             num_replica_groups=self.num_replica_groups, replica_index=self.replica_index,
             shard_count=self.world_size, shard_rank=self.global_rank, batch_size=batch_size,
             position=self._stream_start, shuffle=injected.shuffle, seed=injected.seed, drop_last=injected.drop_last)
+        self._collate = dataloader.collate_fn
         return _update_dataloader(dataloader, self._sampler)
 
     @override
@@ -309,11 +322,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         for p in self.model.parameters():
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)  # every group must send the same tensors (gloo sizes must match)
-        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        ours = [g.clone() for g in grads]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        ours = [local(p.grad).clone() for p in params]
         started, attempts = time.monotonic(), 0
         while True:
             attempts += 1
+            self._train_extra_batches(manager.step_batches() - 1, optimizer)
+            grads = [local(p.grad) for p in params]
             self._fire_fault("before")
             manager.sync_gradients(grads)
             self._check_quorum_size()
@@ -338,6 +353,25 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.ft_metrics.discarded_steps = manager.discarded_steps
         self.ft_metrics.stall_s = last_failed - started if attempts > 1 else 0.0
         self._scale_lr(optimizer, len(manager.participants))
+
+    def _train_extra_batches(self, count: int, optimizer: Optimizer) -> None:
+        """Forward and backward ``count`` more optimizer steps' worth of this group's own stream, after the one
+        Lightning just trained: their gradients add to it (Lightning scales each micro-batch's loss as it does)."""
+        if count == 0:
+            return
+        assert self._sampler is not None and self._collate is not None
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        first = (self._stream_step + 1) * accumulate
+        for position in range(first, first + count * accumulate):
+            batch = self.batch_to_device(self._collate([self._sampler.dataset[i]  # type: ignore[index]
+                                                        for i in self._sampler.indices_at(position)]))
+            output = self.training_step(batch, self._sampler.locate(position)[1])
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            if not isinstance(loss, torch.Tensor):
+                raise ValueError(f"FTHSDPStrategy(keep_global_batch=True) needs training_step to return the loss "
+                                 f"(a tensor or a dict with 'loss'), got {type(output).__name__}")
+            self.backward(loss / accumulate, optimizer)
 
     def _scale_lr(self, optimizer: Optimizer, healthy: int) -> None:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -185,6 +185,36 @@ def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
     return common
 
 
+def contributions_by_step(*groups: Group) -> dict[int, dict[str, list[int]]]:
+    """Every kept committed step's data: participant -> the indices of its batches that went into it, merged over
+    the groups' logs; groups that committed the same step in the kept quorum must agree on it."""
+    kept = kept_commits(*groups)
+    steps: dict[int, dict[str, list[int]]] = {}
+    for group in groups:
+        for record in group.records():
+            if record["quorum_id"] != kept[record["step"]]:
+                continue  # superseded: the others trained that step again (assert_consistent checks the rest)
+            batches = {p: list(range(first, first + record["shares"][p]))
+                       for p, first in record["contributions"].items()}
+            known = steps.setdefault(record["step"], batches)
+            assert known == batches, f"step {record['step']}: {known} != {batches}"
+    return steps
+
+
+def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
+    """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
+    and no gap. Returns each group's stream in step order."""
+    steps = contributions_by_step(*groups)
+    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
+    streams: dict[str, list[int]] = {}
+    for step in sorted(steps):
+        for replica_id, indices in steps[step].items():
+            streams.setdefault(replica_id, []).extend(indices)
+    for replica_id, indices in streams.items():
+        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
+    return streams
+
+
 def assert_no_step_lost(group: Group, final_step: int, rank: int = 0) -> None:
     """Committed steps are exactly 1..final_step with none repeated (catch-up may jump ahead: see start)."""
     steps = [r["step"] for r in group.records(rank=rank)]
