@@ -11,9 +11,9 @@ and also serves the same bytes on a plain TCP socket. The parent then measures, 
   the bare wire, an upper bound no receiver that allocates its result can reach).
 
 The ratio fetch / loopback is what the protocol costs over the wire itself: HTTP framing, the manifest and, mostly,
-SHA-256 of every byte (sent hashed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
+the CRC-32 of every byte (computed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
 
-Usage: ``python bench/bench_transfer.py [--mib 64 512] [--repeat 3]``; writes ``bench/results/transfer.json``.
+Usage: ``python bench/bench_transfer.py [--mib 64 512] [--repeat 5]``; writes ``bench/results/transfer.json``.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def measure(mib: int, repeat: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="state sizes in MiB")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best is kept)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (best is kept)")
     args = parser.parse_args()
     rows = [measure(mib, args.repeat) for mib in args.mib]
     print(f"{'size':>8} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} {'ratio':>5} "

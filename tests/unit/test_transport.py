@@ -312,8 +312,8 @@ def _tampered(edit: Callable[[dict[str, object]], None]) -> bytes:
     (lambda m: m["tensors"][0].update(dtype="object"), "unsupported dtype 'object'"),
     (lambda m: m["tensors"][0].update(nbytes=4000), r"nbytes 4000 != numel \* itemsize = 400"),
     (lambda m: m["tensors"][0].update(shape=[-100, -1]), "non-negative"),
-    (lambda m: m["tensors"][0].update(sha256=[]), "needs ceil"),
-    (lambda m: m.update(format="fthsdp-state/2"), "unsupported manifest format"),
+    (lambda m: m["tensors"][0].update(crc32=[]), "needs ceil"),
+    (lambda m: m.update(format="fthsdp-state/1"), "unsupported manifest format"),
     (lambda m: m.update(step=2), "for step 2"),
     (lambda m: m.update(tree={"a": {"__tensor__": 0}, "b": {"__tensor__": 0}}), "repeated tensor placeholder"),
     (lambda m: m.update(tree={}), "referencing every tensor"),
@@ -386,7 +386,7 @@ def _fetch_error(address: str, step: int) -> BaseException | None:
 @given(st.one_of(st.binary(max_size=200), st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["format", "step", "tree", "chunk_bytes", "tensors", "dtype", "shape", "nbytes", "sha256",
+        st.sampled_from(["format", "step", "tree", "chunk_bytes", "tensors", "dtype", "shape", "nbytes", "crc32",
                          "__tensor__"]), inner, max_size=5),
     max_leaves=20,
 ).map(lambda doc: json.dumps(doc).encode())))

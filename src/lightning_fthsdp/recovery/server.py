@@ -1,7 +1,7 @@
 """Serves this rank's latest CPU snapshot to recovering peers over HTTP (``GET /v1/state?step=N``).
 
 One snapshot is held at a time. ``publish`` returns at once: the chunk digests the manifest needs are computed on
-background threads (hashlib releases the GIL), so the training step that follows never waits for them; requests
+background threads (zlib releases the GIL), so the training step that follows never waits for them; requests
 for that step wait until they are ready. Bytes are streamed from the snapshot tensors' own memory, chunk by chunk:
 no serialised copy of the payload ever exists.
 
