@@ -25,7 +25,8 @@ After each committed step every rank appends one JSON line to ``--log-jsonl``::
 to how many of its batches (one each, unless ``--global-batches`` keeps the global batch constant while
 degraded), so anyone can check that every group's stream was trained exactly once.
 
-and ``"event": "discard"`` lines for steps whose commit vote failed.
+and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
+restarted group followed while its state was still in transfer (replayed once it arrives: ``recovery.replayed``).
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     manager.register_state("model", model_state.get, model_state.load)
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
+    # How a committed step is applied: a recovering group replays the steps it followed with it, so a long state
+    # transfer never holds the healthy groups up.
+    manager.register_update(optimizer.step)
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             if log_file is not None:
                 record = {
                     "t": time.time(),
-                    "event": "commit" if committed else "discard",
+                    "event": "commit" if committed else "follow" if manager.following else "discard",
                     "replica_id": manager.replica_id,
                     "rank": manager.rank,
                     "step": manager.step,

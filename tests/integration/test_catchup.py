@@ -89,3 +89,30 @@ def test_recovering_group_killed_mid_transfer_leaves_the_others_unaffected(job: 
     for group in (a, c):
         assert len(group.records("discard")) <= 2, "one discarded step per failure at most"
     assert_exactly_once(a, b, c)
+
+
+def test_transfer_outlasting_steps_the_restarted_group_follows_then_replays(job: Job) -> None:
+    """With 128 MiB of state the transfer outlasts several 20 ms steps: b follows the job meanwhile (zeros in,
+    the averaged gradients held) and replays them once the state arrives, so a and c never wait for it; all three
+    end identical and every stream is trained exactly once."""
+    extra = ("--ballast-mib", "128")
+    job.start_lighthouse()
+    a, c = job.start_group("a", STEPS, extra=extra), job.start_group("c", STEPS, extra=extra)
+    job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}", extra=extra)
+    kill_and_wait_degraded(job, "b", a)
+    died_at = max(r["step"] for r in job.groups["b"].records())
+    b = job.start_group("b", STEPS, extra=extra)
+    for group in (a, b, c):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    recovery = [r["recovery"] for r in b.records() if r["recovery"]][-1]
+    followed = [r["step"] for r in b.records("follow")]
+    assert recovery["replayed"] >= 1 and followed[-recovery["replayed"]:] == list(
+        range(recovery["step"] + 1, recovery["step"] + 1 + recovery["replayed"])), (recovery, followed)
+    # a and c committed every step b followed, with b in the quorum contributing nothing.
+    a_steps = {r["step"]: r for r in a.records()}
+    assert all(a_steps[step]["participants"] == 2 for step in followed)
+    first = after_restart(b, died_at)[0]["step"]
+    assert first == recovery["step"] + recovery["replayed"] + 1
+    assert set(range(first, STEPS + 1)) <= assert_consistent(a, b, c)
+    assert len({g.records()[-1]["optim_sha256"] for g in (a, b, c)}) == 1, "optimizer states differ at the end"
+    assert_exactly_once(a, b, c)

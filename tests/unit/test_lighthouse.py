@@ -74,7 +74,7 @@ def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = 
        timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1) -> dict[str, Any]:
     return {"replica_id": rid, "step": step, "shard_count": shard_count, "address": f"{rid}:1",
             "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
-            "committed_in": committed_in, "timeout_ms": timeout_ms}
+            "committed_in": committed_in, "catching_up": False, "timeout_ms": timeout_ms}
 
 
 def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -277,6 +277,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/quorum", qr("a", members=("ok", "no way")), 400, "'members'"),
     ("POST", "/v1/quorum", qr("a") | {"commit_failed": 1}, 400, "'commit_failed'"),
     ("POST", "/v1/quorum", qr("a", committed_in=-2), 400, "'committed_in'"),
+    ("POST", "/v1/quorum", qr("a") | {"catching_up": "no"}, 400, "'catching_up'"),
     ("POST", "/v1/quorum", qr("a", shard_count=4), 409, "shard_count 2 of the current quorum 0"),
     ("POST", "/v1/leave", {"replica_id": "zz"}, 404, "'zz'"),
     ("POST", "/v1/leave", {}, 400, "'replica_id'"),

@@ -103,6 +103,21 @@ def test_members_at_the_top_step_holding_another_state_recover_from_the_majority
     assert q is not None and dict(q.recover_src) == {"a": "b"}
 
 
+def test_a_group_following_while_its_state_transfers_contributes_zeros_and_serves_nobody() -> None:
+    """b follows the job at its step (its transfer runs on); c follows but missed a step: c starts over."""
+    q = decide(RULES, None, pending(req("a", 7, committed_in=3), req("b", 7, committed_in=3, catching_up=True),
+                                    req("c", 6, committed_in=2, catching_up=True), req("d", 7, committed_in=3)),
+               frozenset("abcd"), 0.0)
+    assert q is not None and q.catching_up == frozenset("b") and q.participants == ("a", "d")
+    assert dict(q.recover_src) == {"c": "a"} and q.max_step == 7
+    assert Quorum.from_json(q.to_json()) == q
+    # Only groups whose state is in transfer: no quorum (their sources are gone).
+    assert decide(RULES, None, pending(req("b", 7, catching_up=True)), frozenset("b"), 100.0) is None
+    # A follower ahead of every group that holds its state (they discarded a step it held): it starts over.
+    q = decide(RULES, None, pending(req("a", 7), req("b", 8, catching_up=True)), frozenset("ab"), 0.0)
+    assert q is not None and dict(q.recover_src) == {"b": "a"} and q.max_step == 7
+
+
 def test_restarted_lighthouse_continues_numbering_from_requests() -> None:
     members = ("a", "b")
     requests = pending(req("a", 7, quorum_id=4, members=members), req("b", 7, quorum_id=4, members=members))
@@ -149,6 +164,7 @@ round_strategy = st.fixed_dictionaries({
     "steps": st.dictionaries(st.sampled_from(IDS), st.integers(0, 4)),
     "failed": st.sets(st.sampled_from(IDS), max_size=1),
     "committed_in": st.dictionaries(st.sampled_from(IDS), st.integers(-1, 2)),
+    "catching_up": st.sets(st.sampled_from(IDS), max_size=3),
     "elapsed": st.floats(0, 20),
 })
 
@@ -162,7 +178,7 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         alive = frozenset(rnd["alive"])
         requests = pending(*(
             req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"],
-                committed_in=rnd["committed_in"].get(rid, -1))
+                committed_in=rnd["committed_in"].get(rid, -1), catching_up=rid in rnd["catching_up"])
             for rid in sorted(rnd["asking"])
         ))
         q = decide(rules, previous, requests, alive, now + rnd["elapsed"])
@@ -172,7 +188,10 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         assert members <= alive & set(requests), "members are alive requesters"
         assert len(members) >= min_replicas and 2 * len(members) > len(alive), "min_replicas and a majority"
         assert list(q.member_ids) == sorted(members)
-        at_max = [requests[m.replica_id] for m in q.members if m.step == q.max_step]
+        holding = members - rnd["catching_up"]
+        assert q.max_step == max(requests[m].step for m in holding), "the top step is one some member holds"
+        assert q.catching_up <= rnd["catching_up"] and not q.catching_up & set(q.recover_src)
+        at_max = [requests[m] for m in sorted(holding) if requests[m].step == q.max_step]
         states = {r.committed_in for r in at_max if r.replica_id not in q.recover_src}
         assert len(states) == 1, "the members that keep their state all hold the same one"
         held = states.pop()
@@ -180,7 +199,8 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         assert all(len(holders) >= sum(r.committed_in == other for r in at_max) for other in (-1, 0, 1, 2)), \
             "the state most up-to-date members hold is kept"
         assert set(q.recover_src.values()) <= holders, "sources are up to date"
-        assert set(q.recover_src) == members - holders, "every lagging or diverged member recovers"
+        assert set(q.recover_src) == members - holders - q.catching_up, "every lagging or diverged member recovers"
+        assert all(requests[m].step == q.max_step for m in q.catching_up), "followers are at the top step"
         assert set(q.participants) == holders
         if previous is not None:
             assert q.quorum_id >= previous.quorum_id, "quorum_id never decreases"

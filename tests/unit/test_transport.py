@@ -233,6 +233,26 @@ def test_withdrawn_snapshot_is_404_after_the_wait(server: StateServer) -> None:
     assert time.monotonic() - start > 0.4
 
 
+def test_withdraw_unless_read_keeps_the_snapshot_while_a_request_wants_it(server: StateServer) -> None:
+    """A recovering group that follows the job fetches across steps: the source's per-step withdraw must not cut
+    it off, even when the request came before the publish; once nobody wants it, it goes."""
+    tree = {"w": torch.randn(1000)}
+
+    def publish_then_withdraw() -> None:
+        server.publish(3, snapshot(tree))
+        server.withdraw(unless_read=True)
+
+    publisher = threading.Timer(0.3, publish_then_withdraw)  # the delay only orders the events
+    publisher.start()
+    try:
+        assert_same(fetch(server.address, 3, timeout_s=10.0), tree)
+    finally:
+        publisher.cancel()
+    server.withdraw(unless_read=True)
+    with pytest.raises(StateFetchError, match=r"404.*holds no snapshot"):
+        fetch(server.address, 3, timeout_s=0.3)
+
+
 def test_abort_while_waiting_for_publish_returns_promptly(server: StateServer) -> None:
     abort = threading.Event()
     threading.Timer(0.2, abort.set).start()

@@ -94,11 +94,11 @@ class CatchUp:
             self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", step, timeout_s, exc)
             self.stop_serving()
 
-    def stop_serving(self) -> None:
+    def stop_serving(self, *, unless_read: bool = False) -> None:
+        """Withdraw the snapshot (``unless_read``: not while a recovering group is still fetching it)."""
         with self._lock:
-            if self._serving is not None:
-                self._serving = None
-                self._server.withdraw()
+            self._serving = None
+            self._server.withdraw(unless_read=unless_read)
 
     # ------------------------------------------------------------------------------------------ recovering
 
@@ -112,6 +112,10 @@ class CatchUp:
         self._fetch = ((address, step), future, abort)
         if self._on_phase is not None:
             self._on_phase("fetch")
+
+    def fetch_done(self) -> bool:
+        """Whether the fetch in flight has ended (with the state or an error): ``finish_fetch`` will not wait."""
+        return self._fetch is not None and self._fetch[1].done()
 
     def finish_fetch(self, timeout_s: float) -> StateTree | None:
         """The fetched tree, or None (failed, or not done in time: the group stays behind and retries)."""

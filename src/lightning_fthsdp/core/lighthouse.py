@@ -238,6 +238,7 @@ class Lighthouse:
         commit_failed = require(body, "commit_failed", bool, "true or false")
         quorum_id, timeout_ms = require_int(body, "quorum_id", -1), require_int(body, "timeout_ms", 1)
         committed_in = require_int(body, "committed_in", -1)
+        catching_up = require(body, "catching_up", bool, "true or false")
         if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
             raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
                                  f"{timeout_ms}: a quorum request is bounded")
@@ -252,7 +253,7 @@ class Lighthouse:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Response] = loop.create_future()
         request = QuorumRequest(replica_id, step, shard_count, time.monotonic(), address, commit_failed, quorum_id,
-                                tuple(members), committed_in)
+                                tuple(members), committed_in, catching_up)
         if self._answer is not None and is_late_member(self._previous, request):
             return self._answer
         self._add_pending(request, waiter)

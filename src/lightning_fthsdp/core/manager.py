@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,23 @@ _OWN_STATE = "fthsdp"
 
 class QuorumUnavailable(RuntimeError):
     """No quorum could be had within the connect timeout (lighthouse unreachable with no quorum to keep)."""
+
+
+@dataclass
+class _Follow:
+    """A catch-up whose state transfer outlasts the step it began in: the group follows the job meanwhile."""
+
+    source: str
+    base_step: int
+    """The step whose state is in transfer."""
+    own_step: int
+    own_committed_in: int
+    """What this group held before (restored if the transfer fails)."""
+    started: float
+    updates: list[tuple[list[torch.Tensor], dict[str, int]]] = field(default_factory=list)
+    """Every step since: the job's averaged gradients and batch shares, replayed once the state arrives."""
+    nbytes: int = 0
+    tree: StateTree | None = None
 
 
 class FTManager:
@@ -63,6 +81,8 @@ class FTManager:
         global_batches: keep every step at this many group batches (usually the job's group count): while fewer
             groups participate, each trains several of its own batches (``step_batches()``), so the global batch
             stays constant. None (default): one batch per participant, the global batch shrinks while degraded.
+        replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a recovering group
+            may hold for replay while its state transfer runs on (then it waits for the transfer).
     """
 
     def __init__(
@@ -78,11 +98,20 @@ class FTManager:
         state_host: str = "127.0.0.1",
         on_phase: Callable[[str], None] | None = None,
         global_batches: int | None = None,
+        replay_buffer_mib: int = 1024,
     ) -> None:
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
         self.global_batches = global_batches
+        if not isinstance(replay_buffer_mib, int) or replay_buffer_mib < 0:
+            raise ValueError(f"FTManager replay_buffer_mib must be an integer >= 0, got {replay_buffer_mib!r}")
+        self._replay_budget = replay_buffer_mib << 20
+        self._update: Callable[[], None] | None = None
+        self._follow: _Follow | None = None
+        self._fetch_failed = False
+        self._fetch_started = 0.0
+        self._tensors: Sequence[torch.Tensor] = ()
         self.replica_id = check_replica_id(
             resolve(replica_id, ENV_REPLICA_ID, "FTManager replica_id", "a stable name per replica group, e.g. 'a'")
         )
@@ -156,6 +185,12 @@ class FTManager:
         return dict(self._shares)
 
     @property
+    def following(self) -> bool:
+        """Whether this group follows the job while its catch-up transfer runs (see ``register_update``):
+        ``commit()`` returns False for those steps and the optimizer must not step."""
+        return self._follow is not None
+
+    @property
     def next_batch_index(self) -> int:
         """Position of this group's own data stream: batches of it already in a committed step."""
         return self.batches_committed.get(self.replica_id, 0)
@@ -168,6 +203,17 @@ class FTManager:
         """
         self._catchup.register(name, get, load)
 
+    def register_update(self, update: Callable[[], None]) -> None:
+        """How this group applies a committed step once its averaged gradients are in the tensors given to
+        ``sync_gradients`` (usually ``optimizer.step``, plus any scheduler step).
+
+        With it, catch-up never makes the healthy groups wait: a recovering group whose state transfer outlasts the
+        step keeps following the job (contributing zeros, holding each step's averaged gradients) and, once the
+        state arrives, loads it and replays the steps it held. Without it, the recovering group finishes the
+        transfer at the end of the step it joined, and the next quorum waits for it.
+        """
+        self._update = update
+
     # ----------------------------------------------------------------------------------------------- step
 
     def begin_step(self) -> None:
@@ -179,7 +225,7 @@ class FTManager:
         if self._executor is not None and self._pending is None:
             step = self.step
             self._pending = self._executor.submit(self._request_quorum, step, self._commit_failed, self._quorum,
-                                                  self._committed_in)
+                                                  self._committed_in, self._follow is not None)
             self._pending.add_done_callback(lambda f: self._serve_early(f, step))
 
     def step_batches(self) -> int:
@@ -200,27 +246,26 @@ class FTManager:
         if quorum is None:
             return False
         self._fetched = None
+        self._tensors = tensors
         source = quorum.recover_src.get(self.replica_id)
         if source is not None:
-            address = quorum.member(source).address.split(",")[self.rank]
-            self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
-            fetch_started = time.monotonic()
-            if self.step == quorum.max_step:
-                self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
-                                   "trained again: taking their state from %s", self.step, self._committed_in, source)
-            else:
-                self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
+            self._start_recovery(quorum, source)
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                  self._store_address)
-            self._exchange(tensors, contribute=self.replica_id in quorum.participants)
+            # Never real gradients while following: our weights are not the job's until the state is loaded.
+            self._exchange(tensors, contribute=self.replica_id in quorum.participants and self._follow is None)
         except CollectiveAborted as exc:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
-            self._catchup.cancel_fetch()  # its source may be what failed: the next quorum may name another
+            if self._follow is None:
+                self._catchup.cancel_fetch()  # its source may be what failed: the next quorum may name another
             return False
         self._exchange_ok = True
+        if self._follow is not None:
+            self._step_ok = self._poll_follow()
+            return True
         if source is not None:
             # The fetch ran during the whole step. Waiting for the rest of it costs the healthy groups (they need us in
             # the next step) less than giving up: a retry would take a fresh snapshot and transfer everything again.
@@ -228,7 +273,7 @@ class FTManager:
             if self._fetched is None:
                 return False
             self._fetch_info = {"source": source, "step": quorum.max_step,
-                                "fetch_s": time.monotonic() - fetch_started}
+                                "fetch_s": time.monotonic() - self._fetch_started, "replayed": 0}
         self._step_ok = True
         return True
 
@@ -236,12 +281,17 @@ class FTManager:
         """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
         self._step_agreed = False
         lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
-        ok, exchanged = self._vote(self._step_ok and lease_ok, self._exchange_ok and lease_ok)
-        self._step_ok = self._exchange_ok = False
+        ok, exchanged, fetch_ok = self._vote(self._step_ok and lease_ok, self._exchange_ok and lease_ok,
+                                             not self._fetch_failed)
+        self._step_ok = self._exchange_ok = self._fetch_failed = False
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+        if not fetch_ok:
+            self._stop_following("the state transfer failed on a rank of this group")
         if ok and self._fetched is not None:
             self._load(self._fetched)
+        if ok and self._follow is not None:
+            self._replay()
         self._fetched = None
         if ok:
             self.step += 1
@@ -260,6 +310,8 @@ class FTManager:
             self._commit_failed = True
             self._comm.invalidate()
             self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
+        elif self._follow is not None:
+            self._hold_for_replay()
         else:
             self._rlog.info("state not received this step; still behind, retrying next step")
         return ok
@@ -276,8 +328,8 @@ class FTManager:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _request_quorum(self, step: int, commit_failed: bool, current: Quorum | None,
-                        committed_in: int) -> tuple[Quorum, str]:
+    def _request_quorum(self, step: int, commit_failed: bool, current: Quorum | None, committed_in: int,
+                        catching_up: bool) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         assert self._quorum_client is not None
         deadline = time.monotonic() + self.timeouts.connect_timeout_ms / 1000
@@ -286,7 +338,7 @@ class FTManager:
             try:
                 answer = self._quorum_client.request(self.replica_id, step, self.shard_count,
                                                      ",".join(self._addresses), commit_failed, current,
-                                                     committed_in)
+                                                     committed_in, catching_up)
             except LighthouseUnavailable as exc:
                 # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
                 # up-to-date members: last step's recovery assignments must not be replayed.
@@ -295,8 +347,11 @@ class FTManager:
                         self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d until it is back", exc,
                                            current.quorum_id)
                     self._lighthouse_away = True
+                    # Who was following still is, to every member alike (one who caught up meanwhile contributes
+                    # zeros for a step: the members must agree on who contributes).
                     kept = Quorum(current.quorum_id, tuple(Member(m.replica_id, step, m.address)
-                                                           for m in current.members), step, current.shard_count)
+                                                           for m in current.members), step, current.shard_count,
+                                  catching_up=current.catching_up)
                     return kept, self._store_address
                 if time.monotonic() >= deadline:
                     raise QuorumUnavailable(
@@ -323,6 +378,75 @@ class FTManager:
         self._catchup.load(tree)
         self.recoveries.append(self._fetch_info)
         self._rlog.info("caught up: loaded the state of step %d", self.step)
+
+    def _start_recovery(self, quorum: Quorum, source: str) -> None:
+        if self._follow is not None:
+            self._stop_following(f"the quorum names us behind again (at step {self.step})")
+        address = quorum.member(source).address.split(",")[self.rank]
+        self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
+        self._fetch_started = time.monotonic()
+        if self.step == quorum.max_step:
+            self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
+                               "trained again: taking their state from %s", self.step, self._committed_in, source)
+        else:
+            self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
+        if self._update is not None:
+            self._follow = _Follow(source, quorum.max_step, self.step, self._committed_in, self._fetch_started)
+
+    def _poll_follow(self) -> bool:
+        """Whether this rank holds the fetched state (waiting for it only once the replay buffer is full)."""
+        follow = self._follow
+        assert follow is not None
+        if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= self._replay_budget):
+            if not self._catchup.fetch_done():
+                self._rlog.warning("replay buffer full (%d steps, %d MiB): waiting for the state of step %d",
+                                   len(follow.updates), follow.nbytes >> 20, follow.base_step)
+            follow.tree = self._catchup.finish_fetch(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+            self._fetch_failed = follow.tree is None
+        return follow.tree is not None
+
+    def _hold_for_replay(self) -> None:
+        """Follow the job through a step the state has not arrived for yet: keep its averaged gradients."""
+        follow = self._follow
+        assert follow is not None and self._quorum is not None
+        grads = [t.detach().clone() for t in self._tensors]
+        follow.updates.append((grads, dict(self._shares)))
+        follow.nbytes += sum(g.numel() * g.element_size() for g in grads)
+        self.step = follow.base_step + len(follow.updates)  # the steps we will hold once the state is in
+        self._committed_in = self._quorum.quorum_id
+        self._commit_failed = False
+
+    def _replay(self) -> None:
+        """Load the fetched state, then apply the steps held since, through the registered update; the caller's
+        optimizer step for the current one follows."""
+        follow = self._follow
+        assert follow is not None and follow.tree is not None and self._update is not None
+        self._follow = None
+        current = [t.detach().clone() for t in self._tensors]
+        self._catchup.load(follow.tree)
+        for grads, shares in follow.updates:
+            for tensor, grad in zip(self._tensors, grads, strict=True):
+                tensor.detach().copy_(grad)
+            self._update()
+            self.step += 1
+            for replica_id, batches in shares.items():
+                self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
+        for tensor, grad in zip(self._tensors, current, strict=True):
+            tensor.detach().copy_(grad)
+        self.recoveries.append({"source": follow.source, "step": follow.base_step,
+                                "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
+        self._rlog.info("caught up: loaded the state of step %d and replayed %d steps", follow.base_step,
+                        len(follow.updates))
+
+    def _stop_following(self, reason: str) -> None:
+        follow = self._follow
+        if follow is None:
+            return
+        self._follow = None
+        self._catchup.cancel_fetch()
+        self.step, self._committed_in = follow.own_step, follow.own_committed_in
+        self._rlog.warning("%s: dropping the catch-up from %s (%d steps held), back at our own step %d", reason,
+                           follow.source, len(follow.updates), self.step)
 
     def _own_state(self) -> StateTree:
         return {"step": self.step, "batches_committed": dict(self.batches_committed)}
@@ -386,7 +510,7 @@ class FTManager:
         if self.replica_id in quorum.recover_src.values():
             self._catchup.serve(self.step)
         else:
-            self._catchup.stop_serving()
+            self._catchup.stop_serving(unless_read=True)
         self._comm.expect(quorum.quorum_id)
         self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
         return quorum
@@ -420,13 +544,13 @@ class FTManager:
         dist.broadcast(data, group_src=0, group=self._group)
         return json.loads(bytes(data.tolist()).decode()) if not self.is_leader else message
 
-    def _vote(self, step_ok: bool, exchange_ok: bool) -> tuple[bool, bool]:
-        """Unanimity inside the group: (commit?, did every rank's cross-group exchange succeed?)."""
+    def _vote(self, *flags: bool) -> tuple[bool, ...]:
+        """Unanimity inside the group, flag by flag (commit? every rank's exchange succeeded? ...)."""
         if self._group is None:
-            return step_ok, exchange_ok
-        flags = torch.tensor([int(step_ok), int(exchange_ok)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flags[0]), bool(flags[1])
+            return flags
+        votes = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._group)
+        return tuple(bool(v) for v in votes)
 
     def _on_dead(self, dead: frozenset[str]) -> None:
         """Watchdog (heartbeat thread): abandon the in-flight exchange if a member of our quorum was declared

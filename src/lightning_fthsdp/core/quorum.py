@@ -47,6 +47,9 @@ class QuorumRequest:
     """The quorum in which the requester committed its latest step (-1: none since its process started). The
     step count alone does not identify a state: a group may commit a step that the others discarded and then
     trained again in a later quorum (the commit vote is per group), so two groups at the same step may differ."""
+    catching_up: bool = False
+    """The requester follows the job while its state is still in transfer: ``step`` counts the steps it holds the
+    averaged gradients of, to replay once the state arrives. It contributes zeros and serves nobody."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Quorum:
     shard_count: int
     recover_src: Mapping[str, str] = field(default_factory=dict)
     """Members behind ``max_step`` -> the up-to-date member they recover from (shard rank to shard rank)."""
+    catching_up: frozenset[str] = frozenset()
+    """Members following the job while their state transfer runs on (they contribute zeros)."""
 
     @cached_property
     def member_ids(self) -> tuple[str, ...]:
@@ -83,7 +88,8 @@ class Quorum:
     @property
     def participants(self) -> tuple[str, ...]:
         """Members that contribute real gradients this step (recovering members send zeros)."""
-        return tuple(m.replica_id for m in self.members if m.replica_id not in self.recover_src)
+        return tuple(m.replica_id for m in self.members
+                     if m.replica_id not in self.recover_src and m.replica_id not in self.catching_up)
 
     def rank_of(self, replica_id: str) -> int:
         return self._index[replica_id]
@@ -98,6 +104,7 @@ class Quorum:
             "max_step": self.max_step,
             "shard_count": self.shard_count,
             "recover_src": dict(self.recover_src),
+            "catching_up": sorted(self.catching_up),
         }
 
     @classmethod
@@ -112,6 +119,7 @@ class Quorum:
             max_step=int(data["max_step"]),  # type: ignore[arg-type]
             shard_count=int(data["shard_count"]),  # type: ignore[arg-type]
             recover_src={str(k): str(v) for k, v in dict(data.get("recover_src", {})).items()},  # type: ignore[call-overload]
+            catching_up=frozenset(str(r) for r in data.get("catching_up", ())),  # type: ignore[union-attr]
         )
 
 
@@ -147,7 +155,8 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     Returns the adopted quorum and the requesters that may receive it: those holding that same quorum, healthy
     (no failed commit) and at the same step as the group it is taken from. None when no request qualifies.
     """
-    holders = [r for r in pending.values() if r.quorum_id >= 0 and not r.commit_failed and r.replica_id in r.members]
+    holders = [r for r in pending.values()
+               if r.quorum_id >= 0 and not r.commit_failed and not r.catching_up and r.replica_id in r.members]
     if not holders:
         return None
     source = max(holders, key=lambda r: (r.quorum_id, r.step))
@@ -238,14 +247,19 @@ def decide(
     if not is_ready(rules, previous_members, pending, alive, now, expected):
         return None
     requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)
+    holding = [r for r in requests if not r.catching_up]
+    if not holding:
+        return None  # only groups whose state is still in transfer: their sources are gone, their fetches will fail
     member_ids = frozenset(r.replica_id for r in requests)
     commit_failed = any(r.commit_failed for r in requests)
     same = member_ids == previous_members and not commit_failed and previous_id >= 0
     quorum_id = previous_id if same else previous_id + 1
-    max_step = max(r.step for r in requests)
-    branch = reference_branch([r for r in requests if r.step == max_step])
-    up_to_date = [r.replica_id for r in requests if r.step == max_step and r.committed_in == branch]
-    behind = [r.replica_id for r in requests if r.step < max_step or r.committed_in != branch]
+    max_step = max(r.step for r in holding)
+    branch = reference_branch([r for r in holding if r.step == max_step])
+    on_track = [r for r in requests if r.step == max_step and r.committed_in == branch]
+    up_to_date = [r.replica_id for r in on_track if not r.catching_up]
+    following = frozenset(r.replica_id for r in on_track if r.catching_up)
+    behind = [r.replica_id for r in requests if (r.step != max_step or r.committed_in != branch)]
     recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
     return Quorum(
         quorum_id=quorum_id,
@@ -253,4 +267,5 @@ def decide(
         max_step=max_step,
         shard_count=requests[0].shard_count,
         recover_src=recover_src,
+        catching_up=following,
     )

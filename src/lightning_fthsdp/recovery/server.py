@@ -24,6 +24,7 @@ import select
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -85,6 +86,7 @@ class StateServer:
         self.on_stream_started = on_stream_started
         self._cond = threading.Condition()
         self._held: _Held | None = None
+        self._wanted: Counter[int] = Counter()  # step -> requests for it in progress (waiting or streaming)
         self._closed = False
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
         self._httpd.daemon_threads = True
@@ -120,9 +122,15 @@ class StateServer:
         log.info("state server %s: published step %d (%d tensors, %d bytes)", self.address, step, len(tensors),
                  held.nbytes)
 
-    def withdraw(self) -> None:
-        """Drop the held snapshot so its memory can be freed; transfers in flight are cut off at the next chunk."""
+    def withdraw(self, *, unless_read: bool = False) -> None:
+        """Drop the held snapshot so its memory can be freed; transfers in flight are cut off at the next chunk.
+
+        ``unless_read``: keep it while a request for it is in progress (a recovering group that follows the job
+        while its transfer runs still needs it); a later call withdraws it.
+        """
         with self._cond:
+            if unless_read and self._held is not None and self._wanted[self._held.step]:
+                return
             self._replace(None)
 
     def close(self) -> None:
@@ -211,13 +219,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError
         except (KeyError, ValueError):
             return self._error(400, f"bad query {parts.query!r}: send step=N (N >= 0) and optionally wait_ms=M")
-        status, result = owner._await(step, wait_ms, self.connection)
-        if isinstance(result, _Held):
-            if owner.on_stream_started is not None:
-                owner.on_stream_started()
-            self._stream(result, owner._chunk_bytes)
-        elif isinstance(result, str):
-            self._error(status, result)
+        with owner._cond:
+            owner._wanted[step] += 1
+        try:
+            status, result = owner._await(step, wait_ms, self.connection)
+            if isinstance(result, _Held):
+                if owner.on_stream_started is not None:
+                    owner.on_stream_started()
+                self._stream(result, owner._chunk_bytes)
+            elif isinstance(result, str):
+                self._error(status, result)
+        finally:
+            with owner._cond:
+                owner._wanted[step] -= 1
+                if not owner._wanted[step]:
+                    del owner._wanted[step]
 
     def _stream(self, held: _Held, chunk_bytes: int) -> None:
         assert held.manifest is not None
