@@ -93,7 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="train until this many committed steps")
     parser.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step here")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--step-time-ms", type=int, default=0, help="pad each step to at least this long (pacing)")
+    parser.add_argument("--step-time-ms", type=int, default=0,
+                        help="pad each step's forward and backward to at least this long: the accelerator compute "
+                             "a real model would spend there (what the quorum request and a catch-up snapshot "
+                             "overlap with)")
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
     parser.add_argument("--global-batches", type=int, default=None,
                         help="keep every step at this many group batches while degraded (usually the group count)")
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             x, y = make_batch(manager.replica_id, batch_index, manager.rank)
             loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
             loss.backward()
+            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
+            if pad > 0:
+                time.sleep(pad)
             for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
                 x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
                 nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
@@ -192,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
                     "loss": float(loss.detach()),
                 }
                 log_file.write(json.dumps(record) + "\n")
-            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
-            if pad > 0:
-                time.sleep(pad)
     finally:
         manager.shutdown()
         if log_file is not None:

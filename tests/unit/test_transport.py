@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from lightning_fthsdp.recovery import wire
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.server import StateServer
-from lightning_fthsdp.recovery.snapshot import snapshot
+from lightning_fthsdp.recovery.snapshot import reserve, snapshot
 
 TOKEN = "s3cret"
 
@@ -151,6 +151,49 @@ def test_snapshot_does_not_alias_the_live_tensors() -> None:
         live["p"].mul_(7)
     assert torch.equal(snap["w"], torch.zeros(4, 4)) and torch.equal(snap["p"], torch.ones(3))  # type: ignore[arg-type]
     assert snap["w"].is_contiguous() and type(snap["p"]) is torch.Tensor and not snap["p"].requires_grad  # type: ignore[union-attr]
+
+
+def test_snapshot_into_an_earlier_one_reuses_its_memory_where_path_shape_and_dtype_match() -> None:
+    earlier = snapshot({"w": torch.zeros(4, 4), "b": torch.zeros(3), "n": torch.zeros(2), "a.b": torch.zeros(1),
+                        "a": {"b": torch.zeros(1)}})
+    live = {"w": torch.randn(4, 4).t(), "b": torch.randn(5), "n": torch.ones(2, dtype=torch.int64),
+            "a.b": torch.ones(1), "a": {"b": torch.ones(1)}, "new": torch.ones(2)}
+    snap = snapshot(live, into=earlier)
+    assert snap["w"].data_ptr() == earlier["w"].data_ptr() and torch.equal(snap["w"], live["w"])  # type: ignore[union-attr,index,arg-type]
+    for name in ("b", "n", "a.b"):  # another shape, another dtype, a path two leaves share: fresh memory
+        assert snap[name].data_ptr() != earlier[name].data_ptr()  # type: ignore[union-attr,index]
+        assert torch.equal(snap[name], live[name])  # type: ignore[arg-type]
+    assert snap["a"]["b"].data_ptr() != snap["a.b"].data_ptr()  # type: ignore[index,union-attr]
+    with torch.no_grad():
+        live["w"].add_(1)
+    assert not torch.equal(snap["w"], live["w"])  # type: ignore[arg-type]
+
+
+def test_reserved_memory_has_the_snapshot_layout_and_the_first_snapshot_copies_into_it() -> None:
+    live = {"w": torch.randn(4, 4), "opt": [torch.ones(3, dtype=torch.int64)], "step": 5}
+    spare = reserve(live)
+    assert spare["step"] == 5 and torch.equal(spare["w"], torch.zeros(4, 4))  # type: ignore[arg-type]
+    assert spare["opt"][0].dtype == torch.int64 and spare["opt"][0].shape == (3,)  # type: ignore[index,union-attr]
+    snap = snapshot(live, into=spare)
+    assert snap["w"].data_ptr() == spare["w"].data_ptr() and torch.equal(snap["w"], live["w"])  # type: ignore[union-attr,index,arg-type]
+
+
+def test_a_replaced_snapshot_is_released_once_no_transfer_reads_it() -> None:
+    released: list[wire.StateTree] = []
+    srv = StateServer(chunk_bytes=1 << 10, on_released=released.append)
+    try:
+        first = snapshot({"a": torch.randn(1000)})
+        srv.publish(1, first)
+        srv.publish(2, snapshot({"a": torch.randn(1 << 20)}))  # 4 MiB in 4096 chunks
+        assert len(released) == 1 and released[0]["a"] is first["a"]  # type: ignore[index]
+        errors: list[BaseException | None] = []
+        fetcher = threading.Thread(target=lambda: errors.append(_fetch_error(srv.address, 2)))
+        fetcher.start()
+        srv.withdraw()  # during the transfer, or before it: released once, after its last reader
+        fetcher.join(timeout=10)
+        assert not fetcher.is_alive() and len(released) == 2 and released[1]["a"].numel() == 1 << 20  # type: ignore[index,union-attr]
+    finally:
+        srv.close()
 
 
 def test_snapshot_refuses_unsupported_leaves_naming_the_path() -> None:

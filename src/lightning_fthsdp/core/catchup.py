@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from lightning_fthsdp.core.torch_state import StateTree
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.server import StateServer
-from lightning_fthsdp.recovery.snapshot import snapshot
+from lightning_fthsdp.recovery.snapshot import reserve, snapshot
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
@@ -34,7 +34,10 @@ class CatchUp:
         on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self._on_phase = on_phase
-        self._server = StateServer(host, token, on_stream_started=on_phase and (lambda: on_phase("serve")))
+        self._server = StateServer(host, token, on_stream_started=on_phase and (lambda: on_phase("serve")),
+                                   on_released=self._keep_spare)
+        # The last snapshot's memory, reused by the next one (a copy into mapped pages is several times faster).
+        self._spare: StateTree | None = None
         self._token = token
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
@@ -74,13 +77,26 @@ class CatchUp:
             cancelled = threading.Event()
 
             def take() -> None:
-                copy = snapshot(self.capture())
+                spare, self._spare = self._spare, None
+                copy = snapshot(self.capture(), into=spare)
                 # A snapshot whose wait timed out may have read tensors the optimizer step was changing: never
                 # publish it.
                 if not cancelled.is_set():
                     self._server.publish(step, copy)
 
             self._serving = (step, self._executor.submit(take), cancelled)
+
+    def reserve_memory(self) -> None:
+        """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
+        serves copies into fresh pages the kernel faults in one by one (several times slower, and the optimizer
+        step of the step that admits a recovering group waits for it). Costs host memory the size of the state."""
+        def fill() -> None:
+            self._spare = reserve(self.capture())
+
+        self._executor.submit(fill)
+
+    def _keep_spare(self, tree: StateTree) -> None:
+        self._spare = tree
 
     def wait_snapshot(self, timeout_s: float) -> None:
         """Block until the snapshot copy is done: the live state may change after this returns."""

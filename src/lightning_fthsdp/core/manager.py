@@ -83,6 +83,9 @@ class FTManager:
             stays constant. None (default): one batch per participant, the global batch shrinks while degraded.
         replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a recovering group
             may hold for replay while its state transfer runs on (then it waits for the transfer).
+        reserve_snapshot_memory: after the first committed step (when the optimizer state exists), map host memory
+            for a snapshot of the registered state in the background, so the first time this rank serves a
+            recovering group its snapshot copies at full speed. False: allocate it when first serving.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class FTManager:
         on_phase: Callable[[str], None] | None = None,
         global_batches: int | None = None,
         replay_buffer_mib: int = 1024,
+        reserve_snapshot_memory: bool = True,
     ) -> None:
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
@@ -107,6 +111,7 @@ class FTManager:
         if not isinstance(replay_buffer_mib, int) or replay_buffer_mib < 0:
             raise ValueError(f"FTManager replay_buffer_mib must be an integer >= 0, got {replay_buffer_mib!r}")
         self._replay_budget = replay_buffer_mib << 20
+        self._reserve_snapshot_memory = reserve_snapshot_memory
         self._update: Callable[[], None] | None = None
         self._follow: _Follow | None = None
         self._fetch_failed = False
@@ -296,6 +301,8 @@ class FTManager:
         if ok:
             self.step += 1
             self.committed_steps += 1
+            if self.committed_steps == 1 and self._reserve_snapshot_memory:
+                self._catchup.reserve_memory()
             assert self._quorum is not None, "a step commits only inside a quorum"
             self._committed_in = self._quorum.quorum_id
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}

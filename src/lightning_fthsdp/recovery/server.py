@@ -56,6 +56,8 @@ class _Held:
     views: list[memoryview]
     retired: threading.Event = field(default_factory=threading.Event)
     manifest: bytes | None = None
+    streams: int = 0
+    """Transfers reading its memory now; once retired and unread, its memory goes to ``on_released``."""
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +69,9 @@ class StateServer:
 
     ``token``: when set, every request needs ``Authorization: Bearer <token>``. ``chunk_bytes``: the unit of digests
     and of sending (the client verifies, and an abort or a replacement takes effect, at chunk boundaries).
-    ``on_stream_started``: called on the serving thread as a transfer begins (failure injection). Thread safe:
+    ``on_stream_started``: called on the serving thread as a transfer begins (failure injection).
+    ``on_released``: receives a replaced or withdrawn snapshot once no transfer reads it (to reuse its memory for
+    the next one; it must not be mutated before). Thread safe:
     ``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
     """
 
@@ -77,6 +81,7 @@ class StateServer:
         token: str | None = None,
         chunk_bytes: int = 8 << 20,
         on_stream_started: Callable[[], None] | None = None,
+        on_released: Callable[[wire.StateTree], None] | None = None,
     ) -> None:
         if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise ValueError(f"StateServer needs chunk_bytes to be a positive integer, got {chunk_bytes!r}")
@@ -84,6 +89,7 @@ class StateServer:
         self._chunk_bytes = chunk_bytes
         # Failure-injection point (lightning_fthsdp.faults): runs when a transfer starts streaming.
         self.on_stream_started = on_stream_started
+        self._on_released = on_released
         self._cond = threading.Condition()
         self._held: _Held | None = None
         self._wanted: Counter[int] = Counter()  # step -> requests for it in progress (waiting or streaming)
@@ -146,10 +152,17 @@ class StateServer:
 
     def _replace(self, held: _Held | None) -> None:
         """Make ``held`` current; the caller holds ``_cond``."""
-        if self._held is not None:
-            self._held.retired.set()
+        old = self._held
         self._held = held
+        if old is not None:
+            old.retired.set()
+            self._release_if_unread(old)
         self._cond.notify_all()
+
+    def _release_if_unread(self, held: _Held) -> None:
+        """Hand a retired snapshot's memory on once no transfer reads it; the caller holds ``_cond``."""
+        if held.retired.is_set() and not held.streams and self._on_released is not None:
+            self._on_released(wire.join_tree(held.skeleton, held.tensors))  # type: ignore[arg-type]
 
     def _digest(self, held: _Held) -> None:
         digests = wire.chunk_digests(held.views, self._chunk_bytes, DIGEST_WORKERS, held.retired)
@@ -177,6 +190,7 @@ class StateServer:
                 if held is not None and held.step > step:
                     return 410, f"step {step} is gone: this server now holds step {held.step}; fetch a later step"
                 if held is not None and held.step == step and held.manifest is not None:
+                    held.streams += 1  # under the lock: it cannot be released before the caller streams it
                     return 200, held
                 # Digests of the requested step in progress: that wait ends by itself (bounded work, or a replace).
                 hashing = held is not None and held.step == step
@@ -224,9 +238,14 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, result = owner._await(step, wait_ms, self.connection)
             if isinstance(result, _Held):
-                if owner.on_stream_started is not None:
-                    owner.on_stream_started()
-                self._stream(result, owner._chunk_bytes)
+                try:
+                    if owner.on_stream_started is not None:
+                        owner.on_stream_started()
+                    self._stream(result, owner._chunk_bytes)
+                finally:
+                    with owner._cond:
+                        result.streams -= 1
+                        owner._release_if_unread(result)
             elif isinstance(result, str):
                 self._error(status, result)
         finally:

@@ -16,8 +16,12 @@ else:  # a torch build without distributed has no DTensor to unwrap
     DTensor = ()  # type: ignore[assignment,misc]
 
 
-def snapshot(tree: StateTree) -> StateTree:
+def snapshot(tree: StateTree, into: StateTree | None = None) -> StateTree:
     """A CPU copy of ``tree`` that never aliases the live tensors.
+
+    ``into``: an earlier snapshot that nothing reads any more; its tensors are reused where path, shape and dtype
+    match. Their pages are already mapped, so the copy runs several times faster than into fresh memory, which the
+    kernel must first fault in page by page (measured here: ~1 GB/s fresh, ~4 GB/s reused).
 
     Every tensor is copied to a fresh dense, contiguous CPU tensor (detached, plain ``torch.Tensor``); a DTensor
     becomes a copy of its local shard (``.to_local()``), because each shard rank serves its own shard to the same
@@ -30,16 +34,33 @@ def snapshot(tree: StateTree) -> StateTree:
     """
     if not isinstance(tree, dict):
         raise TypeError(f"snapshot() takes a state tree (a dict), got {type(tree).__name__}")
-    return map_tensors(tree, _copy)  # type: ignore[return-value]
+    spare = _by_path(into) if into is not None else {}
+    # pop: a buffer serves one leaf at most, so the copy never aliases itself either.
+    return map_tensors(tree, lambda t, path: _copy(t, path, spare.pop(path, None)))  # type: ignore[return-value]
 
 
-def _copy(t: torch.Tensor, path: str) -> torch.Tensor:
+def reserve(tree: StateTree) -> StateTree:
+    """Zero-filled CPU tensors of the shapes and dtypes a snapshot of ``tree`` has: memory, mapped page by page now,
+    for a later ``snapshot(tree, into=...)`` to copy into at full speed. Reads no tensor's data."""
+    return map_tensors(tree, lambda t, path: torch.zeros(  # type: ignore[return-value]
+        (t.to_local() if isinstance(t, DTensor) else t).shape, dtype=t.dtype, device="cpu"))
+
+
+def _by_path(tree: StateTree) -> dict[str, torch.Tensor]:
+    """The tensors of a snapshot by path; a path two leaves share (keys with dots) is left out."""
+    found: dict[str, list[torch.Tensor]] = {}
+    map_tensors(tree, lambda t, path: found.setdefault(path, []).append(t))
+    return {path: tensors[0] for path, tensors in found.items() if len(tensors) == 1}
+
+
+def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.to_local()
     if t.layout != torch.strided:
         raise TypeError(f"tensor {path!r} has layout {t.layout}: only dense tensors transfer; call .to_dense() first")
     dtype_name(t.dtype, path)
     # empty + copy_ rather than .to("cpu", copy=True): one copy, always contiguous, never a view of the source.
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    fits = reuse is not None and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.is_contiguous()
+    out = reuse if fits else torch.empty(t.shape, dtype=t.dtype, device="cpu")
     out.copy_(t.detach())
     return out
