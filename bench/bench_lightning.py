@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_fthsdp.testing.harness import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -62,7 +64,7 @@ def worker(mode: str, steps: int, jsonl: str) -> None:
 
 
 def step_time(jsonl: Path, warmup: int) -> float:
-    times = [r["t"] for r in map(json.loads, jsonl.read_text().splitlines())
+    times = [r["t"] for r in read_jsonl(jsonl)
              if r["event"] == "step" and r["rank"] == 0 and r["global_step"] > warmup]
     return (times[-1] - times[0]) / (len(times) - 1)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+from lightning_fthsdp.testing.harness import ROOT, Group, Job, read_jsonl, wait_for
 
 sys.path.insert(0, str(ROOT / "examples"))
 from train_lightning import TinyRegressor, make_dataset
@@ -55,9 +54,7 @@ def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps:
 
 
 def records(group: Group, event: str = "step", rank: int = 0) -> list[dict[str, Any]]:
-    if not group.jsonl.exists():
-        return []
-    rows = [json.loads(line) for line in group.jsonl.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(group.jsonl)
     return [r for r in rows if r["event"] == event and r["rank"] == rank]
 
 

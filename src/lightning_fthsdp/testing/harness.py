@@ -37,6 +37,14 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval
         time.sleep(interval_s)
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSONL file another process may be appending to (a line being written is skipped)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 @dataclass
 class Group:
     replica_id: str
@@ -46,9 +54,7 @@ class Group:
     nproc: int = 1
 
     def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
-        if not self.jsonl.exists():
-            return []
-        rows = [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(self.jsonl)
         return [r for r in rows if (event is None or r["event"] == event) and (rank is None or r["rank"] == rank)]
 
     def last_step(self) -> int:
