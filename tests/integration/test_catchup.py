@@ -21,7 +21,7 @@ def start_three_and_kill_b(job: Job) -> tuple[Group, Group, int]:
     a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
     job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
     kill_and_wait_degraded(job, "b", a)
-    return a, c, max(r["step"] for r in job.groups["b"].records())
+    return a, c, job.groups["b"].last_step()
 
 
 def kill_and_wait_degraded(job: Job, victim: str, observer: Group) -> None:
@@ -65,7 +65,7 @@ def test_source_killed_mid_transfer_recovering_group_gets_another(job: Job) -> N
     c = job.start_group("c", STEPS)
     job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
     kill_and_wait_degraded(job, "b", c)
-    died_at = max(r["step"] for r in job.groups["b"].records())
+    died_at = job.groups["b"].last_step()
     b = restart(job, "b")
     assert job.wait_exit(a, 120) == -9, "the source should have died serving"
     for group in (b, c):
@@ -100,7 +100,7 @@ def test_transfer_outlasting_steps_the_restarted_group_follows_then_replays(job:
     a, c = job.start_group("a", STEPS, extra=extra), job.start_group("c", STEPS, extra=extra)
     job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}", extra=extra)
     kill_and_wait_degraded(job, "b", a)
-    died_at = max(r["step"] for r in job.groups["b"].records())
+    died_at = job.groups["b"].last_step()
     b = job.start_group("b", STEPS, extra=extra)
     for group in (a, b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
