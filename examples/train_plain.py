@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
                 x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
                 nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
-            if fault is not None:
+            if fault is not None and not manager.following:  # a step N fault: once this group holds step N
                 fault.fire_if(manager.step, "before", manager.rank)
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
             recoveries = len(manager.recoveries)
