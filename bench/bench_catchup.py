@@ -8,8 +8,8 @@ replaying the steps it followed). Measured from the groups' JSONL logs:
 - admit ratio: the healthy groups' step time in the step that admits the recovering group (the one it joins the
   quorum in, when the source snapshots its state), over their steady median (same run). Target <= 1.10.
 - worst ratio: the slowest healthy step from that one to the step after the recovering group's first commit.
-Two admissions per job (b, then d, both from a): the first snapshot a source takes goes to fresh memory, the
-second reuses the first's (already mapped) pages.
+Two admissions per job (b, then d, both from a): the first snapshot a source takes copies into the memory it
+reserved after its first step, the second into the first's (both already mapped).
 - the restarted process's time to its first committed step, split into process start (interpreter and imports),
   model build (model, optimizer, manager), fetch (state transfer) and the rest of that first step.
 """
@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(mib: int, step_time_ms: int) -> list[dict[str, float]]:
-    """Two admissions in one job: b, then d, both from source a (its second snapshot reuses the first's memory)."""
+    """Two admissions in one job: b, then d, both from source a."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(Path(tmp), min_replicas=2, heartbeat_timeout_ms=2_000, join_timeout_ms=2_000,
                   collective_timeout_ms=30_000)

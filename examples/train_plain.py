@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             if fault is not None and not manager.following:  # a step N fault: once this group holds step N
                 fault.fire_if(manager.step, "before", manager.rank)
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
-            recoveries = len(manager.recoveries)
+            recoveries, step_before = len(manager.recoveries), manager.step
             committed = manager.commit()
             if committed:
                 optimizer.step()
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             if log_file is not None:
                 record = {
                     "t": time.time(),
-                    "event": "commit" if committed else "follow" if manager.following else "discard",
+                    "event": "commit" if committed else "follow" if manager.step > step_before else "discard",
                     "replica_id": manager.replica_id,
                     "rank": manager.rank,
                     "step": manager.step,

@@ -47,7 +47,8 @@ class QuorumUnavailable(RuntimeError):
 
 @dataclass
 class _Follow:
-    """A catch-up whose state transfer outlasts the step it began in: the group follows the job meanwhile."""
+    """A catch-up in progress: the state transfer, and the steps the group followed while it ran (if it outlasts
+    the step it began in)."""
 
     source: str
     base_step: int
@@ -115,7 +116,6 @@ class FTManager:
         self._update: Callable[[], None] | None = None
         self._follow: _Follow | None = None
         self._fetch_failed = False
-        self._fetch_started = 0.0
         self._tensors: Sequence[torch.Tensor] = ()
         self.replica_id = check_replica_id(
             resolve(replica_id, ENV_REPLICA_ID, "FTManager replica_id", "a stable name per replica group, e.g. 'a'")
@@ -133,7 +133,6 @@ class FTManager:
         self.discarded_steps = 0
         self.recoveries: list[dict[str, object]] = []
         """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
-        self._fetch_info: dict[str, object] = {}
         self._quorum: Quorum | None = None
         self._store_address = ""
         self._pending: Future[tuple[Quorum, str]] | None = None
@@ -147,7 +146,6 @@ class FTManager:
         self._step_agreed = False  # whether this step's quorum was agreed (by step_batches or sync_gradients)
         self._lighthouse_away = False
         self._deaths_at_quorum = 0
-        self._fetched: StateTree | None = None
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
         self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
@@ -250,7 +248,6 @@ class FTManager:
         self._step_ok = self._exchange_ok = False
         if quorum is None:
             return False
-        self._fetched = None
         self._tensors = tensors
         source = quorum.recover_src.get(self.replica_id)
         if source is not None:
@@ -258,28 +255,15 @@ class FTManager:
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                  self._store_address)
-            # Never real gradients while following: our weights are not the job's until the state is loaded.
-            self._exchange(tensors, contribute=self.replica_id in quorum.participants and self._follow is None)
+            # Never real gradients while catching up: our weights are not the job's until the state is loaded.
+            self._exchange(tensors, contribute=self.replica_id in self._shares and self._follow is None)
         except CollectiveAborted as exc:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
-            if self._follow is None:
-                self._catchup.cancel_fetch()  # its source may be what failed: the next quorum may name another
             return False
         self._exchange_ok = True
-        if self._follow is not None:
-            self._step_ok = self._poll_follow()
-            return True
-        if source is not None:
-            # The fetch ran during the whole step. Waiting for the rest of it costs the healthy groups (they need us in
-            # the next step) less than giving up: a retry would take a fresh snapshot and transfer everything again.
-            self._fetched = self._catchup.finish_fetch(timeout_s=self.timeouts.collective_timeout_ms / 1000)
-            if self._fetched is None:
-                return False
-            self._fetch_info = {"source": source, "step": quorum.max_step,
-                                "fetch_s": time.monotonic() - self._fetch_started, "replayed": 0}
-        self._step_ok = True
+        self._step_ok = self._follow is None or self._poll_follow()
         return True
 
     def commit(self) -> bool:
@@ -293,11 +277,8 @@ class FTManager:
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._stop_following("the state transfer failed on a rank of this group")
-        if ok and self._fetched is not None:
-            self._load(self._fetched)
         if ok and self._follow is not None:
             self._replay()
-        self._fetched = None
         if ok:
             self.step += 1
             self.committed_steps += 1
@@ -380,32 +361,29 @@ class FTManager:
             if self.replica_id in quorum.recover_src.values() and self.step == step:
                 self._catchup.serve(step)
 
-    def _load(self, tree: StateTree) -> None:
-        """Become the source's start-of-step state; the caller's optimizer step then makes us identical."""
-        self._catchup.load(tree)
-        self.recoveries.append(self._fetch_info)
-        self._rlog.info("caught up: loaded the state of step %d", self.step)
-
     def _start_recovery(self, quorum: Quorum, source: str) -> None:
-        if self._follow is not None:
-            self._stop_following(f"the quorum names us behind again (at step {self.step})")
+        follow = self._follow
+        if follow is not None and (follow.source, follow.base_step) == (source, quorum.max_step) and not follow.updates:
+            return  # a failed step behind us, nothing followed yet: the same transfer runs on
+        self._stop_following(f"the quorum names us behind again (at step {self.step})")
         address = quorum.member(source).address.split(",")[self.rank]
         self._catchup.start_fetch(address, quorum.max_step, timeout_s=self.timeouts.collective_timeout_ms / 1000)
-        self._fetch_started = time.monotonic()
         if self.step == quorum.max_step:
             self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
                                "trained again: taking their state from %s", self.step, self._committed_in, source)
         else:
             self._rlog.info("behind at step %d: fetching step %d from %s", self.step, quorum.max_step, source)
-        if self._update is not None:
-            self._follow = _Follow(source, quorum.max_step, self.step, self._committed_in, self._fetch_started)
+        self._follow = _Follow(source, quorum.max_step, self.step, self._committed_in, time.monotonic())
 
     def _poll_follow(self) -> bool:
-        """Whether this rank holds the fetched state (waiting for it only once the replay buffer is full)."""
+        """Whether this rank holds the fetched state. It waits for the transfer once the replay buffer is full, at
+        once without ``register_update``: then waiting for the rest of a transfer that ran during the whole step
+        costs the healthy groups less than a retry would (a fresh snapshot, everything transferred again)."""
         follow = self._follow
         assert follow is not None
-        if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= self._replay_budget):
-            if not self._catchup.fetch_done():
+        budget = self._replay_budget if self._update is not None else 0
+        if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= budget):
+            if follow.updates and not self._catchup.fetch_done():
                 self._rlog.warning("replay buffer full (%d steps, %d MiB): waiting for the state of step %d",
                                    len(follow.updates), follow.nbytes >> 20, follow.base_step)
             follow.tree = self._catchup.finish_fetch(timeout_s=self.timeouts.collective_timeout_ms / 1000)
@@ -427,19 +405,21 @@ class FTManager:
         """Load the fetched state, then apply the steps held since, through the registered update; the caller's
         optimizer step for the current one follows."""
         follow = self._follow
-        assert follow is not None and follow.tree is not None and self._update is not None
+        assert follow is not None and follow.tree is not None
         self._follow = None
-        current = [t.detach().clone() for t in self._tensors]
         self._catchup.load(follow.tree)
-        for grads, shares in follow.updates:
-            for tensor, grad in zip(self._tensors, grads, strict=True):
+        if follow.updates:
+            assert self._update is not None, "steps are held for replay only with register_update"
+            current = [t.detach().clone() for t in self._tensors]
+            for grads, shares in follow.updates:
+                for tensor, grad in zip(self._tensors, grads, strict=True):
+                    tensor.detach().copy_(grad)
+                self._update()
+                self.step += 1
+                for replica_id, batches in shares.items():
+                    self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
+            for tensor, grad in zip(self._tensors, current, strict=True):
                 tensor.detach().copy_(grad)
-            self._update()
-            self.step += 1
-            for replica_id, batches in shares.items():
-                self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
-        for tensor, grad in zip(self._tensors, current, strict=True):
-            tensor.detach().copy_(grad)
         self.recoveries.append({"source": follow.source, "step": follow.base_step,
                                 "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
         self._rlog.info("caught up: loaded the state of step %d and replayed %d steps", follow.base_step,

@@ -7,6 +7,7 @@ the lighthouse only feeds it requests and liveness.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -217,9 +218,7 @@ def reference_branch(at_max_step: list[QuorumRequest]) -> int:
     again in a later quorum: the state most groups hold wins, on a tie the one committed last (live training
     beats a checkpoint load or a lone group's stale commit); the others recover from it like a group behind.
     """
-    counts: dict[int, int] = {}
-    for r in at_max_step:
-        counts[r.committed_in] = counts.get(r.committed_in, 0) + 1
+    counts = Counter(r.committed_in for r in at_max_step)
     return max(counts, key=lambda committed_in: (counts[committed_in], committed_in))
 
 
@@ -256,10 +255,12 @@ def decide(
     quorum_id = previous_id if same else previous_id + 1
     max_step = max(r.step for r in holding)
     branch = reference_branch([r for r in holding if r.step == max_step])
-    on_track = [r for r in requests if r.step == max_step and r.committed_in == branch]
-    up_to_date = [r.replica_id for r in on_track if not r.catching_up]
-    following = frozenset(r.replica_id for r in on_track if r.catching_up)
-    behind = [r.replica_id for r in requests if (r.step != max_step or r.committed_in != branch)]
+    def on_track(r: QuorumRequest) -> bool:
+        return r.step == max_step and r.committed_in == branch
+
+    up_to_date = [r.replica_id for r in requests if on_track(r) and not r.catching_up]
+    following = frozenset(r.replica_id for r in requests if on_track(r) and r.catching_up)
+    behind = [r.replica_id for r in requests if not on_track(r)]
     recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
     return Quorum(
         quorum_id=quorum_id,

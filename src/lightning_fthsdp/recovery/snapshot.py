@@ -42,8 +42,7 @@ def snapshot(tree: StateTree, into: StateTree | None = None) -> StateTree:
 def reserve(tree: StateTree) -> StateTree:
     """Zero-filled CPU tensors of the shapes and dtypes a snapshot of ``tree`` has: memory, mapped page by page now,
     for a later ``snapshot(tree, into=...)`` to copy into at full speed. Reads no tensor's data."""
-    return map_tensors(tree, lambda t, path: torch.zeros(  # type: ignore[return-value]
-        (t.to_local() if isinstance(t, DTensor) else t).shape, dtype=t.dtype, device="cpu"))
+    return map_tensors(tree, lambda t, path: torch.zeros(_local(t).shape, dtype=t.dtype, device="cpu"))  # type: ignore[return-value]
 
 
 def _by_path(tree: StateTree) -> dict[str, torch.Tensor]:
@@ -53,9 +52,13 @@ def _by_path(tree: StateTree) -> dict[str, torch.Tensor]:
     return {path: tensors[0] for path, tensors in found.items() if len(tensors) == 1}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """Each shard rank serves its own shard: a DTensor's local part, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(t, DTensor):
-        t = t.to_local()
+    t = _local(t)
     if t.layout != torch.strided:
         raise TypeError(f"tensor {path!r} has layout {t.layout}: only dense tensors transfer; call .to_dense() first")
     dtype_name(t.dtype, path)

@@ -178,10 +178,11 @@ def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
         rows = group.records(event=None, rank=rank)
         for i, row in enumerate(rows):
             if row["event"] == "commit" and row["quorum_id"] != kept[row["step"]]:
-                following = next((r for r in rows[i + 1:] if r["event"] != "discard"), None)
-                assert following is None or following["event"] == "ready" or following.get("recovery"), (
+                # Discarded attempts and steps followed while a state transfer runs are not training of its own.
+                after = next((r for r in rows[i + 1:] if r["event"] not in ("discard", "follow")), None)
+                assert after is None or after["event"] == "ready" or after.get("recovery"), (
                     f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
-                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {following}")
+                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
         by_group.append({r["step"]: r["params_sha256"] for r in rows
                          if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
     common = set.intersection(*(set(d) for d in by_group))
