@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
 from lightning_fthsdp.core.torch_state import local
 from lightning_fthsdp.lightning import release_process_groups
+from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 from lightning_fthsdp.models.mlp import Regressor
 
 
@@ -65,21 +66,14 @@ class TinyData(pl.LightningDataModule):
         return DataLoader(make_dataset(self.samples, self.features), batch_size=self.batch_size, shuffle=True)
 
 
-class StepRecorder(pl.Callback):
+class StepRecorder(CommittedStepCallback):
     """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps."""
 
     def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0) -> None:
         self.jsonl, self.params, self.sleep_s = jsonl, params, sleep_s
-        self._last_step = -1
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
-            return
-        self._last_step = trainer.global_step
+    def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int) -> None:
         record = {"event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
                   "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch)}

@@ -24,31 +24,28 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_fthsdp.core.config import ENV_REPLICA_ID
+from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 
 
-class LaunchRecorder(Callback):
+class LaunchRecorder(CommittedStepCallback):
     """Appends the records above to ``jsonl`` (rank 0 only); ``None`` records nothing and only paces."""
 
     def __init__(self, jsonl: str | None = None, min_step_time_s: float = 0.0) -> None:
         self.jsonl, self.min_step_time_s = jsonl, min_step_time_s
-        self._last_step = -1
         self._last_t = 0.0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step, self._last_t = trainer.global_step, time.monotonic()
+        super().on_train_start(trainer, pl_module)
+        self._last_t = time.monotonic()
         self._write(trainer, {"event": "start", "step": trainer.global_step})
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
-            return  # an accumulation micro-batch: nothing was committed
-        self._last_step = trainer.global_step
+    def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         record: dict[str, Any] = {"event": "step", "step": trainer.global_step, "loss": float(loss)}
         metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy

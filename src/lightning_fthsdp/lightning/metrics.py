@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 
 _PROGRESS_BAR = ("quorum_size", "participants")
 
@@ -34,19 +35,15 @@ class FTMetrics:
     stall_s: float = 0.0
 
 
-class FTMetricsLogger(Callback):
+class FTMetricsLogger(CommittedStepCallback):
     """Logs ``FTHSDPStrategy.ft_metrics``; the strategy adds one to the trainer, you never need to."""
 
     def __init__(self, metrics: FTMetrics) -> None:
         self._metrics = metrics
-        self._last_step = -1
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._last_step:
-            return  # an accumulation micro-batch: nothing was committed
-        self._last_step = trainer.global_step
+    def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int) -> None:
         for name, value in asdict(self._metrics).items():
             pl_module.log(f"fthsdp/{name}", float(value), on_step=True, on_epoch=False,
                           prog_bar=name in _PROGRESS_BAR, batch_size=1)
