@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job, read_jsonl, wait_for
+from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
 
 sys.path.insert(0, str(ROOT / "examples"))
 from train_lightning import TinyRegressor, make_dataset
@@ -44,18 +43,7 @@ def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps:
            f"--trainer.default_root_dir={job.workdir}", f"--recorder.jsonl={jsonl}", *extra]
     env = {"FTHSDP_REPLICA_ID": replica_id, "FTHSDP_LIGHTHOUSE": job.lighthouse_url,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", **env))
-    job._procs.append(proc)  # so Job.close() ends it by process-group id
-    group = Group(replica_id, proc, jsonl, log, devices)
-    job.groups[replica_id] = group
-    return group
-
-
-def records(group: Group, event: str = "step", rank: int = 0) -> list[dict[str, Any]]:
-    rows = read_jsonl(group.jsonl)
-    return [r for r in rows if r["event"] == event and r["rank"] == rank]
+    return job.start_command(replica_id, cmd, jsonl=jsonl, log=log, env=env)
 
 
 def _job(tmp_path: Path, min_replicas: int) -> Iterator[Job]:
@@ -135,7 +123,7 @@ def test_two_groups_of_two_ranks_equal_single_process_training_on_the_union(job:
     expected = reference(steps, shards=4, samples=64, batch_size=4)
     assert max_diff(params["a"], params["b"]) == 0.0
     assert max_diff(params["a"], expected) <= 1e-6
-    assert [r["global_step"] for r in records(job.groups["a"])] == list(range(1, steps + 1))
+    assert [r["global_step"] for r in job.groups["a"].records("step")] == list(range(1, steps + 1))
 
 
 @pytest.mark.timeout(200)
@@ -165,7 +153,7 @@ def test_keep_global_batch_while_degraded_equals_the_healthy_batch(job_alone_ok:
     shrunk = reference(steps, shards=2, samples=64, batch_size=4, batches={0: 1})
     assert max_diff(expected, shrunk) > 1e-4
     assert max_diff(torch.load(params), expected) <= 1e-6
-    steps_done = records(a)
+    steps_done = a.records("step")
     assert [r["global_step"] for r in steps_done] == list(range(1, steps + 1))
     assert [r["stream_step"] for r in steps_done] == list(range(2, 2 * steps + 1, 2))
     assert [r["epoch"] for r in steps_done] == [0, 0, 0, 1, 1]
@@ -178,31 +166,32 @@ def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> No
     common = ("--data.samples=512", "--data.batch_size=4", "--recorder.sleep_s=0.15")
     a = start_lightning_group(job, "a", devices=2, max_steps=steps, extra=common)
     # a holds the job's state from its first step on, whatever b does (b joins it and catches up).
-    wait_for(lambda: records(a), 90, "group a's first step")
+    wait_for(lambda: a.records("step"), 90, "group a's first step")
     # b kills itself while its cross-group allreduce of step >= 4 is in flight: a's step is discarded.
     b = start_lightning_group(job, "b", devices=2, max_steps=steps,
                               extra=(*common, "--trainer.strategy.fault=sigkill:step=4:phase=allreduce"))
-    wait_for(lambda: b.proc.poll() is not None, 90, "group b to kill itself at step >= 4")
-    os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
-    first_life = records(b)
-    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in records(a)), 60,
+    job.wait_exit(b, 90)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
+    first_life = b.records("step")
+    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
              "group a to discard the failed step and continue alone")
     b = start_lightning_group(job, "b", devices=2, max_steps=steps, extra=common)
     for group in (a, b):
         assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
 
-    a_steps = records(a)
+    a_steps = a.records("step")
     assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a's global_step drifted"
     for r in a_steps:  # the LR schedule follows the committed steps: a discarded attempt did not step it
         assert math.isclose(r["lr"], LR * DECAY ** r["global_step"], rel_tol=1e-9), r
-    second_life = records(b)[len(first_life):]
+    second_life = b.records("step")[len(first_life):]
     assert second_life[0]["global_step"] > 4, "b must join where the job is, not restart from 0"
     assert [r["global_step"] for r in second_life] == list(range(second_life[0]["global_step"], steps + 1))
-    assert records(a, "end")[0]["params_sha256"] == records(b, "end")[0]["params_sha256"]
+    assert a.records("end")[0]["params_sha256"] == b.records("end")[0]["params_sha256"]
     assert all(ra["params_sha256"] == rb["params_sha256"] for ra in a_steps for rb in second_life
                if ra["global_step"] == rb["global_step"]), "a and b differ at a common step"
     # Exactly-once data for b: the batches b contributed, over both lives, are its stream without repeats or gaps.
-    contributed = [r for r in records(b) if "b" in r["participants"]]
+    contributed = [r for r in b.records("step") if "b" in r["participants"]]
     positions = [r["stream_step"] for r in contributed]
     assert positions == list(range(positions[0], positions[0] + len(positions))), positions
     assert len({r["batch_sha256"] for r in contributed}) == len(contributed)
@@ -224,6 +213,6 @@ def test_checkpoint_written_by_one_group_and_every_group_resumes_from_it(job: Jo
     for rid in ("a", "b"):
         (job.workdir / f"{rid}.jsonl").unlink()
     resumed = run_pair(job, devices=1, steps=6, extra=(*common[:2], f"--ckpt_path={ckpts / names[0]}"))
-    assert [r["global_step"] for r in records(job.groups["a"])] == [4, 5, 6]
+    assert [r["global_step"] for r in job.groups["a"].records("step")] == [4, 5, 6]
     assert max_diff(resumed["a"], resumed["b"]) == 0.0
     assert max_diff(resumed["a"], full["a"]) <= 1e-6

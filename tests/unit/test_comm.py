@@ -77,17 +77,24 @@ def test_single_member_needs_no_process_group(store: dist.TCPStore) -> None:
 def test_abort_ends_a_collective_whose_peer_never_comes(store: dist.TCPStore) -> None:
     """Rank 1 is configured but never enters the allreduce (a hung peer): abort() frees rank 0 at once."""
     address = f"127.0.0.1:{store.port}"
-    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
-    run_ranks(lambda rank: comms[rank].configure(7, rank, 2, address))
     entered = threading.Event()
-    timer = threading.Timer(0.2, lambda: comms[0].abort("peer declared dead"))
-    timer.start()
-    entered.set()
-    with pytest.raises(CollectiveAborted, match="peer declared dead"):
-        comms[0].allreduce_sum(torch.ones(8))
-    assert comms[0].quorum_id is None  # retired: never used again
-    with pytest.raises(CollectiveAborted):
-        comms[0].allreduce_sum(torch.ones(8))
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0,
+                            on_collective_started=entered.set if rank == 0 else None) for rank in range(2)]
+    try:
+        run_ranks(lambda rank: comms[rank].configure(7, rank, 2, address))
+        # The watchdog's abort, once the collective is in flight.
+        aborter = threading.Thread(target=lambda: entered.wait(10) and comms[0].abort("peer declared dead"),
+                                   daemon=True)
+        aborter.start()
+        with pytest.raises(CollectiveAborted, match="peer declared dead"):
+            comms[0].allreduce_sum(torch.ones(8))
+        aborter.join(timeout=10)
+        assert comms[0].quorum_id is None  # retired: never used again
+        with pytest.raises(CollectiveAborted):
+            comms[0].allreduce_sum(torch.ones(8))
+    finally:
+        for c in comms:
+            c.close()
 
 
 def test_rendezvous_without_peer_is_bounded(store: dist.TCPStore) -> None:

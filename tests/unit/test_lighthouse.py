@@ -23,6 +23,7 @@ import pytest
 from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.core.lighthouse import LighthouseThread
 from lightning_fthsdp.core.quorum import QuorumRules
+from lightning_fthsdp.testing.harness import wait_for
 
 LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
 
@@ -77,14 +78,6 @@ def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = 
             "committed_in": committed_in, "catching_up": False, "timeout_ms": timeout_ms}
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def replica(status: dict[str, Any], rid: str) -> dict[str, Any]:
     return next(r for r in status["replicas"] if r["replica_id"] == rid)
 
@@ -133,7 +126,7 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     assert hc.call("POST", "/v1/heartbeat", hb("c"))[0] == 200
     qc = Client(url)
     qc.send("POST", "/v1/quorum", qr("c", 0))
-    wait_until("c pending", lambda: replica(obs.status(), "c")["pending"])
+    wait_for(lambda: replica(obs.status(), "c")["pending"], 5, "c pending", interval_s=0.005)
     a, b = form(url, "a", "b", step=1)
     code, c = qc.recv()
     assert code == 200 and c == a == b
@@ -174,7 +167,7 @@ def test_a_replaced_heartbeat_connection_declares_nothing(lighthouse: Callable[.
     status = obs.status()
     assert not replica(status, "a")["dead"] and status["epoch"] == old_epoch
     new.crash()
-    wait_until("a declared dead", lambda: replica(obs.status(), "a")["dead"])
+    wait_for(lambda: replica(obs.status(), "a")["dead"], 5, "a declared dead", interval_s=0.005)
 
 
 def test_hang_is_detected_by_heartbeat_expiry(lighthouse: Callable[..., str]) -> None:
@@ -200,7 +193,7 @@ def test_leave_forgets_the_replica_and_lets_the_rest_decide(lighthouse: Callable
     ha.call("POST", "/v1/heartbeat", hb("a"))
     qb = Client(url)
     qb.send("POST", "/v1/quorum", qr("b"))  # 1 of 2 alive: no majority yet
-    wait_until("b pending", lambda: replica(obs.status(), "b")["pending"])
+    wait_for(lambda: replica(obs.status(), "b")["pending"], 5, "b pending", interval_s=0.005)
     epoch = obs.status()["epoch"]
     assert Client(url).call("POST", "/v1/leave", {"replica_id": "a"}) == (200, {})
     code, answer = qb.recv()
@@ -223,9 +216,9 @@ def test_a_client_that_disconnects_is_dropped_from_pending(lighthouse: Callable[
     url = lighthouse(min_replicas=2)
     obs, qa = Client(url), Client(url)
     qa.send("POST", "/v1/quorum", qr("a"))
-    wait_until("a pending", lambda: replica(obs.status(), "a")["pending"])
+    wait_for(lambda: replica(obs.status(), "a")["pending"], 5, "a pending", interval_s=0.005)
     qa.crash()
-    wait_until("a dropped", lambda: not replica(obs.status(), "a")["pending"])
+    wait_for(lambda: not replica(obs.status(), "a")["pending"], 5, "a dropped", interval_s=0.005)
 
 
 def test_join_timeout_answers_without_a_silent_straggler(lighthouse: Callable[..., str]) -> None:
@@ -310,7 +303,7 @@ def test_shard_count_conflict_with_pending_requests(lighthouse: Callable[..., st
     url = lighthouse(min_replicas=2)
     qa = Client(url)
     qa.send("POST", "/v1/quorum", qr("a", shard_count=2))
-    wait_until("a pending", lambda: replica(Client(url).status(), "a")["pending"])
+    wait_for(lambda: replica(Client(url).status(), "a")["pending"], 5, "a pending", interval_s=0.005)
     code, answer = Client(url).call("POST", "/v1/quorum", qr("b", shard_count=8))
     assert code == 409 and "shard_count 8" in answer["error"] and "shard_count 2" in answer["error"]
 

@@ -175,6 +175,7 @@ class Supervisor:
                 state.params_sha256 = record["params_sha256"]
 
     def _exited(self, state: GroupState, code: int) -> None:
+        self._signal(state, signal.SIGKILL)  # its other ranks, if they outlived their leader
         state.exit_codes.append(code)
         if code == 0 and state.params_sha256 is not None:
             self._set(state, DONE)

@@ -51,7 +51,6 @@ class Group:
     proc: subprocess.Popen[bytes]
     jsonl: Path
     log: Path
-    nproc: int = 1
 
     def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
         rows = read_jsonl(self.jsonl)
@@ -110,14 +109,14 @@ class Job:
                    "--standalone", "--max-restarts", "0", *args]
         else:
             cmd = [sys.executable, *args]
-        group = Group(replica_id, self._spawn(cmd, log), jsonl, log, nproc)
+        group = Group(replica_id, self._spawn(cmd, log), jsonl, log)
         self.groups[replica_id] = group
         return group
 
-    def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path, nproc: int = 1,
+    def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path,
                       env: dict[str, str] | None = None) -> Group:
         """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours."""
-        group = Group(replica_id, self._spawn(cmd, log, env), jsonl, log, nproc)
+        group = Group(replica_id, self._spawn(cmd, log, env), jsonl, log)
         self.groups[replica_id] = group
         return group
 
@@ -134,13 +133,13 @@ class Job:
         self.lighthouse.wait(timeout=10)
 
     def close(self) -> None:
+        # Every process group, even one whose leader has exited: its other ranks (children) may outlive it.
         for proc in self._procs:
-            if proc.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        break
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
         for proc in self._procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
