@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 from lightning_fthsdp.core.config import Timeouts
 
+_NCCL_POLL_S = 0.001
+"""How often an NCCL collective is checked for completion (its future completes when it is queued, not done)."""
+
 
 class CollectiveAborted(RuntimeError):
     """The collective was abandoned: a member died, hung, or the lighthouse announced a new membership."""
@@ -144,18 +147,23 @@ class CrossGroupComm:
             raise CollectiveAborted(f"allreduce could not start: {exc}") from exc
         if self._on_collective_started is not None:
             self._on_collective_started()
-        future: Future[object] = Future()
-        work.get_future().add_done_callback(lambda f: (future.set_result(None), self._wake.set()))
+        ready: Future[object] | Callable[[], bool]
+        if self.backend_name == "nccl":
+            # An NCCL work's future completes as soon as the kernel is queued: poll the work itself, so an abort
+            # (a peer declared dead) or the deadline still ends a collective the peer never joins.
+            ready = work.is_completed
+        else:
+            future: Future[object] = Future()
+            work.get_future().add_done_callback(lambda f: (future.set_result(None), self._wake.set()))
+            ready = future
         try:
-            self._wait(future, self._timeouts.collective_timeout_ms)
+            self._wait(ready, self._timeouts.collective_timeout_ms)
             work.wait()
         except (CollectiveAborted, RuntimeError) as exc:
             self._retire(work)
             if isinstance(exc, CollectiveAborted):
                 raise
             raise CollectiveAborted(f"allreduce failed: {exc}") from exc
-        if self.backend_name == "nccl":
-            torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
         self._retire(None)
@@ -193,7 +201,9 @@ class CrossGroupComm:
         threading.Thread(target=build, name="fthsdp-rendezvous", daemon=True).start()
         return future
 
-    def _wait(self, future: Future, timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
+    def _wait(self, ready: Future | Callable[[], bool], timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
+        """``ready``'s result once done (a Future wakes us; a predicate is polled), unless aborted or past the
+        deadline: CollectiveAborted."""
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
             with self._lock:
@@ -201,15 +211,18 @@ class CrossGroupComm:
                     self._aborted = False
                     raise CollectiveAborted(self._abort_reason)
                 self._wake.clear()
-            if future.done():
+            if not isinstance(ready, Future):
+                if ready():
+                    return None
+            elif ready.done():
                 try:
-                    return future.result()
+                    return ready.result()
                 except Exception as exc:
                     raise CollectiveAborted(f"{type(exc).__name__}: {exc}") from exc
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveAborted(f"timed out after {timeout_ms} ms")
-            self._wake.wait(remaining)
+            self._wake.wait(remaining if isinstance(ready, Future) else min(remaining, _NCCL_POLL_S))
 
     def _retire(self, work: object | None) -> None:
         if self._backend is not None:

@@ -78,12 +78,11 @@ def from_env(value: str | None, env_name: str) -> str | None:
     return value or os.environ.get(env_name) or None
 
 
-def add_timeout_arguments(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
-    """Add ``--<field>`` options for Timeouts fields (all, or ``names``); help text is the field's docstring."""
+def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add a ``--<field>`` option per Timeouts field; help text is the field's docstring."""
     docs = field_docs(Timeouts)
     for f in fields(Timeouts):
-        if names is None or f.name in names:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, help=docs.get(f.name))
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default, help=docs.get(f.name))
 
 
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
@@ -109,9 +108,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def resolve(value: str | None, env_name: str, what: str, fix: str) -> str:
     """An explicit ``value`` wins; else ``env_name``; else a ValueError that names both and the fix."""
-    if value:
-        return value
-    from_env = os.environ.get(env_name, "")
-    if from_env:
-        return from_env
+    found = from_env(value, env_name)
+    if found:
+        return found
     raise ValueError(f"{what} is not set: pass it explicitly or set {env_name} ({fix})")
