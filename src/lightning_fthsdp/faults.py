@@ -20,9 +20,28 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
+
+
+def parse_options(text: str, allowed: Sequence[str], what: str, usage: str) -> tuple[str, dict[str, str]]:
+    """``HEAD:key=value:...`` -> ``(HEAD, {key: value})`` (the grammar of ``--fault`` and ``--chaos``).
+
+    Raises ValueError starting with ``what`` and the text for an option that is not ``key=value`` with a key of
+    ``allowed`` and a value (naming ``usage``), or a key given twice.
+    """
+    head, *options = text.split(":")
+    values: dict[str, str] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in allowed or not value:
+            raise ValueError(f"{what} {text!r}: options are {usage}; got {option!r}")
+        if key in values:
+            raise ValueError(f"{what} {text!r}: {key} given twice")
+        values[key] = value
+    return head, values
 PHASES = ("before", "allreduce", "serve", "fetch")
 
 
@@ -36,17 +55,10 @@ class Fault:
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        head, *options = spec.split(":")
+        head, values = parse_options(spec, ("step", "phase", "rank"), "fault",
+                                     f"step=N, phase={'|'.join(PHASES)}, rank=R")
         if head not in _SIGNALS:
             raise ValueError(f"fault {spec!r}: signal must be one of {sorted(_SIGNALS)}, got {head!r}")
-        values: dict[str, str] = {}
-        for option in options:
-            key, sep, value = option.partition("=")
-            if not sep or key not in ("step", "phase", "rank"):
-                raise ValueError(
-                    f"fault {spec!r}: options are step=N, phase={'|'.join(PHASES)}, rank=R; got {option!r}"
-                )
-            values[key] = value
         if "step" not in values or not values["step"].isdigit():
             raise ValueError(f"fault {spec!r}: step=N (a non-negative integer) is required")
         phase = values.get("phase", "before")

@@ -28,6 +28,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_fthsdp.faults import parse_options
+
 KINDS = ("kill", "hang")
 _OPTIONS = ("at", "every", "count", "for", "group")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
@@ -73,18 +75,9 @@ def parse(spec: str, groups: Sequence[str] = ()) -> list[Fault]:
 
 
 def _parse_fault(text: str, groups: Sequence[str]) -> Fault:
-    kind, *options = text.split(":")
+    kind, values = parse_options(text, _OPTIONS, "--chaos fault", ", ".join(o + "=..." for o in _OPTIONS))
     if kind not in KINDS:
         raise ValueError(f"--chaos fault {text!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    values: dict[str, str] = {}
-    for option in options:
-        key, sep, value = option.partition("=")
-        if not sep or key not in _OPTIONS or not value:
-            raise ValueError(f"--chaos fault {text!r}: options are {', '.join(o + '=...' for o in _OPTIONS)}; "
-                             f"got {option!r}")
-        if key in values:
-            raise ValueError(f"--chaos fault {text!r}: {key} given twice")
-        values[key] = value
     if ("at" in values) == ("every" in values):
         raise ValueError(f"--chaos fault {text!r}: give exactly one of at=WHEN and every=WHEN "
                          "(WHEN: 30s, 500ms, 2m or step40)")

@@ -93,6 +93,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
                    f"{recipe.launch.devices_per_replica} ranks; logs in {out / 'logs'}")
         supervisor.start_all()
         seen = 0
+        first_commit: float | None = None  # the job's clock for time-based faults starts at its first commit
         while not supervisor.finished:
             if time.time() > deadline:
                 outcome = f"timed out after launch.timeout_s={recipe.launch.timeout_s:g}"
@@ -100,12 +101,14 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
                 break
             supervisor.poll()
             supervisor.abandon_stranded()
-            commits = [r["t"] for g in supervisor.groups.values() for r in g.records if r["event"] == "step"]
-            if commits:
+            if first_commit is None:
+                first_commit = min((r["t"] for g in supervisor.groups.values() for r in g.records
+                                    if r["event"] == "step"), default=None)
+            if first_commit is not None:
                 step = max(g.step for g in supervisor.groups.values())
                 # A group at its last step is about to exit: killing it then would restart it with no peer left.
                 targets = [r for r in supervisor.training if supervisor.groups[r].step < recipe.trainer.max_steps]
-                for injection in schedule.due(time.time() - min(commits), step, targets):
+                for injection in schedule.due(time.time() - first_commit, step, targets):
                     view.event(f"inject {injection.kind} on group {injection.group} ({injection.spec})")
                     supervisor.inject(injection)
             for event in supervisor.transitions[seen:]:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 _COLORS = {"training": "tab:green", "starting": "tab:gray", "hung": "tab:orange", "down": "tab:red",
-           "done": "tab:blue", "failed": "black"}
+           "done": "tab:blue", "failed": "black", "abandoned": "tab:purple"}
 
 
 def write_png(report: dict[str, Any], path: Path) -> None:

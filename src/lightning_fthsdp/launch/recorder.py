@@ -46,21 +46,24 @@ class LaunchRecorder(CommittedStepCallback):
     @override
     def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        record: dict[str, Any] = {"event": "step", "step": trainer.global_step, "loss": float(loss)}
-        metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy
-        if metrics is not None:
-            manager = trainer.strategy.manager  # type: ignore[attr-defined]
-            record |= {"quorum_size": metrics.quorum_size, "participants": list(manager.participants),
-                       "discarded": metrics.discarded_steps, "recoveries": metrics.recoveries,
-                       "stall_s": round(metrics.stall_s, 4)}
-        self._write(trainer, record)
+        if self._writes(trainer):
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            record: dict[str, Any] = {"event": "step", "step": trainer.global_step, "loss": float(loss)}
+            metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy
+            if metrics is not None:
+                manager = trainer.strategy.manager  # type: ignore[attr-defined]
+                record |= {"quorum_size": metrics.quorum_size, "participants": list(manager.participants),
+                           "discarded": metrics.discarded_steps, "recoveries": metrics.recoveries,
+                           "stall_s": round(metrics.stall_s, 4)}
+            self._write(trainer, record)
         if self.min_step_time_s:
             time.sleep(max(0.0, self.min_step_time_s - (time.monotonic() - self._last_t)))
         self._last_t = time.monotonic()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.jsonl:
+            return  # the same on every rank: no rank enters the collectives below
         digest = hashlib.sha256()
         for _, p in sorted(pl_module.named_parameters()):
             # full_tensor() is a collective inside the group: every rank calls it, in the same (sorted) order.
@@ -68,8 +71,11 @@ class LaunchRecorder(CommittedStepCallback):
             digest.update(full.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
         self._write(trainer, {"event": "end", "step": trainer.global_step, "params_sha256": digest.hexdigest()})
 
+    def _writes(self, trainer: pl.Trainer) -> bool:
+        return bool(self.jsonl) and trainer.global_rank == 0
+
     def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
-        if self.jsonl and trainer.global_rank == 0:
+        if self._writes(trainer):
             record |= {"t": time.time(), "replica_id": os.environ.get(ENV_REPLICA_ID), "pid": os.getpid()}
             with open(self.jsonl, "a") as sink:
                 sink.write(json.dumps(record) + "\n")

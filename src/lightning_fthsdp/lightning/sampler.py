@@ -43,7 +43,7 @@ class ReplicaStreamSampler(DistributedSampler):
                          drop_last=drop_last)
         self.batch_size = batch_size
         self._position = position
-        self.start_position = 0
+        self._epoch_cache: tuple[int, list[int]] = (-1, [])
 
     @property
     def batches_per_epoch(self) -> int:
@@ -60,13 +60,15 @@ class ReplicaStreamSampler(DistributedSampler):
         return self._shard_of_epoch(epoch)[offset * self.batch_size:(offset + 1) * self.batch_size]
 
     def __iter__(self) -> Iterator[int]:
-        self.start_position = self._position()
-        epoch, offset = self.locate(self.start_position)
+        epoch, offset = self.locate(self._position())
         return iter(self._shard_of_epoch(epoch)[offset * self.batch_size:])
 
     def _shard_of_epoch(self, epoch: int) -> list[int]:
-        self.epoch = epoch  # the shuffle of DistributedSampler depends on it
-        return list(super().__iter__())
+        """This shard's indices in ``epoch``, computed once per epoch (a shuffle of the whole dataset)."""
+        if self._epoch_cache[0] != epoch:
+            self.epoch = epoch  # the shuffle of DistributedSampler depends on it
+            self._epoch_cache = (epoch, list(super().__iter__()))
+        return self._epoch_cache[1]
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the epoch is a function of the stream position (see the module docstring)."""

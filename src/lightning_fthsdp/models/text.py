@@ -21,12 +21,12 @@ log = logging.getLogger("fthsdp.data")
 _SKIPPED_PARTS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
-def stdlib_corpus(max_bytes: int, root: Path | None = None) -> bytes:
-    """The first ``max_bytes`` of the concatenated, sorted ``*.py`` files under ``root`` (default: the stdlib).
+def stdlib_corpus(max_bytes: int) -> bytes:
+    """The first ``max_bytes`` of the concatenated, sorted ``*.py`` files of the Python standard library.
 
     Raises ValueError when the folder holds no such text (a Python installed without its sources).
     """
-    root = root or Path(sysconfig.get_paths()["stdlib"])
+    root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not _SKIPPED_PARTS.intersection(p.relative_to(root).parts))
     chunks, size = [], 0
     for path in files:
