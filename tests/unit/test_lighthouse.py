@@ -133,6 +133,13 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["recover_src"] == {"c": "a"}
     status = obs.status()
     assert status["members"] == ["a", "b", "c"] and status["recoveries"] == [{"replica_id": "c", "source": "a"}]
+    # Heartbeats tell every rank of a member its place in the newest quorum (to start its rendezvous early), and
+    # tell a non-member none.
+    code, beat = hc.call("POST", "/v1/heartbeat", hb("c"))
+    assert code == 200 and (beat["quorum_id"], beat["quorum_rank"], beat["quorum_size"]) == (1, 2, 3)
+    assert beat["store"] == status["store"]
+    code, beat = Client(url).call("POST", "/v1/heartbeat", hb("d"))
+    assert code == 200 and beat["quorum_id"] == 1 and "quorum_rank" not in beat
 
 
 def test_crash_is_declared_at_once_and_wakes_the_survivors_long_poll(lighthouse: Callable[..., str]) -> None:

@@ -13,6 +13,7 @@ emptied once its op has finished. NCCL's ``abort()`` does cancel, and is called.
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,11 +39,47 @@ class _Parked:
     work: object | None
 
 
+@dataclass
+class _Prepared:
+    key: tuple[int, int, int, str]
+    """quorum_id, rank, size, store address"""
+    build: Future[dist.ProcessGroup]
+
+
 def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"store address must be HOST:PORT, got {address!r}")
     return dist.TCPStore(host, int(port), is_master=False, timeout=Timeouts.delta(timeout_ms), wait_for_workers=False)
+
+
+class _StorePool:
+    """Connections to the lighthouse's store, one per rendezvous in flight. A store client serialises its requests,
+    so a rendezvous that never completes (a member died) would hold a shared one until connect_timeout, and the next
+    quorum's rendezvous with it; and opening a connection sometimes takes seconds (torch's client, measured here:
+    about one connect in ten waits 5 s), so idle ones are kept."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        self._timeout_ms = timeout_ms
+        self._idle: tuple[str, list[dist.Store]] = ("", [])
+        self._lock = threading.Lock()
+
+    def take(self, address: str) -> dist.Store:
+        with self._lock:
+            if self._idle[0] != address:
+                self._idle = (address, [])  # a new lighthouse address: the old store's connections are of no use
+            elif self._idle[1]:
+                return self._idle[1].pop()
+        return store_client(address, self._timeout_ms)
+
+    def give_back(self, address: str, client: dist.Store) -> None:
+        with self._lock:
+            if self._idle[0] == address:
+                self._idle[1].append(client)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle = ("", [])
 
 
 def new_backend(
@@ -81,13 +118,21 @@ class CrossGroupComm:
         self._quorum_id: int | None = None
         self._size = 0
         self._graveyard: list[_Parked] = []
-        self._store: tuple[str, dist.Store] | None = None
+        self._prepared: _Prepared | None = None
+        self._stores = _StorePool(timeouts.connect_timeout_ms)
+        self._newest = -1  # the newest quorum configured or prepared: an older one is never built again
         self._target: int | None = None  # the quorum being configured or in use (for abort)
         self._wake = threading.Event()
         self._aborted = False
         self._lock = threading.Lock()
         # Failure-injection point (lightning_fthsdp.faults): runs while a collective is in flight.
         self._on_collective_started = on_collective_started
+        # Destroying a gloo group takes 10-20 ms here (it joins its threads; the GIL is released), which a
+        # membership change must not add to the step: a thread started now does it. Not one started then: under
+        # load a new thread can take as long to get scheduled as the destruction itself.
+        self._doomed: queue.SimpleQueue[list[_Parked] | None] = queue.SimpleQueue()
+        self._reaper = threading.Thread(target=self._destroy_doomed, name="fthsdp-reaper", daemon=True)
+        self._reaper.start()
 
     @property
     def quorum_id(self) -> int | None:
@@ -110,6 +155,20 @@ class CrossGroupComm:
         """Never use the current group again (after an error anywhere in the step)."""
         self._retire(None)
 
+    def prepare(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
+        """Start quorum ``quorum_id``'s rendezvous in the background (any thread), as soon as the quorum is known,
+        so that ``configure`` finds the group built: the rendezvous overlaps the step's compute instead of adding to
+        the step. Ignored for a quorum no newer than one configured or prepared before (an old quorum's rendezvous
+        keys are stale)."""
+        if size == 1:
+            return
+        with self._lock:
+            if quorum_id <= self._newest:
+                return
+            self._newest = quorum_id
+            self._prepared = _Prepared((quorum_id, rank, size, store_address),
+                                       self._build_in_thread(quorum_id, rank, size, store_address))
+
     def configure(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
         """Make this rank a member of quorum ``quorum_id``'s group; no-op if it already is.
 
@@ -119,14 +178,13 @@ class CrossGroupComm:
             return
         self._retire(None)
         self._reap()
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+            self._newest = max(self._newest, quorum_id)
         if size > 1:
-            store = dist.PrefixStore(f"fthsdp/q{quorum_id}/s{self._shard_rank}", self._store_client(store_address))
-            try:
-                self._backend = self._wait(self._build_in_thread(store, rank, size),
-                                           self._timeouts.connect_timeout_ms)
-            except CollectiveAborted:
-                self._store = None  # the store itself may be gone (lighthouse restart): reconnect next time
-                raise
+            key = (quorum_id, rank, size, store_address)
+            build = prepared.build if prepared is not None and prepared.key == key else self._build_in_thread(*key)
+            self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
         self._quorum_id = quorum_id
         self._size = size
 
@@ -168,7 +226,10 @@ class CrossGroupComm:
     def close(self) -> None:
         self._retire(None)
         self._reap()
-        self._store = None  # the store client's connection goes now, not among interpreter-exit destructors
+        self._doomed.put(None)
+        self._reaper.join()  # groups are destroyed now, not among interpreter-exit destructors
+        self._prepared = None
+        self._stores.clear()  # their connections go now, not among interpreter-exit destructors
         # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
         # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
         for parked in self._graveyard:
@@ -177,22 +238,21 @@ class CrossGroupComm:
 
     # ----------------------------------------------------------------------------------------------------
 
-    def _store_client(self, address: str) -> dist.Store:
-        """One connection to the lighthouse's store, kept across quorums while the address stays the same."""
-        if self._store is None or self._store[0] != address:
-            self._store = (address, store_client(address, self._timeouts.connect_timeout_ms))
-        return self._store[1]
-
-    def _build_in_thread(self, store: dist.Store, rank: int, size: int) -> Future[dist.ProcessGroup]:
+    def _build_in_thread(self, quorum_id: int, rank: int, size: int, store_address: str) -> Future[dist.ProcessGroup]:
         future: Future[dist.ProcessGroup] = Future()
 
         def build() -> None:
             try:
+                client = self._stores.take(store_address)
+                store = dist.PrefixStore(f"fthsdp/q{quorum_id}/s{self._shard_rank}", client)
                 # Rendezvous may wait up to connect_timeout for the slowest member; collectives then use the
                 # shorter collective timeout.
                 backend = new_backend(self.backend_name, store, rank, size, self._timeouts.connect_timeout_ms,
                                       self.device)
                 backend.set_timeout(Timeouts.delta(self._timeouts.collective_timeout_ms))
+                # Only a connection whose rendezvous completed goes back: after a failure the store itself may be
+                # gone (a lighthouse restart).
+                self._stores.give_back(store_address, client)
                 future.set_result(backend)
             except BaseException as exc:
                 future.set_exception(exc)
@@ -233,8 +293,18 @@ class CrossGroupComm:
         self._quorum_id = None
 
     def _reap(self) -> None:
-        """Destroy retired groups whose last op has finished (destroying one mid-op would block)."""
-        self._graveyard = [p for p in self._graveyard if p.work is not None and not p.work.is_completed()]
+        """Have retired groups whose last op has finished destroyed (destroying one mid-op would block)."""
+        busy: list[_Parked] = []
+        done: list[_Parked] = []
+        for parked in self._graveyard:
+            (busy if parked.work is not None and not parked.work.is_completed() else done).append(parked)
+        self._graveyard = busy
+        if done:
+            self._doomed.put(done)
+
+    def _destroy_doomed(self) -> None:
+        while (doomed := self._doomed.get()) is not None:
+            doomed.clear()  # the last references: the groups are destroyed here
 
     def expect(self, quorum_id: int) -> None:
         """The step ahead uses quorum ``quorum_id``: forget aborts meant for older quorums, and from now on

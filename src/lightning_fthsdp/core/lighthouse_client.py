@@ -85,7 +85,9 @@ class _Connection:
 class Heartbeat:
     """A daemon thread that heartbeats as long-polls and reports who the lighthouse declared dead.
 
-    ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes.
+    ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes;
+    ``on_quorum(quorum_id, rank, size, store_address)`` when the lighthouse decides a new quorum with this group in
+    it (this group's rank among ``size`` members; the store hosts the quorum's rendezvous).
     ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
     this group dead, as of the last acknowledged heartbeat.
     """
@@ -100,12 +102,15 @@ class Heartbeat:
         timeouts: Timeouts,
         step: Callable[[], int],
         on_dead: Callable[[frozenset[str]], None],
+        on_quorum: Callable[[int, int, int, str], None],
     ) -> None:
         self._conn = _Connection(url, token)
         self._replica_id, self._rank, self._shard_count = replica_id, rank, shard_count
         self._timeouts = timeouts
         self._step = step
         self._on_dead = on_dead
+        self._on_quorum = on_quorum
+        self._quorum_id = -1
         self._stop = threading.Event()
         self._epoch = -1
         self._dead: frozenset[str] = frozenset()
@@ -181,6 +186,11 @@ class Heartbeat:
             if dead != self._dead:
                 self._dead = dead
                 self._on_dead(dead)
+            quorum_id = int(answer.get("quorum_id", -1))
+            if "quorum_rank" in answer and quorum_id != self._quorum_id:
+                self._quorum_id = quorum_id
+                self._on_quorum(quorum_id, int(answer["quorum_rank"]), int(answer["quorum_size"]),
+                                str(answer["store"]))
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""

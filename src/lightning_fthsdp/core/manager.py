@@ -153,7 +153,7 @@ class FTManager:
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")))
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
-                                    step=lambda: self.step, on_dead=self._on_dead)
+                                    step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare)
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._own_state, self._load_own_state)
