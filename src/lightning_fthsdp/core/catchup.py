@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from lightning_fthsdp.core.torch_state import StateTree
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
-from lightning_fthsdp.recovery.priority import yield_to_training
 from lightning_fthsdp.recovery.server import StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot
 
@@ -42,10 +41,7 @@ class CatchUp:
         self._token = token
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-snapshot")
-        # Fetching (and verifying, on threads the fetch starts) yields the CPU to training; the snapshot may not:
-        # the source's optimizer step waits for it.
-        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-fetch", initializer=yield_to_training)
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
         self._serving: tuple[int, Future[None], threading.Event] | None = None
         self._fetch: tuple[tuple[str, int], Future[StateTree], threading.Event] | None = None
         self._lock = threading.Lock()
@@ -128,7 +124,7 @@ class CatchUp:
             return
         self.cancel_fetch()
         abort = threading.Event()
-        future = self._fetcher.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
+        future = self._executor.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
         self._fetch = ((address, step), future, abort)
         if self._on_phase is not None:
             self._on_phase("fetch")
@@ -163,5 +159,4 @@ class CatchUp:
     def close(self) -> None:
         self.cancel_fetch()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._server.close()

@@ -34,7 +34,6 @@ import torch
 
 from lightning_fthsdp.core.log import RECOVERY
 from lightning_fthsdp.recovery import wire
-from lightning_fthsdp.recovery.priority import yield_to_training
 
 log = logging.getLogger(RECOVERY)
 
@@ -98,7 +97,8 @@ class StateServer:
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.owner = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._serve_forever, name="fthsdp-state-server", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": POLL_S},
+                                        name="fthsdp-state-server", daemon=True)
         self._thread.start()
 
     @property
@@ -150,10 +150,6 @@ class StateServer:
         self._httpd.server_close()
         self._thread.join(timeout=10 * POLL_S)
 
-    def _serve_forever(self) -> None:
-        yield_to_training()  # inherited by every request's thread: streaming is catch-up work
-        self._httpd.serve_forever(poll_interval=POLL_S)
-
     def _replace(self, held: _Held | None) -> None:
         """Make ``held`` current; the caller holds ``_cond``."""
         old = self._held
@@ -169,7 +165,6 @@ class StateServer:
             self._on_released(wire.join_tree(held.skeleton, held.tensors))  # type: ignore[arg-type]
 
     def _digest(self, held: _Held) -> None:
-        yield_to_training()  # inherited by the digest helpers
         digests = wire.chunk_digests(held.views, self._chunk_bytes, DIGEST_WORKERS, held.retired)
         if digests is None:
             return  # replaced or withdrawn meanwhile
