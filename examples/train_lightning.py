@@ -9,7 +9,8 @@ One launch per replica group (Lightning starts the group's ranks itself)::
 
 ``--recorder.jsonl PATH`` makes every rank append one JSON line per optimizer step (``event: "step"``: global step,
 epoch, learning rate, this rank's parameter digest, the group's stream position) and one at the end of fit
-(``event: "end"``); ``--recorder.params PATH`` saves the full parameters at the end (rank 0).
+(``event: "end"``); ``--recorder.params PATH`` saves the full parameters at the end (rank 0);
+``--recorder.ballast_mib N`` registers N MiB of extra state per rank for catch-up to transfer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -34,19 +35,23 @@ from lightning_fthsdp.models.mlp import Regressor
 
 
 class TinyRegressor(Regressor):
-    """The recipes' residual MLP regressor plus a step-wise LR decay: a plain LightningModule that knows nothing of
-    sharding or fault tolerance."""
+    """The recipes' residual MLP regressor plus an LR decay: a plain LightningModule that knows nothing of sharding
+    or fault tolerance. ``schedule``: multiply the LR by ``lr_decay`` every optimizer step ("step"), every epoch
+    ("epoch"), or when the training loss stops falling ("plateau", ReduceLROnPlateau)."""
 
     def __init__(self, features: int = 8, width: int = 16, blocks: int = 2, lr: float = 0.05,
-                 lr_decay: float = 0.95) -> None:
+                 lr_decay: float = 0.95, schedule: Literal["step", "epoch", "plateau"] = "step") -> None:
         super().__init__(features, width, blocks, lr)
         self.save_hyperparameters()
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         decay = self.hparams.lr_decay
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: decay**step)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        if self.hparams.schedule == "plateau":
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=decay)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss"}}
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda count: decay**count)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.hparams.schedule}}
 
 
 def make_dataset(samples: int, features: int, seed: int = 1) -> TensorDataset:
@@ -69,8 +74,17 @@ class TinyData(pl.LightningDataModule):
 class StepRecorder(CommittedStepCallback):
     """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps."""
 
-    def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0) -> None:
+    def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0,
+                 ballast_mib: int = 0) -> None:
         self.jsonl, self.params, self.sleep_s = jsonl, params, sleep_s
+        self.ballast_mib = ballast_mib
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ballast_mib:
+            # Extra state for catch-up to transfer (tests and benchmarks), through the strategy's registration API.
+            ballast = torch.zeros(self.ballast_mib << 18)  # float32: 2**18 elements per MiB
+            trainer.strategy.manager.register_state("ballast", lambda: {"t": ballast},
+                                                    lambda tree: ballast.copy_(tree["t"]))
 
     def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int) -> None:
@@ -80,7 +94,8 @@ class StepRecorder(CommittedStepCallback):
         manager = getattr(trainer.strategy, "manager", None)  # None: another strategy (the benchmark's baseline)
         if manager is not None:
             record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,
-                       "participants": list(manager.participants), "discarded": manager.discarded_steps}
+                       "participants": list(manager.participants), "discarded": manager.discarded_steps,
+                       "recoveries": manager.recoveries}
         self._write(trainer, record)
         if self.sleep_s:
             time.sleep(self.sleep_s)

@@ -198,6 +198,44 @@ def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> No
 
 
 @pytest.mark.timeout(240)
+def test_restarted_group_follows_replays_and_keeps_the_job_wide_epoch_schedule(job_alone_ok: Job) -> None:
+    """b joins a job a has trained alone, with 128 MiB of state per rank: its transfer outlasts a's steps, so b follows
+    the job and then replays the steps it followed through Lightning's optimizer step. The LR decays once per job
+    epoch (8 steps: 64 samples / 2 groups / batch 4) in both groups, although a's stream ran at two batches a step
+    while alone (keep_global_batch) and b's stream starts at 0: each group's own epochs are elsewhere."""
+    job = job_alone_ok
+    steps, per_epoch = 60, 8
+    common = ("--data.samples=64", "--data.batch_size=4", "--recorder.sleep_s=0.05", "--model.schedule=epoch",
+              "--recorder.ballast_mib=128", "--trainer.strategy.keep_global_batch=true")
+    a = start_lightning_group(job, "a", devices=1, max_steps=steps, extra=common)
+    wait_for(lambda: len(a.records("step")) >= 5, 90, "group a's fifth step alone")
+    b = start_lightning_group(job, "b", devices=1, max_steps=steps, extra=common)
+    for group in (a, b):
+        assert job.wait_exit(group, 180) == 0, group.log.read_text()[-3000:]
+
+    a_steps, b_steps = a.records("step"), b.records("step")
+    recovery = b_steps[0]["recoveries"][0]
+    assert recovery["source"] == "a" and recovery["replayed"] >= 1, recovery
+    assert b_steps[0]["global_step"] == recovery["step"] + recovery["replayed"] + 1
+    for r in a_steps + b_steps:
+        assert math.isclose(r["lr"], LR * DECAY ** (r["global_step"] // per_epoch), rel_tol=1e-9), r
+    assert any(r["epoch"] != r["global_step"] // per_epoch for r in a_steps), "a's epochs followed the job's"
+    assert [r["global_step"] for r in b_steps] == list(range(b_steps[0]["global_step"], steps + 1))
+    by_step = {r["global_step"]: r["params_sha256"] for r in a_steps}
+    assert all(by_step[r["global_step"]] == r["params_sha256"] for r in b_steps), "a and b differ at a common step"
+    assert a.records("end")[0]["params_sha256"] == b.records("end")[0]["params_sha256"]
+    contributed = [r for r in b_steps if "b" in r["participants"]]
+    assert [r["stream_step"] for r in contributed] == list(range(1, len(contributed) + 1))
+
+
+@pytest.mark.timeout(120)
+def test_a_plateau_scheduler_across_groups_is_refused(job: Job) -> None:
+    a = start_lightning_group(job, "a", devices=1, max_steps=5, extra=("--model.schedule=plateau",))
+    assert job.wait_exit(a, 90) != 0
+    assert "cannot keep ReduceLROnPlateau identical across 2 replica groups" in a.log.read_text()
+
+
+@pytest.mark.timeout(240)
 def test_checkpoint_written_by_one_group_and_every_group_resumes_from_it(job: Job) -> None:
     ckpts = job.workdir / "ckpts"
     common = ("--data.samples=128", "--data.batch_size=4",

@@ -140,6 +140,10 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     assert beat["store"] == status["store"]
     code, beat = Client(url).call("POST", "/v1/heartbeat", hb("d"))
     assert code == 200 and beat["quorum_id"] == 1 and "quorum_rank" not in beat
+    # c leaves and a new process of it heartbeats: quorum 1 was not answered to it, it must ask.
+    assert Client(url).call("POST", "/v1/leave", {"replica_id": "c"})[0] == 200
+    code, beat = hc.call("POST", "/v1/heartbeat", hb("c"))
+    assert code == 200 and beat["quorum_id"] == 1 and "quorum_rank" not in beat
 
 
 def test_crash_is_declared_at_once_and_wakes_the_survivors_long_poll(lighthouse: Callable[..., str]) -> None:

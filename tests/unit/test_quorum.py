@@ -50,7 +50,9 @@ def test_immediate_answer_when_every_previous_member_asks() -> None:
     previous = decide(RULES, None, pending(req("a"), req("b")), frozenset("ab"), 0.0)
     assert previous is not None
     # "c" heartbeats but has not asked: the previous members still get an answer at once.
-    q = decide(RULES, previous, pending(req("a", 1, 5.0), req("b", 1, 5.0)), frozenset("abc"), 5.0)
+    held = previous.quorum_id
+    q = decide(RULES, previous, pending(req("a", 1, 5.0, quorum_id=held), req("b", 1, 5.0, quorum_id=held)),
+               frozenset("abc"), 5.0)
     assert q is not None and q.member_ids == ("a", "b") and q.quorum_id == previous.quorum_id
 
 
@@ -72,17 +74,22 @@ def test_requests_of_dead_groups_are_ignored() -> None:
     assert q is not None and q.member_ids == ("a", "b")
 
 
-def test_quorum_id_changes_exactly_with_membership_or_failed_commit() -> None:
+def test_quorum_id_changes_exactly_with_membership_failed_commit_or_a_new_incarnation() -> None:
     q0 = decide(RULES, None, pending(req("a"), req("b")), frozenset("ab"), 0.0)
     assert q0 is not None and q0.quorum_id == 0
-    same = decide(RULES, q0, pending(req("a", 1), req("b", 1)), frozenset("ab"), 1.0)
+    same = decide(RULES, q0, pending(req("a", 1, quorum_id=0), req("b", 1, quorum_id=0)), frozenset("ab"), 1.0)
     assert same is not None and same.quorum_id == 0
-    failed = decide(RULES, same, pending(req("a", 1, commit_failed=True), req("b", 1)), frozenset("ab"), 2.0)
+    failed = decide(RULES, same, pending(req("a", 1, quorum_id=0, commit_failed=True), req("b", 1, quorum_id=0)),
+                    frozenset("ab"), 2.0)
     assert failed is not None and failed.quorum_id == 1
-    grown = decide(RULES, failed, pending(req("a"), req("b"), req("c")), frozenset("abc"), 3.0)
+    grown = decide(RULES, failed, pending(req("a", quorum_id=1), req("b", quorum_id=1), req("c")),
+                   frozenset("abc"), 3.0)
     assert grown is not None and grown.quorum_id == 2
-    shrunk = decide(RULES, grown, pending(req("a"), req("b")), frozenset("ab"), 4.0)
+    shrunk = decide(RULES, grown, pending(req("a", quorum_id=2), req("b", quorum_id=2)), frozenset("ab"), 4.0)
     assert shrunk is not None and shrunk.quorum_id == 3
+    # The same members, but b is a new process (it left and came back): it holds none of quorum 3's groups.
+    restarted = decide(RULES, shrunk, pending(req("a", quorum_id=3), req("b")), frozenset("ab"), 5.0)
+    assert restarted is not None and restarted.quorum_id == 4
 
 
 def test_recovery_sources_round_robin_among_up_to_date_members() -> None:
@@ -165,6 +172,7 @@ round_strategy = st.fixed_dictionaries({
     "failed": st.sets(st.sampled_from(IDS), max_size=1),
     "committed_in": st.dictionaries(st.sampled_from(IDS), st.integers(-1, 2)),
     "catching_up": st.sets(st.sampled_from(IDS), max_size=3),
+    "restarted": st.sets(st.sampled_from(IDS), max_size=2),
     "elapsed": st.floats(0, 20),
 })
 
@@ -176,9 +184,11 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
     previous: Quorum | None = None
     for now, rnd in enumerate(rounds):
         alive = frozenset(rnd["alive"])
+        held = previous.quorum_id if previous is not None else -1
         requests = pending(*(
             req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"],
-                committed_in=rnd["committed_in"].get(rid, -1), catching_up=rid in rnd["catching_up"])
+                committed_in=rnd["committed_in"].get(rid, -1), catching_up=rid in rnd["catching_up"],
+                quorum_id=-1 if rid in rnd["restarted"] else held)
             for rid in sorted(rnd["asking"])
         ))
         q = decide(rules, previous, requests, alive, now + rnd["elapsed"])
@@ -204,8 +214,9 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         assert set(q.participants) == holders
         if previous is not None:
             assert q.quorum_id >= previous.quorum_id, "quorum_id never decreases"
-            unchanged = members == set(previous.member_ids) and not (rnd["failed"] & members)
-            assert (q.quorum_id == previous.quorum_id) == unchanged, "id changes iff membership or failed commit"
+            unchanged = members == set(previous.member_ids) and not ((rnd["failed"] | rnd["restarted"]) & members)
+            assert (q.quorum_id == previous.quorum_id) == unchanged, \
+                "id changes iff membership, a failed commit or a new incarnation"
         previous = q
 
 

@@ -91,6 +91,9 @@ class Lighthouse:
         self._waiters: dict[str, asyncio.Future[Response]] = {}
         self._previous: Quorum | None = None
         self._answer: Response | None = None  # the encoded answer of _previous
+        # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
+        # (a new incarnation of a member must not take an answer meant for its predecessor).
+        self._answered: set[str] = set()
         # Every rank of a group heartbeats on its own connection, keyed (replica_id, rank): the close of any one
         # means a process of the group died, and a group dies whole.
         self._liveness: dict[tuple[str, int], Connection] = {}
@@ -230,7 +233,7 @@ class Lighthouse:
                 "deaths": {rid: r.deaths for rid, r in self._replicas.items() if r.deaths},
                 "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
             }).encode()
-        if self._previous is not None and replica_id in self._previous:
+        if self._previous is not None and replica_id in self._answered:
             # Each member's rank in the newest quorum: with it every rank of the group starts that quorum's
             # cross-group rendezvous as soon as the quorum is decided, overlapping the step's compute.
             return Response(200, b'%s,"quorum_rank":%d}' % (self._heartbeat_body[:-1],
@@ -262,6 +265,7 @@ class Lighthouse:
         request = QuorumRequest(replica_id, step, shard_count, time.monotonic(), address, commit_failed, quorum_id,
                                 tuple(members), committed_in, catching_up)
         if self._answer is not None and is_late_member(self._previous, request):
+            self._answered.add(replica_id)
             return self._answer
         self._add_pending(request, waiter)
         # A plain timer rather than asyncio.wait_for: fewer futures and callbacks per request when 10,000 groups ask.
@@ -370,6 +374,7 @@ class Lighthouse:
             self._alive.add(replica_id)
         else:
             self._alive.discard(replica_id)
+            self._answered.discard(replica_id)
         if replica_id in self._pending:
             self._asked += delta
             self._ref_asked += delta if replica_id in self._ref else 0
@@ -462,7 +467,8 @@ class Lighthouse:
             body = json.dumps({**quorum.to_json(), "store": self.store_address}, separators=(",", ":")).encode()
             # One encoding shared by every member; compressed once when large (O(members^2) bytes otherwise).
             answer = self._answer = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > 16384 else None)
-            for replica_id in quorum.member_ids if receivers is None else receivers:
+            self._answered = set(quorum.member_ids if receivers is None else receivers)
+            for replica_id in self._answered:
                 waiter = self._waiters.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():

@@ -213,7 +213,8 @@ class FTManager:
         With it, catch-up never makes the healthy groups wait: a recovering group whose state transfer outlasts the
         step keeps following the job (contributing zeros, holding each step's averaged gradients) and, once the
         state arrives, loads it and replays the steps it held. Without it, the recovering group finishes the
-        transfer at the end of the step it joined, and the next quorum waits for it.
+        transfer at the end of the step it joined, and the next quorum waits for it. While ``update`` replays a
+        step, ``step`` counts that step and ``participants`` and ``shares`` are that step's.
         """
         self._update = update
 
@@ -411,13 +412,17 @@ class FTManager:
         if follow.updates:
             assert self._update is not None, "steps are held for replay only with register_update"
             current = [t.detach().clone() for t in self._tensors]
+            participants, shares_now = self._participants, self._shares
             for grads, shares in follow.updates:
                 for tensor, grad in zip(self._tensors, grads, strict=True):
                     tensor.detach().copy_(grad)
-                self._update()
+                # What the update sees is the step being applied: its number, its participants and their shares.
                 self.step += 1
                 for replica_id, batches in shares.items():
                     self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
+                self._participants, self._shares = tuple(shares), shares
+                self._update()
+            self._participants, self._shares = participants, shares_now
             for tensor, grad in zip(self._tensors, current, strict=True):
                 tensor.detach().copy_(grad)
         self.recoveries.append({"source": follow.source, "step": follow.base_step,

@@ -233,7 +233,8 @@ def decide(
 
     ``pending``: the requests not yet answered; ``alive``: groups heartbeating within the timeout (a group
     with a pending request counts as alive only if it is in ``alive``). quorum_id changes exactly when the
-    member set changes or a member reports a failed commit.
+    member set changes, a member reports a failed commit, or a member does not hold the previous quorum (a new
+    incarnation of a group: it has none of that quorum's process groups, whose rendezvous keys are spent).
     """
     if previous is not None:
         previous_id, previous_members = previous.quorum_id, frozenset(previous.member_ids)
@@ -251,7 +252,8 @@ def decide(
         return None  # only groups whose state is still in transfer: their sources are gone, their fetches will fail
     member_ids = frozenset(r.replica_id for r in requests)
     commit_failed = any(r.commit_failed for r in requests)
-    same = member_ids == previous_members and not commit_failed and previous_id >= 0
+    holds_previous = all(r.quorum_id == previous_id for r in requests)
+    same = member_ids == previous_members and not commit_failed and previous_id >= 0 and holds_previous
     quorum_id = previous_id if same else previous_id + 1
     max_step = max(r.step for r in holding)
     branch = reference_branch([r for r in holding if r.step == max_step])

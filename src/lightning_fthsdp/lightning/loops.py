@@ -1,4 +1,5 @@
-"""Lightning's loop counters as catch-up state, and moving them to a replica group's own data position.
+"""Lightning's loop counters as catch-up state, moving them to a replica group's own data position, taking the LR
+scheduler cadence over from Lightning, and replaying an optimizer step held during catch-up.
 
 Everything here touches Lightning's loop progress objects (public attributes of its loops, but not a documented
 API); it is kept in one module so a Lightning upgrade has one place to check.
@@ -13,9 +14,13 @@ Two kinds of counters, two sources:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_fthsdp.core.torch_state import StateTree
 
@@ -62,3 +67,40 @@ def align_to_stream(trainer: pl.Trainer, epoch: int, offset: int) -> None:
     fetcher: Any = fit_loop._data_fetcher  # no public way to restart the epoch's iterator
     if fetcher is not None:
         iter(fetcher)  # a fresh DataLoader iterator: the sampler reads the new start position
+
+
+def take_over_schedulers(trainer: pl.Trainer) -> list[LRSchedulerConfig]:
+    """Stop Lightning from stepping the LR schedulers it would step by this group's own batch index and epoch (which
+    differ between groups once one has restarted), returning their configs for the strategy to step by job-wide
+    counts instead. ``ReduceLROnPlateau`` schedulers (stepped on a monitored metric) are left to Lightning."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    lightning_update = functools.partial(type(epoch_loop)._update_learning_rates, epoch_loop)
+
+    def plateau_only(interval: str, update_plateau_schedulers: bool) -> None:
+        # Lightning's own update handles plateau schedulers only when asked for them, the others only when not.
+        if update_plateau_schedulers:
+            lightning_update(interval=interval, update_plateau_schedulers=True)
+
+    epoch_loop._update_learning_rates = plateau_only  # type: ignore[method-assign]
+    return [config for config in trainer.lr_scheduler_configs if not config.reduce_on_plateau]
+
+
+def step_scheduler(trainer: pl.Trainer, config: LRSchedulerConfig) -> None:
+    """Step one scheduler as Lightning would (through the LightningModule's ``lr_scheduler_step`` hook)."""
+    progress = trainer.fit_loop.epoch_loop.scheduler_progress
+    progress.increment_ready()
+    call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+    progress.increment_completed()
+
+
+def replay_optimizer_step(trainer: pl.Trainer, closure: Callable[[], Any]) -> None:
+    """Run the LightningModule's ``optimizer_step`` hook for a step whose gradients are in place already (held during
+    catch-up), then count it as Lightning counts a completed optimizer step."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    optimizer = trainer.strategy._lightning_optimizers[0]
+    call._call_lightning_module_hook(trainer, "optimizer_step", trainer.current_epoch, epoch_loop.batch_idx,
+                                     optimizer, closure)
+    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.ready += 1  # the step in flight stays counted as ready: it completes when its optimizer_step returns
+    step.completed += 1
+    epoch_loop._batches_that_stepped += 1

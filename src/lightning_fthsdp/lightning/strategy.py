@@ -24,6 +24,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
@@ -142,6 +143,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._stream_step = 0  # this group's stream position (in optimizer steps) of the batch being trained
         self._caught_up = False  # set by the loop-counter loader: this commit loaded a peer's state
         self._unscaled_lrs: list[float] | None = None  # the step's learning rates before the degraded factor
+        self._schedulers: list[LRSchedulerConfig] = []  # stepped by job-wide counts (see _step_schedulers)
+        self._replaying = False  # inside the replay of a step held during catch-up
 
     @property
     def manager(self) -> FTManager:
@@ -180,6 +183,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                   on_phase=self._fire_fault,
                                   global_batches=self.num_replica_groups if self.keep_global_batch else None)
         self._register_catchup_state(trainer)
+        if trainer.lightning_module.automatic_optimization:
+            # Catch-up never holds the healthy groups up: a recovering group follows the job while its transfer
+            # runs, then replays the steps it followed through Lightning's optimizer step.
+            self._manager.register_update(self._replay_step)
         if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
             trainer.callbacks.append(FTMetricsLogger(self.ft_metrics))
 
@@ -214,6 +221,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 f"{batches} micro-batches per epoch of each shard: a stream position is committed steps times "
                 "accumulate_grad_batches. Change the batch size, the dataset size or the accumulation"
             )
+        plateau = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau]
+        if plateau and self.num_replica_groups > 1:
+            raise ValueError(
+                f"FTHSDPStrategy cannot keep {type(plateau[0].scheduler).__name__} identical across "
+                f"{self.num_replica_groups} replica groups: it steps on a metric each group monitors at its own epoch "
+                "ends. Use a schedule of steps or epochs (e.g. CosineAnnealingLR, StepLR), or one replica group")
+        self._schedulers = loops.take_over_schedulers(trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -245,20 +259,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         schedulers or Lightning's step counters: it is retrained on the same batch (the weights did not change,
         so its gradient is the one computed before the failed attempt, restored from a copy).
         """
+        if self._replaying:
+            return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
+
         def closure_then_sync() -> Any:
             result = closure()
             self._sync_until_committed(optimizer)
             return result
 
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        saved_lrs = [group["lr"] for group in inner.param_groups]
-        self._unscaled_lrs = None
-        try:
-            return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-        finally:
-            # The degraded-LR factor applies to this step only; catch-up may have replaced the param groups.
-            for group, lr in zip(inner.param_groups, self._unscaled_lrs or saved_lrs, strict=True):
-                group["lr"] = lr
+        output = self._step_at_degraded_lr(optimizer, closure_then_sync, model, **kwargs)
+        self._step_schedulers()
+        return output
 
     @override
     def teardown(self) -> None:
@@ -310,6 +321,53 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     def _configure_model_by_policy(self, module: pl.LightningModule) -> None:
         apply_fully_shard(module, self.device_mesh["data_parallel"], self.auto_shard_min_params)
+
+    def _step_at_degraded_lr(self, optimizer: Optimizer, closure: Callable[[], Any],
+                             model: pl.LightningModule | torch.nn.Module | None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step with the learning rates scaled for this step only (``_scale_lr`` sets them once
+        the step's participants are known)."""
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        saved_lrs = [group["lr"] for group in inner.param_groups]
+        self._unscaled_lrs = None
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            # The degraded-LR factor applies to this step only; catch-up may have replaced the param groups.
+            for group, lr in zip(inner.param_groups, self._unscaled_lrs or saved_lrs, strict=True):
+                group["lr"] = lr
+
+    def _replay_step(self) -> None:
+        """Apply one step the job committed while this group followed it during catch-up (FTManager's update): its
+        averaged gradients are in place, ``manager.step`` and ``participants`` are that step's. The LightningModule's
+        optimizer_step hook runs as for a trained step (so do clipping and ``on_before_optimizer_step``), then the
+        schedulers and Lightning's step counters advance."""
+        def held_step_closure() -> torch.Tensor:
+            # Where a trained step's closure ends with the sync; the gradients are in place already.
+            self._scale_lr(self.optimizers[0], len(self.manager.participants))
+            return torch.zeros(())  # not None: tells Lightning's precision plugins a backward ran
+
+        self._replaying = True
+        try:
+            loops.replay_optimizer_step(self.lightning_module.trainer, held_step_closure)
+        finally:
+            self._replaying = False
+        self._step_schedulers()
+
+    def _step_schedulers(self) -> None:
+        """Step the LR schedulers by job-wide counts, the same in every group whatever its data stream's position:
+        interval "step" every ``frequency`` committed steps, "epoch" every ``frequency`` job epochs (an epoch is the
+        committed steps in which one group's shard of the data is trained once)."""
+        step = self.manager.step
+        trainer = self.lightning_module.trainer
+        for config in self._schedulers:
+            if config.interval == "step":
+                due = step % config.frequency == 0
+            else:
+                assert self._sampler is not None
+                steps_per_epoch = self._sampler.batches_per_epoch // trainer.accumulate_grad_batches
+                due = step % steps_per_epoch == 0 and (step // steps_per_epoch) % config.frequency == 0
+            if due:
+                loops.step_scheduler(trainer, config)
 
     def _stream_start(self) -> int:
         """Where the sampler starts: this group's committed position, in micro-batches (read at every __iter__)."""
@@ -404,6 +462,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                                          for i, s in enumerate(schedulers)},
                                lambda tree: _load_schedulers(schedulers, tree))
         manager.register_state("loops", lambda: loops.job_counters(trainer), self._load_loops)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            # fp16 mixed precision: every group unscales the averaged gradients, so all must hold the same loss scale.
+            manager.register_state("grad_scaler", scaler.state_dict, scaler.load_state_dict)
 
     def _load_loops(self, tree: StateTree) -> None:
         loops.load_job_counters(self.lightning_module.trainer, tree)
