@@ -35,9 +35,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEADY_STEPS = 20
 
 
-def measure(mib: int, step_time_ms: int, admissions: int) -> list[dict[str, Any]]:
+def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
-        job = Job(Path(tmp), min_replicas=2, heartbeat_timeout_ms=2_000, join_timeout_ms=2_000,
+        workdir = keep / f"{mib}mib" if keep is not None else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        job = Job(workdir, min_replicas=2, heartbeat_timeout_ms=2_000, join_timeout_ms=2_000,
                   collective_timeout_ms=30_000)
         try:
             job.start_lighthouse()
@@ -110,8 +112,9 @@ def main() -> int:
     parser.add_argument("--mib", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--step-time-ms", type=int, default=60, help="pace of the healthy groups' steps")
     parser.add_argument("--admissions", type=int, default=5, help="admissions of b per state size")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the processes' logs under this folder")
     args = parser.parse_args()
-    rows = [row for mib in args.mib for row in measure(mib, args.step_time_ms, args.admissions)]
+    rows = [row for mib in args.mib for row in measure(mib, args.step_time_ms, args.admissions, args.keep)]
     summary = summarise(rows)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "catchup.json").write_text(json.dumps({"admissions": rows, "summary": summary}, indent=2))

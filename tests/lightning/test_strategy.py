@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -118,18 +117,11 @@ def test_policy_shards_each_block_then_the_root() -> None:
     assert model.inp in shard_units(model, min_params=1)
 
 
-def test_the_fp16_loss_scaler_state_travels_through_catch_up() -> None:
-    """What the strategy registers for fp16 mixed precision (the GradScaler's state_dict) is plain JSON state that
-    the catch-up wire carries and the loader restores (a GPU run registers it; the CPU scaler has the same API)."""
-    from lightning_fthsdp.recovery import wire
-    from lightning_fthsdp.recovery.snapshot import snapshot
+def test_fp16_loss_scaling_is_refused_with_the_fix() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
-    source = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
-    source.scale(torch.ones(()))  # the first scaled loss creates the scale
-    source.update(new_scale=2.0**7)
-    skeleton, tensors = wire.split_tree(snapshot({"grad_scaler": source.state_dict()}))
-    assert tensors == []
-    received = wire.join_tree(json.loads(json.dumps(skeleton)), [])
-    target = torch.amp.GradScaler("cpu")
-    target.load_state_dict(received["grad_scaler"])
-    assert target.get_scale() == 2.0**7 and target.state_dict() == source.state_dict()
+    from lightning_fthsdp.lightning.strategy import refuse_loss_scaling
+
+    refuse_loss_scaling(MixedPrecision("bf16-mixed", "cpu"))  # no scaler: fine
+    with pytest.raises(ValueError, match="precision='bf16-mixed'"):
+        refuse_loss_scaling(MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cpu")))

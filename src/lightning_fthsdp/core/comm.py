@@ -82,6 +82,42 @@ class _StorePool:
             self._idle = ("", [])
 
 
+class _Reaper:
+    """Destroys retired process groups on one thread per process. Destroying a gloo group takes 10-20 ms here (it
+    joins its threads; the GIL is released), which a membership change must not add to the step; and the thread
+    exists before it is needed: under load a newly started thread can take as long to get scheduled."""
+
+    def __init__(self) -> None:
+        self._doomed: queue.Queue[list[object]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fthsdp-reaper", daemon=True)
+                self._thread.start()
+
+    def destroy(self, doomed: list[object]) -> None:
+        """Drop the last references to ``doomed`` (process groups, or what holds them) on the reaper thread."""
+        self.start()
+        self._doomed.put(doomed)
+
+    def drain(self) -> None:
+        """Wait until everything handed over so far is destroyed."""
+        self._doomed.join()
+
+    def _run(self) -> None:
+        while True:
+            doomed = self._doomed.get()
+            doomed.clear()  # the last references: the groups are destroyed here
+            del doomed
+            self._doomed.task_done()
+
+
+_REAPER = _Reaper()
+
+
 def new_backend(
     backend: str, store: dist.Store, rank: int, size: int, timeout_ms: int, device: torch.device
 ) -> dist.ProcessGroup:
@@ -127,12 +163,8 @@ class CrossGroupComm:
         self._lock = threading.Lock()
         # Failure-injection point (lightning_fthsdp.faults): runs while a collective is in flight.
         self._on_collective_started = on_collective_started
-        # Destroying a gloo group takes 10-20 ms here (it joins its threads; the GIL is released), which a
-        # membership change must not add to the step: a thread started now does it. Not one started then: under
-        # load a new thread can take as long to get scheduled as the destruction itself.
-        self._doomed: queue.SimpleQueue[list[_Parked] | None] = queue.SimpleQueue()
-        self._reaper = threading.Thread(target=self._destroy_doomed, name="fthsdp-reaper", daemon=True)
-        self._reaper.start()
+        self._closed = False
+        _REAPER.start()
 
     @property
     def quorum_id(self) -> int | None:
@@ -162,12 +194,14 @@ class CrossGroupComm:
         keys are stale)."""
         if size == 1:
             return
+        build: Future[dist.ProcessGroup] = Future()
         with self._lock:
-            if quorum_id <= self._newest:
+            if quorum_id <= self._newest or self._closed:
                 return
             self._newest = quorum_id
-            self._prepared = _Prepared((quorum_id, rank, size, store_address),
-                                       self._build_in_thread(quorum_id, rank, size, store_address))
+            superseded, self._prepared = self._prepared, _Prepared((quorum_id, rank, size, store_address), build)
+        self._discard(superseded)
+        self._build_in_thread(quorum_id, rank, size, store_address, build)  # outside the lock: a thread start waits
 
     def configure(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
         """Make this rank a member of quorum ``quorum_id``'s group; no-op if it already is.
@@ -180,12 +214,19 @@ class CrossGroupComm:
         # its successor's first collective makes that collective take ~45 ms longer (measured here, 3 members).
         self._reap()
         self._retire(None)
+        key = (quorum_id, rank, size, store_address)
         with self._lock:
-            prepared, self._prepared = self._prepared, None
+            prepared = self._prepared
+            if prepared is not None and prepared.key[0] <= quorum_id:  # one for a newer quorum is kept for it
+                self._prepared = None
             self._newest = max(self._newest, quorum_id)
         if size > 1:
-            key = (quorum_id, rank, size, store_address)
-            build = prepared.build if prepared is not None and prepared.key == key else self._build_in_thread(*key)
+            if prepared is not None and prepared.key == key:
+                build = prepared.build
+            else:
+                if prepared is not None and prepared.key[0] <= quorum_id:
+                    self._discard(prepared)
+                build = self._build_in_thread(*key, Future())
             self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
         self._quorum_id = quorum_id
         self._size = size
@@ -226,11 +267,13 @@ class CrossGroupComm:
             raise CollectiveAborted(f"allreduce failed: {exc}") from exc
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True  # a late prepare() (heartbeat thread) builds nothing now
+            prepared, self._prepared = self._prepared, None
+        self._discard(prepared)
         self._retire(None)
         self._reap()
-        self._doomed.put(None)
-        self._reaper.join()  # groups are destroyed now, not among interpreter-exit destructors
-        self._prepared = None
+        _REAPER.drain()  # groups are destroyed now, not among interpreter-exit destructors
         self._stores.clear()  # their connections go now, not among interpreter-exit destructors
         # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
         # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
@@ -240,9 +283,8 @@ class CrossGroupComm:
 
     # ----------------------------------------------------------------------------------------------------
 
-    def _build_in_thread(self, quorum_id: int, rank: int, size: int, store_address: str) -> Future[dist.ProcessGroup]:
-        future: Future[dist.ProcessGroup] = Future()
-
+    def _build_in_thread(self, quorum_id: int, rank: int, size: int, store_address: str,
+                         future: Future[dist.ProcessGroup]) -> Future[dist.ProcessGroup]:
         def build() -> None:
             try:
                 client = self._stores.take(store_address)
@@ -252,11 +294,11 @@ class CrossGroupComm:
                 backend = new_backend(self.backend_name, store, rank, size, self._timeouts.connect_timeout_ms,
                                       self.device)
                 backend.set_timeout(Timeouts.delta(self._timeouts.collective_timeout_ms))
-                # Only a connection whose rendezvous completed goes back: after a failure the store itself may be
-                # gone (a lighthouse restart).
                 self._stores.give_back(store_address, client)
                 future.set_result(backend)
             except BaseException as exc:
+                # The store itself may be gone (a lighthouse restart): its idle connections would fail too.
+                self._stores.clear()
                 future.set_exception(exc)
             self._wake.set()
 
@@ -302,11 +344,12 @@ class CrossGroupComm:
             (busy if parked.work is not None and not parked.work.is_completed() else done).append(parked)
         self._graveyard = busy
         if done:
-            self._doomed.put(done)
+            _REAPER.destroy(list(done))
 
-    def _destroy_doomed(self) -> None:
-        while (doomed := self._doomed.get()) is not None:
-            doomed.clear()  # the last references: the groups are destroyed here
+    def _discard(self, prepared: _Prepared | None) -> None:
+        """A prepared group nobody will use: destroyed on the reaper thread once built."""
+        if prepared is not None:
+            prepared.build.add_done_callback(lambda future: _REAPER.destroy([future]))
 
     def expect(self, quorum_id: int) -> None:
         """The step ahead uses quorum ``quorum_id``: forget aborts meant for older quorums, and from now on

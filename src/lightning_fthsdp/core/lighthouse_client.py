@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+from lightning_fthsdp.core import log as fthsdp_log
 from lightning_fthsdp.core.config import Timeouts
 from lightning_fthsdp.core.quorum import Quorum
 
@@ -189,8 +191,12 @@ class Heartbeat:
             quorum_id = int(answer.get("quorum_id", -1))
             if "quorum_rank" in answer and quorum_id != self._quorum_id:
                 self._quorum_id = quorum_id
-                self._on_quorum(quorum_id, int(answer["quorum_rank"]), int(answer["quorum_size"]),
-                                str(answer["store"]))
+                try:
+                    self._on_quorum(quorum_id, int(answer["quorum_rank"]), int(answer["quorum_size"]),
+                                    str(answer["store"]))
+                except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
+                    logging.getLogger(fthsdp_log.QUORUM).exception("starting the rendezvous of quorum %d early "
+                                                                   "failed", quorum_id)
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""

@@ -95,11 +95,16 @@ def step_scheduler(trainer: pl.Trainer, config: LRSchedulerConfig) -> None:
 
 def replay_optimizer_step(trainer: pl.Trainer, closure: Callable[[], Any]) -> None:
     """Run the LightningModule's ``optimizer_step`` hook for a step whose gradients are in place already (held during
-    catch-up), then count it as Lightning counts a completed optimizer step."""
+    catch-up), with this group's epoch and batch index. Called inside the current step's ``optimizer_step`` hook:
+    directly, not through Lightning's hook caller (whose profiler refuses a hook nested in itself)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     optimizer = trainer.strategy._lightning_optimizers[0]
-    call._call_lightning_module_hook(trainer, "optimizer_step", trainer.current_epoch, epoch_loop.batch_idx,
-                                     optimizer, closure)
+    trainer.lightning_module.optimizer_step(trainer.current_epoch, epoch_loop.batch_idx, optimizer, closure)
+
+
+def count_replayed_step(trainer: pl.Trainer) -> None:
+    """Count a replayed step as Lightning counts a completed optimizer step."""
+    epoch_loop = trainer.fit_loop.epoch_loop
     step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
     step.ready += 1  # the step in flight stays counted as ready: it completes when its optimizer_step returns
     step.completed += 1

@@ -174,6 +174,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        refuse_loss_scaling(self.precision_plugin)
         super().setup(trainer)
         group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._manager = FTManager(replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
@@ -227,7 +228,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 f"FTHSDPStrategy cannot keep {type(plateau[0].scheduler).__name__} identical across "
                 f"{self.num_replica_groups} replica groups: it steps on a metric each group monitors at its own epoch "
                 "ends. Use a schedule of steps or epochs (e.g. CosineAnnealingLR, StepLR), or one replica group")
-        self._schedulers = loops.take_over_schedulers(trainer)
+        if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
+            self._schedulers = loops.take_over_schedulers(trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -313,9 +315,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @property
     def is_checkpoint_writer(self) -> bool:
-        """Whether this group writes durable checkpoints: it is the lowest replica id of the last quorum."""
+        """Whether this group writes durable checkpoints: it is the lowest replica id among the last quorum's
+        participants (a member still catching up holds no state of its own to write)."""
         quorum = self.manager.quorum
-        return quorum is None or self.replica_id == min(quorum.member_ids)
+        return quorum is None or self.replica_id == min(quorum.participants)
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -346,12 +349,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._scale_lr(self.optimizers[0], len(self.manager.participants))
             return torch.zeros(())  # not None: tells Lightning's precision plugins a backward ran
 
+        trainer = self.lightning_module.trainer
         self._replaying = True
         try:
-            loops.replay_optimizer_step(self.lightning_module.trainer, held_step_closure)
+            loops.replay_optimizer_step(trainer, held_step_closure)
         finally:
             self._replaying = False
-        self._step_schedulers()
+        self._step_schedulers()  # before the count, as in a trained step (inside its optimizer_step hook)
+        loops.count_replayed_step(trainer)
 
     def _step_schedulers(self) -> None:
         """Step the LR schedulers by job-wide counts, the same in every group whatever its data stream's position:
@@ -462,10 +467,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                                          for i, s in enumerate(schedulers)},
                                lambda tree: _load_schedulers(schedulers, tree))
         manager.register_state("loops", lambda: loops.job_counters(trainer), self._load_loops)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            # fp16 mixed precision: every group unscales the averaged gradients, so all must hold the same loss scale.
-            manager.register_state("grad_scaler", scaler.state_dict, scaler.load_state_dict)
 
     def _load_loops(self, tree: StateTree) -> None:
         loops.load_job_counters(self.lightning_module.trainer, tree)
@@ -474,6 +475,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _fire_fault(self, phase: str) -> None:
         if self._fault is not None and self._manager is not None:
             self._fault.fire_if(self._manager.step, phase, self._manager.rank)
+
+
+def refuse_loss_scaling(precision: Any) -> None:
+    """fp16 loss scaling cannot be fault tolerant here: each FSDP2 shard rank finds infs in its own shard (the ranks
+    of a group could disagree on skipping a step) and each group's scale would have to travel with catch-up."""
+    if getattr(precision, "scaler", None) is not None:
+        raise ValueError(f"FTHSDPStrategy does not support a gradient scaler ({type(precision).__name__} with "
+                         "precision='16-mixed'): use precision='bf16-mixed', which needs no loss scaling")
 
 
 def _data_topology(replica_id: str, num_replica_groups: int | None, replica_ids: list[str] | None,
