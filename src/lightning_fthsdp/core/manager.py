@@ -501,7 +501,8 @@ class FTManager:
         self._deaths_at_quorum = self._heartbeat.deaths
         if self.replica_id in quorum.recover_src.values():
             self._catchup.serve(self.step)
-        else:
+        elif not quorum.catching_up:
+            # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.
             self._catchup.stop_serving(unless_read=True)
         self._comm.expect(quorum.quorum_id)
         self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
