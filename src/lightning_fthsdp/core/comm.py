@@ -338,13 +338,10 @@ class CrossGroupComm:
 
     def _reap(self) -> None:
         """Have retired groups whose last op has finished destroyed (destroying one mid-op would block)."""
-        busy: list[_Parked] = []
-        done: list[_Parked] = []
-        for parked in self._graveyard:
-            (busy if parked.work is not None and not parked.work.is_completed() else done).append(parked)
-        self._graveyard = busy
+        done: list[object] = [p for p in self._graveyard if p.work is None or p.work.is_completed()]
+        self._graveyard = [p for p in self._graveyard if not any(p is d for d in done)]
         if done:
-            _REAPER.destroy(list(done))
+            _REAPER.destroy(done)  # it empties this very list: no reference is left here to destroy one on return
 
     def _discard(self, prepared: _Prepared | None) -> None:
         """A prepared group nobody will use: destroyed on the reaper thread once built."""
