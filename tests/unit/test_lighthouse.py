@@ -21,7 +21,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from lightning_fthsdp.cli import main as cli_main
+from lightning_fthsdp.core.config import Timeouts
 from lightning_fthsdp.core.lighthouse import LighthouseThread
+from lightning_fthsdp.core.lighthouse_client import Heartbeat
 from lightning_fthsdp.core.quorum import QuorumRules
 from lightning_fthsdp.testing.harness import wait_for
 
@@ -365,3 +367,33 @@ def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: Callable[..., str]) -> None:
+    """What the manager starts early rendezvous from: each member's heartbeat thread reports a quorum the moment it
+    is decided, once, with the member's rank; the same quorum answered again each step is not news."""
+    url = lighthouse(min_replicas=2)
+    timeouts = Timeouts(heartbeat_interval_ms=200, heartbeat_timeout_ms=30_000, collective_timeout_ms=40_000,
+                        quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
+    seen: list[tuple[str, int, int, int]] = []
+    beats = [Heartbeat(url, None, rid, 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+                       on_quorum=lambda q, rank, size, store, rid=rid: seen.append((rid, q, rank, size)))
+             for rid in "abc"]
+    try:
+        for beat in beats[:2]:
+            beat.start()
+        store = form(url, "a", "b")[0]["store"]
+        wait_for(lambda: len(seen) == 2, 10, "a's and b's heartbeats to report quorum 0")
+        form(url, "a", "b", step=1, quorum_id=0)  # the same quorum again
+        beats[2].start()
+        joining = Client(url)
+        joining.send("POST", "/v1/quorum", qr("c", 0))
+        wait_for(lambda: replica(Client(url).status(), "c")["pending"], 10, "c's request to be held")
+        form(url, "a", "b", step=2, quorum_id=0)
+        assert joining.recv()[0] == 200
+        wait_for(lambda: len(seen) == 5, 10, "every heartbeat to report quorum 1")
+        assert sorted(seen) == [("a", 0, 0, 2), ("a", 1, 0, 3), ("b", 0, 1, 2), ("b", 1, 1, 3), ("c", 1, 2, 3)]
+        assert store == Client(url).status()["store"]
+    finally:
+        for beat in beats:
+            beat.leave()
