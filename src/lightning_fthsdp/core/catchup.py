@@ -2,7 +2,8 @@
 
 Source side: when the quorum names this group as a recovery source, the rank snapshots its state to CPU on a
 background thread as soon as it learns so (the leader: when its quorum answer arrives, overlapped with forward
-and backward) and publishes it; only the optimizer step waits for the copy to finish, never for the transfer.
+and backward) and publishes it at the commit vote; only the optimizer step waits for the copy to finish, never for
+the transfer.
 Recovering side: the fetch runs in the background during the step; the recovering group loads the state after
 the step's allreduce (to which it contributed zeros) and then applies the same averaged update.
 """
@@ -13,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from lightning_fthsdp.core.torch_state import StateTree
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
@@ -21,6 +23,15 @@ from lightning_fthsdp.recovery.snapshot import reserve, snapshot
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
+
+
+@dataclass
+class _Serving:
+    """The snapshot this rank serves: copied on a background thread, published once the copy is done."""
+
+    step: int
+    copy: Future[StateTree]
+    published: bool = False
 
 
 class CatchUp:
@@ -42,7 +53,7 @@ class CatchUp:
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
-        self._serving: tuple[int, Future[None], threading.Event] | None = None
+        self._serving: _Serving | None = None
         self._fetch: tuple[tuple[str, int], Future[StateTree], threading.Event] | None = None
         self._lock = threading.Lock()
 
@@ -70,21 +81,16 @@ class CatchUp:
     # ------------------------------------------------------------------------------------------------ source
 
     def serve(self, step: int) -> None:
-        """Snapshot the state of ``step`` in the background and publish it (idempotent per step)."""
+        """Snapshot the state of ``step`` in the background (idempotent per step); ``wait_snapshot`` publishes it."""
         with self._lock:  # the leader's quorum thread and its main thread may both ask
-            if self._serving is not None and self._serving[0] == step:
+            if self._serving is not None and self._serving.step == step:
                 return
-            cancelled = threading.Event()
 
-            def take() -> None:
+            def take() -> StateTree:
                 spare, self._spare = self._spare, None
-                copy = snapshot(self.capture(), into=spare)
-                # A snapshot whose wait timed out may have read tensors the optimizer step was changing: never
-                # publish it.
-                if not cancelled.is_set():
-                    self._server.publish(step, copy)
+                return snapshot(self.capture(), into=spare)
 
-            self._serving = (step, self._executor.submit(take), cancelled)
+            self._serving = _Serving(step, self._executor.submit(take))
 
     def reserve_memory(self) -> None:
         """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
@@ -99,16 +105,26 @@ class CatchUp:
         self._spare = tree
 
     def wait_snapshot(self, timeout_s: float) -> None:
-        """Block until the snapshot copy is done: the live state may change after this returns."""
-        if self._serving is None:
+        """Block until the snapshot copy is done (the live state may change after this returns), then publish it.
+
+        Published here, at the commit vote, rather than as soon as copied: its chunk digests and the transfer then
+        run while the next step computes, not during the collective of the step that admits the recovering group."""
+        serving = self._serving
+        if serving is None or serving.published:
             return
-        step, future, cancelled = self._serving
         try:
-            future.result(timeout=timeout_s)
-        except Exception as exc:  # a failed or late snapshot only means this step serves nobody
-            cancelled.set()
-            self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", step, timeout_s, exc)
+            copy = serving.copy.result(timeout=timeout_s)
+        except Exception as exc:
+            # A failed or late snapshot only means this step serves nobody; a late one may have read tensors the
+            # optimizer step was changing, so it is never published.
+            self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", serving.step, timeout_s,
+                              exc)
             self.stop_serving()
+            return
+        with self._lock:
+            if self._serving is serving:
+                self._server.publish(serving.step, copy)
+                serving.published = True
 
     def stop_serving(self, *, unless_read: bool = False) -> None:
         """Withdraw the snapshot (``unless_read``: not while a recovering group is still fetching it)."""
