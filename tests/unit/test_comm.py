@@ -84,7 +84,7 @@ def test_a_prepared_rendezvous_completes_before_configure(store: dist.TCPStore) 
 
 def test_a_stale_prepared_rendezvous_holds_up_neither_the_next_quorum_nor_an_older_one(store: dist.TCPStore) -> None:
     """Quorum 5 is prepared but its other member never comes (it died): quorum 6 still forms at once on the same
-    store, and a late prepare of an older quorum (4) leaves the group in use as it is."""
+    store, and a late prepare of an older quorum (4) starts no rendezvous (its keys may be spent)."""
     address = f"127.0.0.1:{store.port}"
     comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
     try:
@@ -92,7 +92,9 @@ def test_a_stale_prepared_rendezvous_holds_up_neither_the_next_quorum_nor_an_old
         results = run_ranks(lambda rank: (comms[rank].configure(6, rank, 2, address),
                                           comms[rank].allreduce_sum(buf := torch.ones(2)), buf)[2], timeout_s=4)
         assert all(torch.equal(b, torch.full((2,), 2.0)) for b in results)  # type: ignore[arg-type]
-        comms[1].prepare(4, 1, 2, address)
+        rendezvous = sum(t.name == "fthsdp-rendezvous" for t in threading.enumerate())  # quorum 5's, still waiting
+        comms[1].prepare(4, 1, 2, address)  # one started would wait for rank 0 of quorum 4 (a thread start waits)
+        assert sum(t.name == "fthsdp-rendezvous" for t in threading.enumerate()) == rendezvous
         assert comms[1].quorum_id == 6
         results = run_ranks(lambda rank: (comms[rank].allreduce_sum(buf := torch.ones(2)), buf)[1], timeout_s=4)
         assert all(torch.equal(b, torch.full((2,), 2.0)) for b in results)  # type: ignore[arg-type]

@@ -216,17 +216,16 @@ class CrossGroupComm:
         self._retire(None)
         key = (quorum_id, rank, size, store_address)
         with self._lock:
-            prepared = self._prepared
-            if prepared is not None and prepared.key[0] <= quorum_id:  # one for a newer quorum is kept for it
-                self._prepared = None
+            prepared = self._prepared if self._prepared is not None and self._prepared.key[0] <= quorum_id else None
+            if prepared is not None:
+                self._prepared = None  # one for a newer quorum stays prepared for it
             self._newest = max(self._newest, quorum_id)
-        if size > 1:
-            if prepared is not None and prepared.key == key:
-                build = prepared.build
-            else:
-                if prepared is not None and prepared.key[0] <= quorum_id:
-                    self._discard(prepared)
-                build = self._build_in_thread(*key, Future())
+        if prepared is not None and prepared.key == key:
+            build = prepared.build
+        else:
+            self._discard(prepared)
+            build = self._build_in_thread(*key, Future()) if size > 1 else None
+        if build is not None:
             self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
         self._quorum_id = quorum_id
         self._size = size
@@ -338,8 +337,9 @@ class CrossGroupComm:
 
     def _reap(self) -> None:
         """Have retired groups whose last op has finished destroyed (destroying one mid-op would block)."""
-        done: list[object] = [p for p in self._graveyard if p.work is None or p.work.is_completed()]
-        self._graveyard = [p for p in self._graveyard if not any(p is d for d in done)]
+        finished = [p.work is None or p.work.is_completed() for p in self._graveyard]
+        done: list[object] = [p for p, f in zip(self._graveyard, finished, strict=True) if f]
+        self._graveyard = [p for p, f in zip(self._graveyard, finished, strict=True) if not f]
         if done:
             _REAPER.destroy(done)  # it empties this very list: no reference is left here to destroy one on return
 

@@ -18,9 +18,11 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from lightning_fthsdp.core import log as fthsdp_log
+from lightning_fthsdp.core import log
 from lightning_fthsdp.core.config import Timeouts
 from lightning_fthsdp.core.quorum import Quorum
+
+_qlog = logging.getLogger(log.QUORUM)
 
 
 class LighthouseUnavailable(ConnectionError):
@@ -195,8 +197,7 @@ class Heartbeat:
                     self._on_quorum(quorum_id, int(answer["quorum_rank"]), int(answer["quorum_size"]),
                                     str(answer["store"]))
                 except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
-                    logging.getLogger(fthsdp_log.QUORUM).exception("starting the rendezvous of quorum %d early "
-                                                                   "failed", quorum_id)
+                    _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
