@@ -3,15 +3,16 @@
 For each size, a spawned server process builds a state tree of 16 float32 tensors, publishes it on a StateServer
 and also serves the same bytes on a plain TCP socket. The parent then measures, between the same two processes:
 
-- cold: the first fetch, started the moment ``publish`` returned (it waits for the server's digests, as a
-  recovering group does when it joins at the step the source just published);
+- prepare: the server's ``prepare`` (splitting the snapshot and digesting every chunk; a source does it while its
+  step computes, before it publishes);
+- cold: the first fetch;
 - fetch: the best of ``--repeat`` further fetches (digests ready), each checked against the server's checksum;
 - loopback: the best of ``--repeat`` raw copies of the same number of bytes into a preallocated buffer, fresh
   each time like the fetch's tensors (``ratio``), and into one reused, already faulted buffer (``warm_ratio``:
   the bare wire, an upper bound no receiver that allocates its result can reach).
 
 The ratio fetch / loopback is what the protocol costs over the wire itself: HTTP framing, the manifest and, mostly,
-the CRC-32 of every byte (computed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
+the XXH3-64 digest of every byte (computed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
 
 Usage: ``python bench/bench_transfer.py [--mib 64 512] [--repeat 5]``; writes ``bench/results/transfer.json``.
 """
@@ -62,8 +63,11 @@ def serve(mib: int, pipe: Connection) -> None:
     threading.Thread(target=loopback, daemon=True).start()
     checksum = sum(float(t.double().sum()) for t in tree["model"].values())
     server = StateServer(token=TOKEN)
-    server.publish(STEP, tree)  # returns before the digests are ready: the cold fetch below waits for them
-    pipe.send((server.address, listener.getsockname()[1], checksum))
+    start = time.perf_counter()
+    prepared = server.prepare(STEP, tree)
+    prepare_s = time.perf_counter() - start
+    server.publish(prepared)
+    pipe.send((server.address, listener.getsockname()[1], checksum, prepare_s))
     if not pipe.poll(600):
         print("bench server: the parent never said stop; exiting")
     server.close()
@@ -103,7 +107,7 @@ def measure(mib: int, repeat: int) -> dict[str, float]:
     try:
         if not parent_end.poll(TIMEOUT_S):
             raise SystemExit(f"bench server for {mib} MiB did not start within {TIMEOUT_S} s")
-        address, port, checksum = parent_end.recv()
+        address, port, checksum, prepare_s = parent_end.recv()
         nbytes = (mib << 20) // 4 // TENSORS * 4 * TENSORS
         cold = fetch_once(address, checksum)
         fetch = min(fetch_once(address, checksum) for _ in range(repeat))
@@ -115,7 +119,8 @@ def measure(mib: int, repeat: int) -> dict[str, float]:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
-    return {"mib": mib, "bytes": nbytes, "cold_s": cold, "fetch_s": fetch, "fetch_GBps": nbytes / fetch / 1e9,
+    return {"mib": mib, "bytes": nbytes, "prepare_s": prepare_s, "cold_s": cold, "fetch_s": fetch,
+            "fetch_GBps": nbytes / fetch / 1e9,
             "loopback_s": loop, "loopback_GBps": nbytes / loop / 1e9, "ratio": loop / fetch,
             "warm_loopback_GBps": nbytes / warm / 1e9, "warm_ratio": warm / fetch}
 
@@ -126,12 +131,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (best is kept)")
     args = parser.parse_args()
     rows = [measure(mib, args.repeat) for mib in args.mib]
-    print(f"{'size':>8} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} {'ratio':>5} "
-          f"{'warm_loopback_GBps':>18} {'warm_ratio':>10}")
+    print(f"{'size':>8} {'prepare_s':>9} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} "
+          f"{'ratio':>5} {'warm_loopback_GBps':>18} {'warm_ratio':>10}")
     for row in rows:
-        print(f"{row['mib']:>4} MiB {row['cold_s']:>7.3f} {row['fetch_s']:>7.3f} {row['fetch_GBps']:>10.2f} "
-              f"{row['loopback_GBps']:>13.2f} {row['ratio']:>5.2f} {row['warm_loopback_GBps']:>18.2f} "
-              f"{row['warm_ratio']:>10.2f}")
+        print(f"{row['mib']:>4} MiB {row['prepare_s']:>9.3f} {row['cold_s']:>7.3f} {row['fetch_s']:>7.3f} "
+              f"{row['fetch_GBps']:>10.2f} {row['loopback_GBps']:>13.2f} {row['ratio']:>5.2f} "
+              f"{row['warm_loopback_GBps']:>18.2f} {row['warm_ratio']:>10.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),

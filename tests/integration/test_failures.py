@@ -31,12 +31,18 @@ def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
     assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
     assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
     common = assert_consistent(a, b)
-    assert set(range(KILL_STEP + 1, STEPS + 1)) <= common
+    # Inside the allreduce, c's death may break one survivor's exchange after the other's completed: that one
+    # discards the step and heals from the other (fetches its state, follows until it arrives), once; from its
+    # first commit after the heal on, the two commit every step together.
+    heals = [r for g in (a, b) for r in g.records() if r.get("recovery") and r["recovery"]["step"] > KILL_STEP]
+    assert len(heals) <= 1, heals
+    together = heals[0]["step"] if heals else KILL_STEP + 1
+    assert set(range(together, STEPS + 1)) <= common
     for group in (a, b):
         assert_no_step_lost(group, STEPS)
         assert len(group.records("discard")) <= 1, group.records("discard")
     # c's gradients were in every step before it died; afterwards only a's and b's.
-    assert {r["participants"] for r in a.records() if r["step"] > KILL_STEP + 1} == {2}
+    assert {r["participants"] for r in a.records() if r["step"] > together} == {2}
 
 
 def test_global_batch_stays_constant_while_degraded(job: Job) -> None:

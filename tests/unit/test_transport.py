@@ -69,8 +69,7 @@ def encode(step: int, tree: dict[str, object], chunk_bytes: int) -> tuple[bytes,
     """(manifest, tensor bytes) exactly as a StateServer would send them."""
     skeleton, tensors = wire.split_tree(tree)
     views = [wire.byte_view(t) for t in tensors]
-    digests = wire.chunk_digests(views, chunk_bytes, 1, threading.Event())
-    assert digests is not None
+    digests = wire.chunk_digests(views, chunk_bytes, 1)
     return wire.build_manifest(step, skeleton, tensors, digests, chunk_bytes), b"".join(bytes(v) for v in views)
 
 
@@ -128,7 +127,7 @@ def fetch(address: str, step: int = 1, **kwargs: object) -> object:
 
 def test_round_trip_nested_tree_many_dtypes_and_chunks(server: StateServer) -> None:
     tree = sample_tree()
-    server.publish(3, snapshot(tree))
+    server.publish(server.prepare(3, snapshot(tree)))
     got = fetch(server.address, 3)
     assert_same(got, tree)
     assert got["optimizer"]["state"]["0"]["exp_avg"].is_contiguous()  # type: ignore[index]
@@ -137,10 +136,19 @@ def test_round_trip_nested_tree_many_dtypes_and_chunks(server: StateServer) -> N
 def test_round_trip_without_token_and_default_chunks() -> None:
     srv = StateServer()
     try:
-        srv.publish(0, snapshot({"x": torch.ones(5)}))
+        srv.publish(srv.prepare(0, snapshot({"x": torch.ones(5)})))
         assert torch.equal(fetch(srv.address, 0, token=None)["x"], torch.ones(5))  # type: ignore[index]
     finally:
         srv.close()
+
+
+def test_snapshot_copies_views_exactly() -> None:
+    base = torch.arange(40, dtype=torch.bfloat16)
+    live = {"offset": base[7:19], "strided": base.view(8, 5).t(), "empty": base[:0], "int": torch.arange(5)[1:]}
+    snap = snapshot(live)
+    for name, t in live.items():
+        assert torch.equal(snap[name], t) and snap[name].dtype == t.dtype and snap[name].is_contiguous(), name  # type: ignore[arg-type,union-attr]
+    assert snap["offset"].data_ptr() != base.data_ptr() + 7 * base.element_size()  # type: ignore[union-attr]
 
 
 def test_snapshot_does_not_alias_the_live_tensors() -> None:
@@ -183,8 +191,8 @@ def test_a_replaced_snapshot_is_released_once_no_transfer_reads_it() -> None:
     srv = StateServer(chunk_bytes=1 << 10, on_released=released.append)
     try:
         first = snapshot({"a": torch.randn(1000)})
-        srv.publish(1, first)
-        srv.publish(2, snapshot({"a": torch.randn(1 << 20)}))  # 4 MiB in 4096 chunks
+        srv.publish(srv.prepare(1, first))
+        srv.publish(srv.prepare(2, snapshot({"a": torch.randn(1 << 20)})))  # 4 MiB in 4096 chunks
         assert len(released) == 1 and released[0]["a"] is first["a"]  # type: ignore[index]
         errors: list[BaseException | None] = []
         fetcher = threading.Thread(target=lambda: errors.append(_fetch_error(srv.address, 2)))
@@ -209,13 +217,13 @@ def test_snapshot_refuses_unsupported_leaves_naming_the_path() -> None:
         snapshot({"a": {"__tensor__": 0}})
 
 
-def test_publish_refuses_what_is_not_a_snapshot(server: StateServer) -> None:
+def test_prepare_refuses_what_is_not_a_snapshot(server: StateServer) -> None:
     with pytest.raises(ValueError, match=r"'w'.*not a snapshot"):
-        server.publish(1, {"w": torch.zeros(3, 3).t()})
+        server.prepare(1, {"w": torch.zeros(3, 3).t()})
     with pytest.raises(ValueError, match="reserved"):
-        server.publish(1, {"__tensor__": 1})
+        server.prepare(1, {"__tensor__": 1})
     with pytest.raises(ValueError, match="step >= 0"):
-        server.publish(-1, {})
+        server.prepare(-1, {})
 
 
 @pytest.fixture
@@ -247,7 +255,8 @@ def test_snapshot_takes_the_local_shard_of_a_dtensor() -> None:
 
 def test_fetch_started_before_publish_gets_the_step_once_published(server: StateServer) -> None:
     tree = {"w": torch.randn(100)}
-    publisher = threading.Timer(0.3, server.publish, args=(7, snapshot(tree)))  # the delay only orders the events
+    prepared = server.prepare(7, snapshot(tree))
+    publisher = threading.Timer(0.3, server.publish, args=(prepared,))  # the delay only orders the events
     publisher.start()
     try:
         assert_same(fetch(server.address, 7, timeout_s=10.0), tree)
@@ -256,7 +265,7 @@ def test_fetch_started_before_publish_gets_the_step_once_published(server: State
 
 
 def test_fetch_of_a_step_never_published_fails_after_about_the_timeout(server: StateServer) -> None:
-    server.publish(1, {"w": torch.ones(1)})
+    server.publish(server.prepare(1, {"w": torch.ones(1)}))
     start = time.monotonic()
     with pytest.raises(StateFetchError, match=r"404.*step 2.*holds step 1"):
         fetch(server.address, 2, timeout_s=1.0)
@@ -264,13 +273,13 @@ def test_fetch_of_a_step_never_published_fails_after_about_the_timeout(server: S
 
 
 def test_fetch_of_an_older_step_gets_410(server: StateServer) -> None:
-    server.publish(5, {"w": torch.ones(1)})
+    server.publish(server.prepare(5, {"w": torch.ones(1)}))
     with pytest.raises(StateFetchError, match=r"410.*holds step 5"):
         fetch(server.address, 4)
 
 
 def test_withdrawn_snapshot_is_404_after_the_wait(server: StateServer) -> None:
-    server.publish(2, {"w": torch.ones(1)})
+    server.publish(server.prepare(2, {"w": torch.ones(1)}))
     server.withdraw()
     start = time.monotonic()
     with pytest.raises(StateFetchError, match=r"404.*holds no snapshot"):
@@ -284,7 +293,7 @@ def test_withdraw_unless_read_keeps_the_snapshot_while_a_request_wants_it(server
     tree = {"w": torch.randn(1000)}
 
     def publish_then_withdraw() -> None:
-        server.publish(3, snapshot(tree))
+        server.publish(server.prepare(3, snapshot(tree)))
         server.withdraw(unless_read=True)
 
     publisher = threading.Timer(0.3, publish_then_withdraw)  # the delay only orders the events
@@ -312,7 +321,7 @@ def test_abort_while_waiting_for_publish_returns_promptly(server: StateServer) -
 
 @pytest.mark.parametrize("token", ["wrong", None])
 def test_wrong_or_missing_token_is_401(server: StateServer, token: str | None) -> None:
-    server.publish(1, {"w": torch.ones(1)})
+    server.publish(server.prepare(1, {"w": torch.ones(1)}))
     with pytest.raises(StateFetchError, match="401"):
         fetch(server.address, 1, token=token)
 
@@ -377,7 +386,7 @@ def _tampered(edit: Callable[[dict[str, object]], None]) -> bytes:
     (lambda m: m["tensors"][0].update(dtype="object"), "unsupported dtype 'object'"),
     (lambda m: m["tensors"][0].update(nbytes=4000), r"nbytes 4000 != numel \* itemsize = 400"),
     (lambda m: m["tensors"][0].update(shape=[-100, -1]), "non-negative"),
-    (lambda m: m["tensors"][0].update(crc32=[]), "needs ceil"),
+    (lambda m: m["tensors"][0].update(xxh3=[]), "needs ceil"),
     (lambda m: m.update(format="fthsdp-state/1"), "unsupported manifest format"),
     (lambda m: m.update(step=2), "for step 2"),
     (lambda m: m.update(tree={"a": {"__tensor__": 0}, "b": {"__tensor__": 0}}), "repeated tensor placeholder"),
@@ -396,7 +405,7 @@ def test_bad_manifest_is_refused_before_allocation(monkeypatch: pytest.MonkeyPat
 
 
 def test_limits_exceeded(server: StateServer) -> None:
-    server.publish(1, {"a": torch.ones(1000)})
+    server.publish(server.prepare(1, {"a": torch.ones(1000)}))
     with pytest.raises(StateFetchError, match=r"limits exceeded.*4000 bytes.*max_bytes=1000"):
         fetch(server.address, 1, max_bytes=1000)
 
@@ -426,11 +435,11 @@ def test_abort_during_a_slow_transfer_returns_promptly() -> None:
 def test_replacing_the_snapshot_cuts_off_a_transfer_in_flight() -> None:
     srv = StateServer(chunk_bytes=1 << 10)
     try:
-        srv.publish(1, {"a": torch.randn(1 << 20)})  # 4 MiB in 4096 chunks
+        srv.publish(srv.prepare(1, {"a": torch.randn(1 << 20)}))  # 4 MiB in 4096 chunks
         errors: list[BaseException] = []
         fetcher = threading.Thread(target=lambda: errors.append(_fetch_error(srv.address, 1)))
         fetcher.start()
-        srv.publish(2, {"a": torch.ones(1)})
+        srv.publish(srv.prepare(2, {"a": torch.ones(1)}))
         fetcher.join(timeout=10)
         # Either the fetch finished before the replace, or it was cut off (or answered 410): never hung, never mixed.
         assert not fetcher.is_alive() and (errors == [None] or "truncated" in str(errors[0])
@@ -451,7 +460,7 @@ def _fetch_error(address: str, step: int) -> BaseException | None:
 @given(st.one_of(st.binary(max_size=200), st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["format", "step", "tree", "chunk_bytes", "tensors", "dtype", "shape", "nbytes", "crc32",
+        st.sampled_from(["format", "step", "tree", "chunk_bytes", "tensors", "dtype", "shape", "nbytes", "xxh3",
                          "__tensor__"]), inner, max_size=5),
     max_leaves=20,
 ).map(lambda doc: json.dumps(doc).encode())))

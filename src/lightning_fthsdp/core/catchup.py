@@ -1,9 +1,9 @@
 """Non-blocking catch-up for one rank: serve CPU snapshots to recovering groups, fetch one when behind.
 
-Source side: when the quorum names this group as a recovery source, the rank snapshots its state to CPU on a
-background thread as soon as it learns so (the leader: when its quorum answer arrives, overlapped with forward
-and backward) and publishes it at the commit vote; only the optimizer step waits for the copy to finish, never for
-the transfer.
+Source side: when the quorum names this group as a recovery source, the rank snapshots its state to CPU and digests
+it for the wire on a background thread as soon as it learns so (the leader: when its quorum answer arrives,
+overlapped with forward and backward) and publishes it at the commit vote (or once digested, if later); only the
+optimizer step waits for the copy to finish, never for the digests or the transfer.
 Recovering side: the fetch runs in the background during the step; the recovering group loads the state after
 the step's allreduce (to which it contributed zeros) and then applies the same averaged update.
 """
@@ -14,24 +14,28 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_fthsdp.core.torch_state import StateTree
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
-from lightning_fthsdp.recovery.server import StateServer
+from lightning_fthsdp.recovery.server import PreparedState, StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Serving:
-    """The snapshot this rank serves: copied on a background thread, published once the copy is done."""
+    """The snapshot this rank serves: copied, then digested, on a background thread; published once digested and
+    the commit vote has passed."""
 
     step: int
-    copy: Future[StateTree]
-    published: bool = False
+    copied: threading.Event = field(default_factory=threading.Event)
+    """Set when the copy has ended, done or failed (``error``): from then on the live state may change."""
+    error: BaseException | None = None
+    voted: bool = False
+    prepared: PreparedState | None = None
 
 
 class CatchUp:
@@ -81,16 +85,37 @@ class CatchUp:
     # ------------------------------------------------------------------------------------------------ source
 
     def serve(self, step: int) -> None:
-        """Snapshot the state of ``step`` in the background (idempotent per step); ``wait_snapshot`` publishes it."""
+        """Snapshot and digest the state of ``step`` in the background (idempotent per step); it is published once
+        ``wait_snapshot`` has passed and the digests are done."""
         with self._lock:  # the leader's quorum thread and its main thread may both ask
             if self._serving is not None and self._serving.step == step:
                 return
+            serving = self._serving = _Serving(step)
+        self._executor.submit(self._take, serving)
 
-            def take() -> StateTree:
-                spare, self._spare = self._spare, None
-                return snapshot(self.capture(), into=spare)
-
-            self._serving = _Serving(step, self._executor.submit(take))
+    def _take(self, serving: _Serving) -> None:
+        """Executor thread: copy (the only part the live state waits for), then digest, then publish if due."""
+        spare, self._spare = self._spare, None
+        try:
+            copy = snapshot(self.capture(), into=spare)
+        except Exception as exc:
+            serving.error = exc  # wait_snapshot reports it
+            return
+        finally:
+            serving.copied.set()
+        try:
+            prepared = self._server.prepare(serving.step, copy)
+        except Exception as exc:
+            self._log.warning("snapshot of step %d could not be prepared for the wire: %r", serving.step, exc)
+            prepared = None
+        with self._lock:
+            if self._serving is not serving or prepared is None:
+                if self._serving is serving:
+                    self._serving = None  # this step serves nobody
+                self._spare = copy  # not served: its memory takes the next snapshot
+                return
+            serving.prepared = prepared
+            self._publish_if_due(serving)
 
     def reserve_memory(self) -> None:
         """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
@@ -105,26 +130,30 @@ class CatchUp:
         self._spare = tree
 
     def wait_snapshot(self, timeout_s: float) -> None:
-        """Block until the snapshot copy is done (the live state may change after this returns), then publish it.
+        """Block until the snapshot copy is done (the live state may change after this returns); publish it now if
+        digested, else as soon as it is.
 
-        Published here, at the commit vote, rather than as soon as copied: its chunk digests and the transfer then
-        run while the next step computes, not during the collective of the step that admits the recovering group."""
+        Published at the commit vote rather than as soon as ready: the transfer then runs while the next step
+        computes, not during the collective of the step that admits the recovering group."""
         serving = self._serving
-        if serving is None or serving.published:
+        if serving is None or serving.voted:
             return
-        try:
-            copy = serving.copy.result(timeout=timeout_s)
-        except Exception as exc:
+        if not serving.copied.wait(timeout_s) or serving.error is not None:
             # A failed or late snapshot only means this step serves nobody; a late one may have read tensors the
             # optimizer step was changing, so it is never published.
             self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", serving.step, timeout_s,
-                              exc)
+                              serving.error)
             self.stop_serving()
             return
         with self._lock:
-            if self._serving is serving:
-                self._server.publish(serving.step, copy)
-                serving.published = True
+            serving.voted = True
+            self._publish_if_due(serving)
+
+    def _publish_if_due(self, serving: _Serving) -> None:
+        """Publish once both the commit vote has passed and the digests are done (whichever comes last); the
+        caller holds ``_lock``. A snapshot no longer wanted (withdrawn, or a newer one) is never published."""
+        if serving.voted and serving.prepared is not None and self._serving is serving:
+            self._server.publish(serving.prepared)
 
     def stop_serving(self, *, unless_read: bool = False) -> None:
         """Withdraw the snapshot (``unless_read``: not while a recovering group is still fetching it)."""

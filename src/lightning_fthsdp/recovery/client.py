@@ -27,7 +27,7 @@ POLL_S = 0.05
 MAX_HEAD_BYTES = 64 << 10
 MAX_ERROR_BYTES = 64 << 10
 VERIFY_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-"""Threads checking chunk digests while the next chunk is received (zlib releases the GIL)."""
+"""Threads checking chunk digests while the next chunk is received (xxhash releases the GIL)."""
 
 
 class StateFetchError(RuntimeError):
@@ -43,7 +43,7 @@ def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
     Bounded by ``timeout_s`` in all (connect, waiting for the server to publish ``step``, transfer); returns early
     with StateFetchError once ``abort`` is set (checked at least every POLL_S and between chunks). The manifest is
     validated before anything is allocated; then each tensor is preallocated and received in place, and every
-    chunk's CRC-32 is verified. Returns plain contiguous CPU tensors (tuples come back as lists) only if every
+    chunk's digest is verified. Returns plain contiguous CPU tensors (tuples come back as lists) only if every
     chunk verified; otherwise raises StateFetchError and nothing is returned. ValueError for bad arguments.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -99,7 +99,7 @@ def _read_state(conn: _Connection, length: int | None, step: int, max_bytes: int
         try:
             for i, (spec, tensor) in enumerate(zip(manifest.tensors, tensors, strict=True)):
                 view = wire.byte_view(tensor)
-                for j, expected in enumerate(spec.crc32):
+                for j, expected in enumerate(spec.digests):
                     piece = view[j * chunk : (j + 1) * chunk]
                     conn.read_into(piece, f"tensor {i} ({spec.path}) chunk {j}")
                     pending.append(pool.submit(_verify, piece, expected, i, j))

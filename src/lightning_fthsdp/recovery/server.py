@@ -1,9 +1,9 @@
 """Serves this rank's latest CPU snapshot to recovering peers over HTTP (``GET /v1/state?step=N``).
 
-One snapshot is held at a time. ``publish`` returns at once: the chunk digests the manifest needs are computed on
-background threads (zlib releases the GIL), so the training step that follows never waits for them; requests
-for that step wait until they are ready. Bytes are streamed from the snapshot tensors' own memory, chunk by chunk:
-no serialised copy of the payload ever exists.
+One snapshot is held at a time. ``prepare`` splits a snapshot for the wire and computes the chunk digests its
+manifest needs, on the caller's thread (a background one: xxhash releases the GIL); ``publish`` then makes it the
+one served, at once, so a recovering group's transfer can start the moment its source's step allows. Bytes are
+streamed from the snapshot tensors' own memory, chunk by chunk: no serialised copy of the payload ever exists.
 
 Answers: 200 and the stream (see :mod:`~lightning_fthsdp.recovery.wire`) when the held snapshot is for step N; 401
 without the right bearer token; 410 when a newer step is held (the caller should try the next step); 404 after
@@ -43,19 +43,19 @@ POLL_S = 0.1
 SEND_TIMEOUT_S = 60.0
 """A client that accepts no bytes for this long is dropped, releasing its snapshot."""
 DIGEST_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
-"""Threads hashing a new snapshot: enough to outpace the network, leaving cores for training."""
+"""Threads hashing a snapshot in ``prepare``: enough to outpace the network, leaving cores for training."""
 
 
 @dataclass(eq=False)
-class _Held:
-    """One published snapshot; ``manifest`` is set once its digests are ready."""
+class PreparedState:
+    """A snapshot split for the wire with its manifest (see ``StateServer.prepare``); the server owns it."""
 
     step: int
     skeleton: object
     tensors: list[torch.Tensor]
     views: list[memoryview]
+    manifest: bytes
     retired: threading.Event = field(default_factory=threading.Event)
-    manifest: bytes | None = None
     streams: int = 0
     """Transfers reading its memory now; once retired and unread, its memory goes to ``on_released``."""
 
@@ -91,7 +91,7 @@ class StateServer:
         self.on_stream_started = on_stream_started
         self._on_released = on_released
         self._cond = threading.Condition()
-        self._held: _Held | None = None
+        self._held: PreparedState | None = None
         self._wanted: Counter[int] = Counter()  # step -> requests for it in progress (waiting or streaming)
         self._closed = False
         self._httpd = ThreadingHTTPServer((host, 0), _Handler)
@@ -107,26 +107,32 @@ class StateServer:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
 
-    def publish(self, step: int, tree: wire.StateTree) -> None:
-        """Serve ``tree`` as the state of ``step`` from now on, replacing (and cutting off transfers of) any other.
+    def prepare(self, step: int, tree: wire.StateTree) -> PreparedState:
+        """``tree`` as the state of ``step``, ready to publish: split for the wire, every chunk digested.
 
-        ``tree`` must be a :func:`~lightning_fthsdp.recovery.snapshot.snapshot`: the server owns it from now on
-        and reads it while streaming, so the caller must not mutate it. Returns without waiting for the digests;
-        requests for ``step`` are answered once they are ready. Raises ValueError for a negative step or a tree
-        that is not a snapshot, TypeError/ValueError (naming the path) for what the wire cannot carry, RuntimeError
-        after ``close``.
+        Runs on the calling thread (on ``DIGEST_WORKERS`` threads in all) and touches no served state, so a source
+        prepares while its step computes and publishes when the step allows. ``tree`` must be a
+        :func:`~lightning_fthsdp.recovery.snapshot.snapshot`: the server owns it from now on and reads it while
+        streaming, so the caller must not mutate it. Raises ValueError for a negative step or a tree that is not a
+        snapshot, TypeError/ValueError (naming the path) for what the wire cannot carry.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"StateServer.publish needs a step >= 0, got {step!r}")
+            raise ValueError(f"StateServer.prepare needs a step >= 0, got {step!r}")
         skeleton, tensors = wire.split_tree(tree)
-        held = _Held(step, skeleton, tensors, [wire.byte_view(t) for t in tensors])
+        views = [wire.byte_view(t) for t in tensors]
+        digests = wire.chunk_digests(views, self._chunk_bytes, DIGEST_WORKERS)
+        manifest = wire.build_manifest(step, skeleton, tensors, digests, self._chunk_bytes)
+        return PreparedState(step, skeleton, tensors, views, manifest)
+
+    def publish(self, state: PreparedState) -> None:
+        """Serve ``state`` (from this server's ``prepare``, published at most once) from now on, replacing (and
+        cutting off transfers of) any other. Raises RuntimeError after ``close``."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("StateServer.publish after close(): create a new StateServer")
-            self._replace(held)
-        threading.Thread(target=self._digest, args=(held,), name=f"fthsdp-state-digest-{step}", daemon=True).start()
-        log.info("state server %s: published step %d (%d tensors, %d bytes)", self.address, step, len(tensors),
-                 held.nbytes)
+            self._replace(state)
+        log.info("state server %s: published step %d (%d tensors, %d bytes)", self.address, state.step,
+                 len(state.tensors), state.nbytes)
 
     def withdraw(self, *, unless_read: bool = False) -> None:
         """Drop the held snapshot so its memory can be freed; transfers in flight are cut off at the next chunk.
@@ -150,7 +156,7 @@ class StateServer:
         self._httpd.server_close()
         self._thread.join(timeout=10 * POLL_S)
 
-    def _replace(self, held: _Held | None) -> None:
+    def _replace(self, held: PreparedState | None) -> None:
         """Make ``held`` current; the caller holds ``_cond``."""
         old = self._held
         self._held = held
@@ -159,19 +165,10 @@ class StateServer:
             self._release_if_unread(old)
         self._cond.notify_all()
 
-    def _release_if_unread(self, held: _Held) -> None:
+    def _release_if_unread(self, held: PreparedState) -> None:
         """Hand a retired snapshot's memory on once no transfer reads it; the caller holds ``_cond``."""
         if held.retired.is_set() and not held.streams and self._on_released is not None:
             self._on_released(wire.join_tree(held.skeleton, held.tensors))  # type: ignore[arg-type]
-
-    def _digest(self, held: _Held) -> None:
-        digests = wire.chunk_digests(held.views, self._chunk_bytes, DIGEST_WORKERS, held.retired)
-        if digests is None:
-            return  # replaced or withdrawn meanwhile
-        manifest = wire.build_manifest(held.step, held.skeleton, held.tensors, digests, self._chunk_bytes)
-        with self._cond:
-            held.manifest = manifest
-            self._cond.notify_all()
 
     def _authorized(self, header: str | None) -> bool:
         if self._expected is None:
@@ -179,7 +176,7 @@ class StateServer:
         # compare_digest: the time taken must not reveal how much of a guessed token was right.
         return hmac.compare_digest((header or "").encode("utf-8", "surrogateescape"), self._expected)
 
-    def _await(self, step: int, wait_ms: int, conn: socket.socket) -> tuple[int, _Held | str | None]:
+    def _await(self, step: int, wait_ms: int, conn: socket.socket) -> tuple[int, PreparedState | str | None]:
         """(200, snapshot) once step ``step`` is servable, else (status, message); (0, None) if the client left."""
         deadline = time.monotonic() + wait_ms / 1000
         with self._cond:
@@ -189,16 +186,14 @@ class StateServer:
                     return 503, "the state server is closing"
                 if held is not None and held.step > step:
                     return 410, f"step {step} is gone: this server now holds step {held.step}; fetch a later step"
-                if held is not None and held.step == step and held.manifest is not None:
+                if held is not None and held.step == step:
                     held.streams += 1  # under the lock: it cannot be released before the caller streams it
                     return 200, held
-                # Digests of the requested step in progress: that wait ends by itself (bounded work, or a replace).
-                hashing = held is not None and held.step == step
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 and not hashing:
+                if remaining <= 0:
                     holds = f"step {held.step}" if held is not None else "no snapshot"
                     return 404, f"no snapshot for step {step} after waiting {wait_ms} ms: this server holds {holds}"
-                self._cond.wait(POLL_S if hashing else min(POLL_S, remaining))
+                self._cond.wait(min(POLL_S, remaining))
                 if _client_gone(conn):
                     return 0, None
 
@@ -237,7 +232,7 @@ class _Handler(BaseHTTPRequestHandler):
             owner._wanted[step] += 1
         try:
             status, result = owner._await(step, wait_ms, self.connection)
-            if isinstance(result, _Held):
+            if isinstance(result, PreparedState):
                 try:
                     if owner.on_stream_started is not None:
                         owner.on_stream_started()
@@ -254,8 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if not owner._wanted[step]:
                     del owner._wanted[step]
 
-    def _stream(self, held: _Held, chunk_bytes: int) -> None:
-        assert held.manifest is not None
+    def _stream(self, held: PreparedState, chunk_bytes: int) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(wire.LENGTH.size + len(held.manifest) + held.nbytes))
