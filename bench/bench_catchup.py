@@ -9,6 +9,8 @@ times per state size. Measured from the groups' JSONL logs, per admission:
 - admit ratio: the healthy groups' step time in the step that admits b (the one b joins the quorum in, when the
   source snapshots its state and b's transfer starts), over their steady median: the 20 steps before b's process
   was started (after the previous kill had settled). Target <= 1.10.
+- admit vs full: the same step over the healthy groups' median once b is back (steps 3 to 14 after b's first commit):
+  what admitting costs beyond the quorum having one member more (a third process's collective on 2 shared cores).
 - worst ratio: the slowest healthy step from the admitting one to the step after b's first commit.
 - the restarted process's time to its first committed step, split into process start (interpreter and imports),
   model build (model, optimizer, manager), fetch (state transfer) and the rest of that first step.
@@ -67,6 +69,7 @@ def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> 
         admit = recovery["step"] + 1  # a's step that b joined in, contributing zeros as its transfer began
         before = sorted((t, d) for t, d in durations.values() if t <= spawned)[-STEADY_STEPS:]
         steady = statistics.median(d for _, d in before)
+        full = statistics.median(durations[s][1] for s in range(first["step"] + 3, first["step"] + 15))
         fetch_s = float(recovery["fetch_s"])
         rows.append({
             "state_mib": mib,
@@ -74,6 +77,7 @@ def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> 
             "steady_step_s": steady,
             "admit_step_s": durations[admit][1],
             "admit_ratio": durations[admit][1] / steady,
+            "admit_vs_full": durations[admit][1] / full,
             "worst_ratio": max(durations[s][1] for s in range(admit, first["step"] + 2)) / steady,
             "replayed_steps": int(recovery["replayed"]),
             "process_start_s": ready["imports_done"] - spawned,
@@ -95,8 +99,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for mib in sorted({r["state_mib"] for r in rows}):
         ratios = [r["admit_ratio"] for r in rows if r["state_mib"] == mib]
         worst = [r["worst_ratio"] for r in rows if r["state_mib"] == mib]
+        full = [r["admit_vs_full"] for r in rows if r["state_mib"] == mib]
         out.append({"state_mib": mib, "admissions": len(ratios), "admit_ratio_median": statistics.median(ratios),
-                    "admit_ratio_max": max(ratios), "worst_ratio_median": statistics.median(worst)})
+                    "admit_ratio_max": max(ratios), "admit_vs_full_median": statistics.median(full),
+                    "worst_ratio_median": statistics.median(worst)})
     return out
 
 
