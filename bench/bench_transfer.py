@@ -6,7 +6,7 @@ and also serves the same bytes on a plain TCP socket. The parent then measures, 
 - prepare: the server's ``prepare`` (splitting the snapshot and digesting every chunk; a source does it while its
   step computes, before it publishes);
 - cold: the first fetch;
-- fetch: the best of ``--repeat`` further fetches (digests ready), each checked against the server's checksum;
+- fetch: the best of ``--repeat`` further fetches, each checked against the server's checksum;
 - loopback: the best of ``--repeat`` raw copies of the same number of bytes into a preallocated buffer, fresh
   each time like the fetch's tensors (``ratio``), and into one reused, already faulted buffer (``warm_ratio``:
   the bare wire, an upper bound no receiver that allocates its result can reach).

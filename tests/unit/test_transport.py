@@ -144,7 +144,10 @@ def test_round_trip_without_token_and_default_chunks() -> None:
 
 def test_snapshot_copies_views_exactly() -> None:
     base = torch.arange(40, dtype=torch.bfloat16)
-    live = {"offset": base[7:19], "strided": base.view(8, 5).t(), "empty": base[:0], "int": torch.arange(5)[1:]}
+    negated = torch._neg_view(torch.tensor([1.0, -2.0]))  # contiguous, its values negated by a bit, not in memory
+    assert negated.is_neg() and negated.is_contiguous()
+    live = {"offset": base[7:19], "strided": base.view(8, 5).t(), "empty": base[:0], "int": torch.arange(5)[1:],
+            "negated": negated}
     snap = snapshot(live)
     for name, t in live.items():
         assert torch.equal(snap[name], t) and snap[name].dtype == t.dtype and snap[name].is_contiguous(), name  # type: ignore[arg-type,union-attr]
@@ -387,7 +390,7 @@ def _tampered(edit: Callable[[dict[str, object]], None]) -> bytes:
     (lambda m: m["tensors"][0].update(nbytes=4000), r"nbytes 4000 != numel \* itemsize = 400"),
     (lambda m: m["tensors"][0].update(shape=[-100, -1]), "non-negative"),
     (lambda m: m["tensors"][0].update(xxh3=[]), "needs ceil"),
-    (lambda m: m.update(format="fthsdp-state/1"), "unsupported manifest format"),
+    (lambda m: m.update(format="fthsdp-state/2"), "unsupported manifest format"),
     (lambda m: m.update(step=2), "for step 2"),
     (lambda m: m.update(tree={"a": {"__tensor__": 0}, "b": {"__tensor__": 0}}), "repeated tensor placeholder"),
     (lambda m: m.update(tree={}), "referencing every tensor"),

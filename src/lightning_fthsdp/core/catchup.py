@@ -36,6 +36,9 @@ class _Serving:
     error: BaseException | None = None
     voted: bool = False
     prepared: PreparedState | None = None
+    keep_only_while_read: bool = False
+    """``stop_serving(unless_read=True)`` came after the vote but before the digests: once published, it is withdrawn
+    at once unless a request for it is waiting (what that call would have done had it come after publishing)."""
 
 
 class CatchUp:
@@ -52,7 +55,9 @@ class CatchUp:
         self._server = StateServer(host, token, on_stream_started=on_phase and (lambda: on_phase("serve")),
                                    on_released=self._keep_spare)
         # The last snapshot's memory, reused by the next one (a copy into mapped pages is several times faster).
+        # Its own lock, held for nothing else: the server hands memory back while holding its own lock.
         self._spare: StateTree | None = None
+        self._spare_lock = threading.Lock()
         self._token = token
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
@@ -95,7 +100,8 @@ class CatchUp:
 
     def _take(self, serving: _Serving) -> None:
         """Executor thread: copy (the only part the live state waits for), then digest, then publish if due."""
-        spare, self._spare = self._spare, None
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
         try:
             copy = snapshot(self.capture(), into=spare)
         except Exception as exc:
@@ -104,30 +110,31 @@ class CatchUp:
         finally:
             serving.copied.set()
         try:
-            prepared = self._server.prepare(serving.step, copy)
+            prepared: PreparedState | None = self._server.prepare(serving.step, copy)
         except Exception as exc:
             self._log.warning("snapshot of step %d could not be prepared for the wire: %r", serving.step, exc)
             prepared = None
         with self._lock:
-            if self._serving is not serving or prepared is None:
-                if self._serving is serving:
-                    self._serving = None  # this step serves nobody
-                self._spare = copy  # not served: its memory takes the next snapshot
+            if self._serving is serving and prepared is not None:
+                serving.prepared = prepared
+                self._publish_if_due(serving)
                 return
-            serving.prepared = prepared
-            self._publish_if_due(serving)
+            if self._serving is serving:
+                self._serving = None  # this step serves nobody
+        self._keep_spare(copy)  # never published: its memory takes the next snapshot
 
     def reserve_memory(self) -> None:
         """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
         serves copies into fresh pages the kernel faults in one by one (several times slower, and the optimizer
         step of the step that admits a recovering group waits for it). Costs host memory the size of the state."""
         def fill() -> None:
-            self._spare = reserve(self.capture())
+            self._keep_spare(reserve(self.capture()))
 
         self._executor.submit(fill)
 
     def _keep_spare(self, tree: StateTree) -> None:
-        self._spare = tree
+        with self._spare_lock:
+            self._spare = tree
 
     def wait_snapshot(self, timeout_s: float) -> None:
         """Block until the snapshot copy is done (the live state may change after this returns); publish it now if
@@ -138,11 +145,14 @@ class CatchUp:
         serving = self._serving
         if serving is None or serving.voted:
             return
-        if not serving.copied.wait(timeout_s) or serving.error is not None:
-            # A failed or late snapshot only means this step serves nobody; a late one may have read tensors the
-            # optimizer step was changing, so it is never published.
-            self._log.warning("snapshot of step %d failed or took longer than %.0f s: %r", serving.step, timeout_s,
-                              serving.error)
+        # A failed or late snapshot only means this step serves nobody; a late one may have read tensors the
+        # optimizer step was changing, so it is never published.
+        if not serving.copied.wait(timeout_s):
+            self._log.warning("snapshot of step %d not copied within %.0f s: serving nobody", serving.step, timeout_s)
+            self.stop_serving()
+            return
+        if serving.error is not None:
+            self._log.warning("snapshot of step %d failed: %r", serving.step, serving.error)
             self.stop_serving()
             return
         with self._lock:
@@ -154,10 +164,17 @@ class CatchUp:
         caller holds ``_lock``. A snapshot no longer wanted (withdrawn, or a newer one) is never published."""
         if serving.voted and serving.prepared is not None and self._serving is serving:
             self._server.publish(serving.prepared)
+            if serving.keep_only_while_read:
+                self._serving = None
+                self._server.withdraw(unless_read=True)
 
     def stop_serving(self, *, unless_read: bool = False) -> None:
         """Withdraw the snapshot (``unless_read``: not while a recovering group is still fetching it)."""
         with self._lock:
+            serving = self._serving
+            if unless_read and serving is not None and serving.voted and serving.prepared is None:
+                serving.keep_only_while_read = True  # still digesting: a request may be waiting for it
+                return
             self._serving = None
             self._server.withdraw(unless_read=unless_read)
 
@@ -202,6 +219,8 @@ class CatchUp:
             self._fetch = None
 
     def close(self) -> None:
+        with self._lock:
+            self._serving = None  # a snapshot still being digested is not published on a closed server
         self.cancel_fetch()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._server.close()

@@ -72,7 +72,7 @@ class StateServer:
     ``on_stream_started``: called on the serving thread as a transfer begins (failure injection).
     ``on_released``: receives a replaced or withdrawn snapshot once no transfer reads it (to reuse its memory for
     the next one; it must not be mutated before). Thread safe:
-    ``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
+    ``prepare``/``publish``/``withdraw``/``close`` may be called from any thread while requests are served.
     """
 
     def __init__(
@@ -112,9 +112,9 @@ class StateServer:
 
         Runs on the calling thread (on ``DIGEST_WORKERS`` threads in all) and touches no served state, so a source
         prepares while its step computes and publishes when the step allows. ``tree`` must be a
-        :func:`~lightning_fthsdp.recovery.snapshot.snapshot`: the server owns it from now on and reads it while
-        streaming, so the caller must not mutate it. Raises ValueError for a negative step or a tree that is not a
-        snapshot, TypeError/ValueError (naming the path) for what the wire cannot carry.
+        :func:`~lightning_fthsdp.recovery.snapshot.snapshot`, left unchanged from now on: the digests describe it,
+        and once published the server owns it and reads it while streaming. Raises ValueError for a negative step or
+        a tree that is not a snapshot, TypeError/ValueError (naming the path) for what the wire cannot carry.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"StateServer.prepare needs a step >= 0, got {step!r}")
@@ -125,11 +125,15 @@ class StateServer:
         return PreparedState(step, skeleton, tensors, views, manifest)
 
     def publish(self, state: PreparedState) -> None:
-        """Serve ``state`` (from this server's ``prepare``, published at most once) from now on, replacing (and
-        cutting off transfers of) any other. Raises RuntimeError after ``close``."""
+        """Serve ``state`` (from this server's ``prepare``) from now on, replacing (and cutting off transfers of) any
+        other. Raises ValueError for a state published before (its memory may already be reused), RuntimeError
+        after ``close``."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("StateServer.publish after close(): create a new StateServer")
+            if state is self._held or state.retired.is_set():
+                raise ValueError(f"StateServer.publish: the state of step {state.step} was published before; "
+                                 "prepare a new one from a new snapshot")
             self._replace(state)
         log.info("state server %s: published step %d (%d tensors, %d bytes)", self.address, state.step,
                  len(state.tensors), state.nbytes)

@@ -67,10 +67,12 @@ def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torc
     # empty + copy_ rather than .to("cpu", copy=True): one copy, always contiguous, never a view of the source.
     fits = reuse is not None and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.is_contiguous()
     out = reuse if fits else torch.empty(t.shape, dtype=t.dtype, device="cpu")
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+    if plain and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # One thread, GIL released: copy_ would spread this memory-bound copy over every intra-op thread (here 48 ms
         # of CPU for 512 MiB on both cores, against 28 ms on one) while the other groups' steps need those cores.
-        ctypes.memmove(out.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        if t.numel():
+            ctypes.memmove(out.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
     else:
         out.copy_(t.detach())
     return out

@@ -1,0 +1,153 @@
+"""The source side of catch-up: when a snapshot is published, relative to its copy, its digests and the commit vote."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from lightning_fthsdp.core.catchup import CatchUp
+from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
+from lightning_fthsdp.recovery.wire import StateTree
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "serving-token"
+LOG = logging.LoggerAdapter(logging.getLogger("test_catchup_serving"), {})
+
+
+@pytest.fixture
+def source() -> Iterator[tuple[CatchUp, dict[str, torch.Tensor]]]:
+    catchup = CatchUp(TOKEN, "127.0.0.1", LOG)
+    live = {"w": torch.arange(4096, dtype=torch.float32)}
+    catchup.register("model", lambda: live, lambda tree: live["w"].copy_(tree["w"]))  # type: ignore[arg-type]
+    yield catchup, live
+    catchup.close()
+
+
+def until(condition: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def hold_digests(catchup: CatchUp) -> threading.Event:
+    """The next snapshots' digests wait until the returned event is set."""
+    release = threading.Event()
+    prepare = catchup._server.prepare
+
+    def held(step: int, tree: StateTree) -> object:
+        assert release.wait(30), "the test never released the digests"
+        return prepare(step, tree)
+
+    catchup._server.prepare = held  # type: ignore[method-assign,assignment]
+    return release
+
+
+def served(catchup: CatchUp, step: int, timeout_s: float = 0.3) -> torch.Tensor | None:
+    """What the server hands a recovering group for ``step`` within ``timeout_s``, or None."""
+    try:
+        tree = fetch_state(catchup.address, step, token=TOKEN, timeout_s=timeout_s)
+    except StateFetchError as exc:
+        assert "404" in str(exc), exc
+        return None
+    return tree["model"]["w"]  # type: ignore[index,return-value]
+
+
+def fetch_in_background(catchup: CatchUp, step: int) -> tuple[threading.Thread, list[object]]:
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(served(catchup, step, timeout_s=20)), daemon=True)
+    thread.start()
+    until(lambda: catchup._server._wanted[step], "the request to reach the server")
+    return thread, result
+
+
+def test_digested_before_the_vote_is_published_at_the_vote_and_keeps_the_copy(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, live = source
+    expected = live["w"].clone()
+    catchup.serve(3)
+    until(lambda: catchup._serving is not None and catchup._serving.prepared is not None, "the digests")
+    assert served(catchup, 3) is None  # digested, but the step has not voted yet
+    catchup.wait_snapshot(timeout_s=10)
+    live["w"].add_(1)  # the optimizer step after the vote
+    got = served(catchup, 3)
+    assert got is not None and torch.equal(got, expected)
+
+
+def test_digested_after_the_vote_is_published_when_the_digests_are_done(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, live = source
+    expected = live["w"].clone()
+    release = hold_digests(catchup)
+    catchup.serve(3)
+    catchup.wait_snapshot(timeout_s=10)  # returns once copied: the digests are still held
+    live["w"].add_(1)
+    fetcher, result = fetch_in_background(catchup, 3)
+    assert fetcher.is_alive()  # nothing to serve yet: the request waits
+    release.set()
+    fetcher.join(20)
+    assert len(result) == 1 and torch.equal(result[0], expected)  # type: ignore[arg-type]
+
+
+def test_withdrawn_while_digesting_is_never_published_and_its_memory_is_reused(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, live = source
+    release = hold_digests(catchup)
+    catchup.serve(3)
+    catchup.wait_snapshot(timeout_s=10)
+    catchup.stop_serving()
+    release.set()
+    until(lambda: catchup._spare is not None, "the unpublished copy to become the spare")
+    assert served(catchup, 3) is None
+    spare = catchup._spare["model"]["w"]  # type: ignore[index]
+    catchup.serve(4)
+    catchup.wait_snapshot(timeout_s=10)
+    got = served(catchup, 4)
+    assert got is not None and torch.equal(got, live["w"])
+    assert catchup._server._held is not None and catchup._server._held.tensors[0].data_ptr() == spare.data_ptr()
+
+
+def test_withdrawn_unless_read_while_digesting_still_serves_a_waiting_request(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, live = source
+    expected = live["w"].clone()
+    release = hold_digests(catchup)
+    catchup.serve(3)
+    catchup.wait_snapshot(timeout_s=10)
+    fetcher, result = fetch_in_background(catchup, 3)
+    catchup.stop_serving(unless_read=True)  # the next quorum needs no source: only a waiting request keeps it
+    release.set()
+    fetcher.join(20)
+    assert len(result) == 1 and torch.equal(result[0], expected)  # type: ignore[arg-type]
+
+
+def test_withdrawn_unless_read_while_digesting_without_a_request_is_withdrawn(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, _ = source
+    release = hold_digests(catchup)
+    catchup.serve(3)
+    catchup.wait_snapshot(timeout_s=10)
+    catchup.stop_serving(unless_read=True)
+    release.set()
+    until(lambda: catchup._serving is None, "the digests to end")
+    assert catchup._server._held is None and served(catchup, 3) is None
+
+
+def test_a_copy_late_for_the_vote_is_never_published(source) -> None:  # type: ignore[no-untyped-def]
+    catchup, live = source
+    copying, release = threading.Event(), threading.Event()
+
+    def slow_state() -> dict[str, torch.Tensor]:
+        copying.set()
+        assert release.wait(30), "the test never released the copy"
+        return live
+
+    catchup._entries["model"] = (slow_state, catchup._entries["model"][1])
+    catchup.serve(3)
+    until(copying.is_set, "the copy to start")
+    catchup.wait_snapshot(timeout_s=0.2)  # gives up: the optimizer step may now change what the copy reads
+    release.set()
+    until(lambda: catchup._spare is not None, "the late copy to end")
+    assert served(catchup, 3) is None
