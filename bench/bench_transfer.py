@@ -6,10 +6,12 @@ and also serves the same bytes on a plain TCP socket. The parent then measures, 
 - prepare: the server's ``prepare`` (splitting the snapshot and digesting every chunk; a source does it while its
   step computes, before it publishes);
 - cold: the first fetch;
-- fetch: the best of ``--repeat`` further fetches, each checked against the server's checksum;
-- loopback: the best of ``--repeat`` raw copies of the same number of bytes into a preallocated buffer, fresh
-  each time like the fetch's tensors (``ratio``), and into one reused, already faulted buffer (``warm_ratio``:
-  the bare wire, an upper bound no receiver that allocates its result can reach).
+- then ``--repeat`` rounds, each a fetch (checked against the server's checksum) right before a raw copy of the same
+  number of bytes into a preallocated buffer, fresh each time like the fetch's tensors: ``ratio`` is the median of
+  the rounds' loopback / fetch time (pairs see the same load on a shared host; a best-of of each side would pair
+  different moments), ``fetch_s`` and ``loopback_s`` the medians of each;
+- warm: the best raw copy into one reused, already faulted buffer (``warm_ratio`` against the median fetch: the
+  bare wire, an upper bound no receiver that allocates its result can reach).
 
 The ratio fetch / loopback is what the protocol costs over the wire itself: HTTP framing, the manifest and, mostly,
 the XXH3-64 digest of every byte (computed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
@@ -25,6 +27,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -84,18 +87,21 @@ def fetch_once(address: str, checksum: float) -> float:
     return elapsed
 
 
-def loopback_once(port: int, nbytes: int, buffer: memoryview | None = None) -> float:
-    # By default a fresh buffer, allocated before the clock starts as fetch_state allocates its tensors: both pay the
-    # same first-touch page faults while receiving. A reused (already faulted) buffer gives the wire's upper bound.
-    buffer = byte_view(torch.empty(nbytes, dtype=torch.uint8)) if buffer is None else buffer
+def loopback_once(port: int, nbytes: int, buffers: list[memoryview] | None = None) -> float:
+    # By default fresh buffers, one per tensor, allocated (not timed) as fetch_state allocates its tensors: both get
+    # memory the same way (the allocator may reuse freed pages for some sizes and map fresh ones for others) and pay
+    # the same first-touch page faults while receiving. Reused, already faulted buffers give the wire's upper bound.
+    if buffers is None:
+        buffers = [byte_view(torch.empty(nbytes // TENSORS, dtype=torch.uint8)) for _ in range(TENSORS)]
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as conn:
-        got = 0
-        while got < nbytes:
-            n = conn.recv_into(buffer[got:])
-            if n == 0:
-                raise SystemExit(f"loopback copy ended after {got} of {nbytes} bytes")
-            got += n
+        for buffer in buffers:
+            got = 0
+            while got < len(buffer):
+                n = conn.recv_into(buffer[got:])
+                if n == 0:
+                    raise SystemExit(f"loopback copy ended {len(buffer) - got} bytes short of a tensor")
+                got += n
     return time.perf_counter() - start
 
 
@@ -110,10 +116,12 @@ def measure(mib: int, repeat: int) -> dict[str, float]:
         address, port, checksum, prepare_s = parent_end.recv()
         nbytes = (mib << 20) // 4 // TENSORS * 4 * TENSORS
         cold = fetch_once(address, checksum)
-        fetch = min(fetch_once(address, checksum) for _ in range(repeat))
-        loop = min(loopback_once(port, nbytes) for _ in range(repeat))
-        warm_buffer = byte_view(torch.empty(nbytes, dtype=torch.uint8))
-        warm = min(loopback_once(port, nbytes, warm_buffer) for _ in range(repeat + 1))  # the first run faults it
+        rounds = [(fetch_once(address, checksum), loopback_once(port, nbytes)) for _ in range(repeat)]
+        fetch = statistics.median(f for f, _ in rounds)
+        loop = statistics.median(lp for _, lp in rounds)
+        ratio = statistics.median(lp / f for f, lp in rounds)
+        warm_buffers = [byte_view(torch.empty(nbytes // TENSORS, dtype=torch.uint8)) for _ in range(TENSORS)]
+        warm = min(loopback_once(port, nbytes, warm_buffers) for _ in range(repeat + 1))  # the first run faults it
         parent_end.send("stop")
     finally:
         proc.join(timeout=30)
@@ -121,14 +129,14 @@ def measure(mib: int, repeat: int) -> dict[str, float]:
             proc.kill()
     return {"mib": mib, "bytes": nbytes, "prepare_s": prepare_s, "cold_s": cold, "fetch_s": fetch,
             "fetch_GBps": nbytes / fetch / 1e9,
-            "loopback_s": loop, "loopback_GBps": nbytes / loop / 1e9, "ratio": loop / fetch,
+            "loopback_s": loop, "loopback_GBps": nbytes / loop / 1e9, "ratio": ratio,
             "warm_loopback_GBps": nbytes / warm / 1e9, "warm_ratio": warm / fetch}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="state sizes in MiB")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (best is kept)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed fetch + loopback rounds per size")
     args = parser.parse_args()
     rows = [measure(mib, args.repeat) for mib in args.mib]
     print(f"{'size':>8} {'prepare_s':>9} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} "
