@@ -151,3 +151,34 @@ def test_a_copy_late_for_the_vote_is_never_published(source) -> None:  # type: i
     release.set()
     until(lambda: catchup._spare is not None, "the late copy to end")
     assert served(catchup, 3) is None
+
+
+def test_a_loaded_state_lends_its_memory_to_the_next_snapshot_but_not_what_a_loader_adopted() -> None:
+    catchup = CatchUp(TOKEN, "127.0.0.1", LOG)
+    live: dict[str, torch.Tensor] = {"copied": torch.zeros(1024), "adopted": torch.zeros(1024)}
+
+    def load_copy(tree: StateTree) -> None:
+        live["copied"].copy_(tree["w"])  # type: ignore[arg-type]
+
+    def load_adopt(tree: StateTree) -> None:
+        live["adopted"] = tree["w"]  # type: ignore[assignment]
+
+    catchup.register("copied", lambda: {"w": live["copied"]}, load_copy)
+    catchup.register("adopted", lambda: {"w": live["adopted"]}, load_adopt)
+    try:
+        fetched = {"copied": {"w": torch.full((1024,), 2.0)}, "adopted": {"w": torch.full((1024,), 3.0)}}
+        catchup.load(fetched)  # type: ignore[arg-type]
+        assert live["adopted"] is fetched["adopted"]["w"] and torch.equal(live["copied"], fetched["copied"]["w"])
+        catchup.serve(5)
+        catchup.wait_snapshot(timeout_s=10)
+        until(lambda: catchup._server._held is not None, "the snapshot to be published")
+        served_copy = catchup._server._held
+        assert served_copy is not None
+        memory = {t.data_ptr() for t in served_copy.tensors}
+        assert fetched["copied"]["w"].data_ptr() in memory  # the fetched buffer took the snapshot
+        assert live["adopted"].data_ptr() not in memory  # the live tensor did not: the snapshot never aliases it
+        live["adopted"].add_(1)  # the optimizer step after the vote
+        got = fetch_state(catchup.address, 5, token=TOKEN, timeout_s=10)
+        assert torch.equal(got["adopted"]["w"], torch.full((1024,), 3.0))  # type: ignore[index,arg-type]
+    finally:
+        catchup.close()

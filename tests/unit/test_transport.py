@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from lightning_fthsdp.recovery import wire
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.server import StateServer
-from lightning_fthsdp.recovery.snapshot import reserve, snapshot
+from lightning_fthsdp.recovery.snapshot import reserve, snapshot, unshared
 
 TOKEN = "s3cret"
 
@@ -187,6 +187,22 @@ def test_reserved_memory_has_the_snapshot_layout_and_the_first_snapshot_copies_i
     assert spare["opt"][0].dtype == torch.int64 and spare["opt"][0].shape == (3,)  # type: ignore[index,union-attr]
     snap = snapshot(live, into=spare)
     assert snap["w"].data_ptr() == spare["w"].data_ptr() and torch.equal(snap["w"], live["w"])  # type: ignore[union-attr,index,arg-type]
+
+
+def test_reserve_into_keeps_what_fits_and_maps_the_rest() -> None:
+    live = {"w": torch.randn(4, 4), "b": torch.randn(3), "n": torch.arange(2)}
+    have = {"w": torch.full((4, 4), 7.0), "b": torch.ones(5), "n": None}  # b: another shape; n: adopted (None)
+    spare = reserve(live, into=have)
+    assert spare["w"] is have["w"] and torch.equal(spare["w"], torch.full((4, 4), 7.0))  # reused, not cleared
+    assert spare["b"].shape == (3,) and spare["n"].dtype == torch.int64 and spare["n"].shape == (2,)  # type: ignore[union-attr]
+
+
+def test_unshared_drops_the_tensors_a_loader_adopted() -> None:
+    fetched = {"copied": torch.ones(4), "adopted": torch.arange(6.0), "viewed": torch.zeros(8), "step": 3}
+    live = {"p": torch.zeros(4), "q": fetched["adopted"], "r": fetched["viewed"][2:6]}  # adopted whole, and a view
+    kept = unshared(fetched, live)
+    assert kept["copied"] is fetched["copied"] and kept["step"] == 3
+    assert kept["adopted"] is None and kept["viewed"] is None
 
 
 def test_a_replaced_snapshot_is_released_once_no_transfer_reads_it() -> None:

@@ -7,6 +7,7 @@ optimizer step mutates the live tensors: it must share no memory with them.
 from __future__ import annotations
 
 import ctypes
+from typing import TypeGuard
 
 import torch
 
@@ -41,10 +42,33 @@ def snapshot(tree: StateTree, into: StateTree | None = None) -> StateTree:
     return map_tensors(tree, lambda t, path: _copy(t, path, spare.pop(path, None)))  # type: ignore[return-value]
 
 
-def reserve(tree: StateTree) -> StateTree:
-    """Zero-filled CPU tensors of the shapes and dtypes a snapshot of ``tree`` has: memory, mapped page by page now,
-    for a later ``snapshot(tree, into=...)`` to copy into at full speed. Reads no tensor's data."""
-    return map_tensors(tree, lambda t, path: torch.zeros(_local(t).shape, dtype=t.dtype, device="cpu"))  # type: ignore[return-value]
+def reserve(tree: StateTree, into: StateTree | None = None) -> StateTree:
+    """CPU tensors of the shapes and dtypes a snapshot of ``tree`` has, for a later ``snapshot(tree, into=...)`` to
+    copy into at full speed: ``into``'s where path, shape and dtype match (memory already mapped; ``into`` must be
+    read by nothing else), zero-filled ones (mapped page by page now) for the rest. Reads no tensor's data."""
+    spare = _by_path(into) if into is not None else {}
+
+    def buffer(t: torch.Tensor, path: str) -> torch.Tensor:
+        t, reuse = _local(t), spare.pop(path, None)
+        return reuse if _fits(reuse, t) else torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+
+    return map_tensors(tree, buffer)  # type: ignore[return-value]
+
+
+def unshared(tree: StateTree, live: StateTree) -> StateTree:
+    """``tree`` with each tensor that shares memory with a tensor of ``live`` replaced by None: the part of a loaded
+    tree whose memory may take a later snapshot (a loader may have adopted some of its tensors as live state)."""
+    used: set[tuple[torch.device, int]] = set()
+    map_tensors(live, lambda t, path: used.add(_storage(_local(t))))
+    return map_tensors(tree, lambda t, path: None if _storage(t) in used else t)  # type: ignore[return-value]
+
+
+def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _fits(reuse: torch.Tensor | None, t: torch.Tensor) -> TypeGuard[torch.Tensor]:
+    return reuse is not None and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.is_contiguous()
 
 
 def _by_path(tree: StateTree) -> dict[str, torch.Tensor]:
@@ -65,8 +89,7 @@ def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torc
         raise TypeError(f"tensor {path!r} has layout {t.layout}: only dense tensors transfer; call .to_dense() first")
     dtype_name(t.dtype, path)
     # empty + copy_ rather than .to("cpu", copy=True): one copy, always contiguous, never a view of the source.
-    fits = reuse is not None and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.is_contiguous()
-    out = reuse if fits else torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out = reuse if _fits(reuse, t) else torch.empty(t.shape, dtype=t.dtype, device="cpu")
     plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
     if plain and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # One thread, GIL released: copy_ would spread this memory-bound copy over every intra-op thread (here 48 ms
