@@ -202,7 +202,9 @@ class FTManager:
         """Add a piece of state that a recovering group must receive (model, optimizer, scheduler, your own).
 
         ``get()`` returns a tree of tensors (DTensors travel as their local shard) and JSON scalars; ``load(tree)``
-        receives the same structure with plain CPU tensors. Every group must register the same names.
+        receives the same structure with plain CPU tensors. ``load`` copies them into the live state or adopts them
+        as live state (``get()`` then returns them); it keeps no other reference: the rest of their memory takes
+        this rank's next snapshot. Every group must register the same names.
         """
         self._catchup.register(name, get, load)
 
