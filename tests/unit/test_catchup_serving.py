@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from lightning_fthsdp.core.catchup import CatchUp
+from lightning_fthsdp.core.torch_state import load_optimizer_state, optimizer_state
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
-from lightning_fthsdp.recovery.wire import StateTree
+from lightning_fthsdp.recovery.snapshot import snapshot, unshared
+from lightning_fthsdp.recovery.wire import StateTree, map_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -167,8 +169,9 @@ def test_a_loaded_state_lends_its_memory_to_the_next_snapshot_but_not_what_a_loa
     catchup.register("adopted", lambda: {"w": live["adopted"]}, load_adopt)
     try:
         fetched = {"copied": {"w": torch.full((1024,), 2.0)}, "adopted": {"w": torch.full((1024,), 3.0)}}
-        catchup.load(fetched)  # type: ignore[arg-type]
+        catchup.load(fetched, keep_memory=True)  # type: ignore[arg-type]
         assert live["adopted"] is fetched["adopted"]["w"] and torch.equal(live["copied"], fetched["copied"]["w"])
+        catchup.reserve_memory().result(timeout=10)  # what the manager does after the first commit
         catchup.serve(5)
         catchup.wait_snapshot(timeout_s=10)
         until(lambda: catchup._server._held is not None, "the snapshot to be published")
@@ -182,3 +185,18 @@ def test_a_loaded_state_lends_its_memory_to_the_next_snapshot_but_not_what_a_loa
         assert torch.equal(got["adopted"]["w"], torch.full((1024,), 3.0))  # type: ignore[index,arg-type]
     finally:
         catchup.close()
+
+
+def test_tensors_an_optimizer_adopted_on_load_are_never_kept_for_a_snapshot() -> None:
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    fetched = snapshot({"o": optimizer_state(optimizer)})
+    load_optimizer_state(optimizer, fetched["o"])  # type: ignore[arg-type]
+    kept = unshared(fetched, {"o": optimizer_state(optimizer)})
+    before: list[tuple[torch.Tensor, torch.Tensor]] = []
+    map_tensors(kept, lambda t, path: before.append((t, t.clone())))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # changes every live state tensor in place (exp_avg, exp_avg_sq, step)
+    assert all(torch.equal(t, copy) for t, copy in before)  # nothing kept is live state

@@ -195,14 +195,19 @@ def test_reserve_into_keeps_what_fits_and_maps_the_rest() -> None:
     spare = reserve(live, into=have)
     assert spare["w"] is have["w"] and torch.equal(spare["w"], torch.full((4, 4), 7.0))  # reused, not cleared
     assert spare["b"].shape == (3,) and spare["n"].dtype == torch.int64 and spare["n"].shape == (2,)  # type: ignore[union-attr]
+    other = reserve(live, into={"w": torch.zeros(4, 4, dtype=torch.float64), "b": torch.zeros(6)[::2]})
+    assert other["w"].dtype == torch.float32 and other["b"].is_contiguous()  # another dtype, a strided view: fresh  # type: ignore[union-attr]
 
 
 def test_unshared_drops_the_tensors_a_loader_adopted() -> None:
-    fetched = {"copied": torch.ones(4), "adopted": torch.arange(6.0), "viewed": torch.zeros(8), "step": 3}
-    live = {"p": torch.zeros(4), "q": fetched["adopted"], "r": fetched["viewed"][2:6]}  # adopted whole, and a view
+    block = torch.zeros(16)
+    fetched = {"copied": torch.ones(4), "adopted": torch.arange(6.0), "viewed": torch.zeros(8), "step": 3,
+               "inside": block}
+    live = {"p": torch.zeros(4), "q": fetched["adopted"], "r": fetched["viewed"][2:6],  # adopted whole, and a view
+            "s": torch.from_numpy(block.numpy()[4:])}  # another storage object inside the fetched block
     kept = unshared(fetched, live)
     assert kept["copied"] is fetched["copied"] and kept["step"] == 3
-    assert kept["adopted"] is None and kept["viewed"] is None
+    assert kept["adopted"] is None and kept["viewed"] is None and kept["inside"] is None
 
 
 def test_a_replaced_snapshot_is_released_once_no_transfer_reads_it() -> None:

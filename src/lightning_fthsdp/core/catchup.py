@@ -79,16 +79,21 @@ class CatchUp:
         """The live state of every registered entry (not a copy)."""
         return {name: get() for name, (get, _) in self._entries.items()}
 
-    def load(self, tree: StateTree) -> None:
+    def load(self, tree: StateTree, *, keep_memory: bool) -> None:
+        """Hand ``tree`` to every registered loader. ``keep_memory``: the fetched tensors no loader adopted as live
+        state become the memory of this rank's next snapshot (freeing it now and mapping as much again later would
+        cost the steps ahead tens of ms of CPU per 100 MiB)."""
         missing = set(self._entries) - set(tree)
         if missing:
             raise ValueError(f"fetched state lacks registered entries {sorted(missing)}: every group must register "
                              "the same state")
         for name, (_, load) in self._entries.items():
             load(tree[name])
-        # Its memory takes this rank's next snapshot: freeing it and mapping as much again later would cost the
-        # steps ahead tens of ms of CPU per 100 MiB. What a loader adopted as live state is not reused.
-        self._keep_spare(unshared(tree, self.capture()))
+        if keep_memory:
+            try:
+                self._keep_spare(unshared(tree, self.capture()))
+            except Exception as exc:  # only an optimisation: the catch-up itself is done
+                self._log.warning("not keeping the fetched state's memory for the next snapshot: %r", exc)
 
     # ------------------------------------------------------------------------------------------------ source
 
@@ -126,17 +131,22 @@ class CatchUp:
                 self._serving = None  # this step serves nobody
         self._keep_spare(copy)  # never published: its memory takes the next snapshot
 
-    def reserve_memory(self) -> None:
+    def reserve_memory(self) -> Future[None]:
         """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
         serves copies into fresh pages the kernel faults in one by one (several times slower, and the optimizer
         step of the step that admits a recovering group waits for it). Costs host memory the size of the state; a
-        rank that caught up holds most of it already (the fetched state's, see ``load``)."""
+        rank that caught up may hold part of it already (the fetched tensors its loaders copied, see ``load``)."""
         def fill() -> None:
             with self._spare_lock:  # taken, not read: a snapshot must not copy into it meanwhile
                 spare, self._spare = self._spare, None
-            self._keep_spare(reserve(self.capture(), into=spare))
+            try:
+                spare = reserve(self.capture(), into=spare)
+            except Exception as exc:  # e.g. the optimizer state still being filled: the first snapshot maps it
+                self._log.warning("could not map memory for a first snapshot: %r", exc)
+            if spare is not None:
+                self._keep_spare(spare)
 
-        self._executor.submit(fill)
+        return self._executor.submit(fill)
 
     def _keep_spare(self, tree: StateTree) -> None:
         with self._spare_lock:

@@ -86,7 +86,8 @@ class FTManager:
             may hold for replay while its state transfer runs on (then it waits for the transfer).
         reserve_snapshot_memory: after the first committed step (when the optimizer state exists), map host memory
             for a snapshot of the registered state in the background, so the first time this rank serves a
-            recovering group its snapshot copies at full speed. False: allocate it when first serving.
+            recovering group its snapshot copies at full speed (a group that caught up keeps, for that, the fetched
+            tensors its loaders copied). False: allocate it when first serving.
     """
 
     def __init__(
@@ -202,9 +203,10 @@ class FTManager:
         """Add a piece of state that a recovering group must receive (model, optimizer, scheduler, your own).
 
         ``get()`` returns a tree of tensors (DTensors travel as their local shard) and JSON scalars; ``load(tree)``
-        receives the same structure with plain CPU tensors. ``load`` copies them into the live state or adopts them
-        as live state (``get()`` then returns them); it keeps no other reference: the rest of their memory takes
-        this rank's next snapshot. Every group must register the same names.
+        receives the same structure with plain CPU tensors. ``get`` should be cheap and return the live tensors (no
+        copies). ``load`` copies them into the live state or adopts them as live state (``get()`` then returns
+        them); it keeps no other reference: the rest of their memory takes this rank's next snapshot (with
+        ``reserve_snapshot_memory``). Every group must register the same names.
         """
         self._catchup.register(name, get, load)
 
@@ -410,7 +412,7 @@ class FTManager:
         follow = self._follow
         assert follow is not None and follow.tree is not None
         self._follow = None
-        self._catchup.load(follow.tree)
+        self._catchup.load(follow.tree, keep_memory=self._reserve_snapshot_memory)
         if follow.updates:
             assert self._update is not None, "steps are held for replay only with register_update"
             current = [t.detach().clone() for t in self._tensors]

@@ -6,6 +6,7 @@ optimizer step mutates the live tensors: it must share no memory with them.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from typing import TypeGuard
 
@@ -56,15 +57,38 @@ def reserve(tree: StateTree, into: StateTree | None = None) -> StateTree:
 
 
 def unshared(tree: StateTree, live: StateTree) -> StateTree:
-    """``tree`` with each tensor that shares memory with a tensor of ``live`` replaced by None: the part of a loaded
-    tree whose memory may take a later snapshot (a loader may have adopted some of its tensors as live state)."""
-    used: set[tuple[torch.device, int]] = set()
-    map_tensors(live, lambda t, path: used.add(_storage(_local(t))))
-    return map_tensors(tree, lambda t, path: None if _storage(t) in used else t)  # type: ignore[return-value]
+    """``tree`` with each tensor whose memory overlaps the memory of a tensor of ``live`` replaced by None: the part
+    of a loaded tree that may take a later snapshot (a loader may have adopted some of its tensors as live state,
+    whole or as views). Compares whole storages, as address ranges per device. Raises whatever a live tensor
+    without readable storage raises (an unknown tensor subclass): the caller then keeps nothing."""
+    spans: dict[torch.device, list[tuple[int, int]]] = {}
+    map_tensors(live, lambda t, path: spans.setdefault(t.device, []).append(_span(_local(t))))
+    merged = {device: _merge(ranges) for device, ranges in spans.items()}
+
+    def keep(t: torch.Tensor, path: str) -> torch.Tensor | None:
+        start, end = _span(t)
+        ranges = merged.get(t.device, [])
+        i = bisect.bisect_left(ranges, (end, end)) - 1  # the last live range starting before this one ends
+        return None if i >= 0 and ranges[i][1] > start else t
+
+    return map_tensors(tree, keep)  # type: ignore[return-value]
 
 
-def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
-    return t.device, t.untyped_storage().data_ptr()
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The address range of ``t``'s whole storage (at least one byte, so an empty tensor still has a place)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + max(storage.nbytes(), 1)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ranges covering ``ranges``: one bisection then finds any that overlaps a given range."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def _fits(reuse: torch.Tensor | None, t: torch.Tensor) -> TypeGuard[torch.Tensor]:
