@@ -52,6 +52,14 @@ def hold_digests(catchup: CatchUp) -> threading.Event:
     return release
 
 
+def voted_while_digesting(catchup: CatchUp, step: int) -> threading.Event:
+    """Snapshot ``step`` and pass its commit vote (which waits for the copy only) while its digests are held."""
+    release = hold_digests(catchup)
+    catchup.serve(step)
+    catchup.wait_snapshot(timeout_s=10)
+    return release
+
+
 def served(catchup: CatchUp, step: int, timeout_s: float = 0.3) -> torch.Tensor | None:
     """What the server hands a recovering group for ``step`` within ``timeout_s``, or None."""
     try:
@@ -62,12 +70,19 @@ def served(catchup: CatchUp, step: int, timeout_s: float = 0.3) -> torch.Tensor 
     return tree["model"]["w"]  # type: ignore[index,return-value]
 
 
-def fetch_in_background(catchup: CatchUp, step: int) -> tuple[threading.Thread, list[object]]:
-    result: list[object] = []
+def fetch_in_background(catchup: CatchUp, step: int) -> Callable[[], torch.Tensor | None]:
+    """Start a fetch of ``step`` that waits at the server; the returned call joins it and returns what it got."""
+    result: list[torch.Tensor | None] = []
     thread = threading.Thread(target=lambda: result.append(served(catchup, step, timeout_s=20)), daemon=True)
     thread.start()
     until(lambda: catchup._server._wanted[step], "the request to reach the server")
-    return thread, result
+
+    def finish() -> torch.Tensor | None:
+        thread.join(20)
+        assert len(result) == 1, "the fetch did not end"
+        return result[0]
+
+    return finish
 
 
 def test_digested_before_the_vote_is_published_at_the_vote_and_keeps_the_copy(source) -> None:  # type: ignore[no-untyped-def]
@@ -82,25 +97,24 @@ def test_digested_before_the_vote_is_published_at_the_vote_and_keeps_the_copy(so
     assert got is not None and torch.equal(got, expected)
 
 
-def test_digested_after_the_vote_is_published_when_the_digests_are_done(source) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("withdrawn_unless_read", [False, True])
+def test_digested_after_the_vote_is_published_to_a_waiting_request(source, withdrawn_unless_read: bool) -> None:  # type: ignore[no-untyped-def]
+    """Published once digested; also when the next quorum, needing no source, withdrew it unless read meanwhile."""
     catchup, live = source
     expected = live["w"].clone()
-    release = hold_digests(catchup)
-    catchup.serve(3)
-    catchup.wait_snapshot(timeout_s=10)  # returns once copied: the digests are still held
-    live["w"].add_(1)
-    fetcher, result = fetch_in_background(catchup, 3)
-    assert fetcher.is_alive()  # nothing to serve yet: the request waits
+    release = voted_while_digesting(catchup, 3)
+    live["w"].add_(1)  # the optimizer step after the vote
+    finish = fetch_in_background(catchup, 3)  # nothing to serve yet: the request waits
+    if withdrawn_unless_read:
+        catchup.stop_serving(unless_read=True)
     release.set()
-    fetcher.join(20)
-    assert len(result) == 1 and torch.equal(result[0], expected)  # type: ignore[arg-type]
+    got = finish()
+    assert got is not None and torch.equal(got, expected)
 
 
 def test_withdrawn_while_digesting_is_never_published_and_its_memory_is_reused(source) -> None:  # type: ignore[no-untyped-def]
     catchup, live = source
-    release = hold_digests(catchup)
-    catchup.serve(3)
-    catchup.wait_snapshot(timeout_s=10)
+    release = voted_while_digesting(catchup, 3)
     catchup.stop_serving()
     release.set()
     until(lambda: catchup._spare is not None, "the unpublished copy to become the spare")
@@ -113,24 +127,9 @@ def test_withdrawn_while_digesting_is_never_published_and_its_memory_is_reused(s
     assert catchup._server._held is not None and catchup._server._held.tensors[0].data_ptr() == spare.data_ptr()
 
 
-def test_withdrawn_unless_read_while_digesting_still_serves_a_waiting_request(source) -> None:  # type: ignore[no-untyped-def]
-    catchup, live = source
-    expected = live["w"].clone()
-    release = hold_digests(catchup)
-    catchup.serve(3)
-    catchup.wait_snapshot(timeout_s=10)
-    fetcher, result = fetch_in_background(catchup, 3)
-    catchup.stop_serving(unless_read=True)  # the next quorum needs no source: only a waiting request keeps it
-    release.set()
-    fetcher.join(20)
-    assert len(result) == 1 and torch.equal(result[0], expected)  # type: ignore[arg-type]
-
-
 def test_withdrawn_unless_read_while_digesting_without_a_request_is_withdrawn(source) -> None:  # type: ignore[no-untyped-def]
     catchup, _ = source
-    release = hold_digests(catchup)
-    catchup.serve(3)
-    catchup.wait_snapshot(timeout_s=10)
+    release = voted_while_digesting(catchup, 3)
     catchup.stop_serving(unless_read=True)
     release.set()
     until(lambda: catchup._serving is None, "the digests to end")
