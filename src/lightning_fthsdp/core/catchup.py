@@ -33,7 +33,7 @@ class _Serving:
     step: int
     copied: threading.Event = field(default_factory=threading.Event)
     """Set when the copy has ended, done or failed (``error``): from then on the live state may change."""
-    error: BaseException | None = None
+    error: Exception | None = None
     voted: bool = False
     prepared: PreparedState | None = None
     keep_only_while_read: bool = False

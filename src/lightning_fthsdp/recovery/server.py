@@ -48,7 +48,8 @@ DIGEST_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 @dataclass(eq=False)
 class PreparedState:
-    """A snapshot split for the wire with its manifest (see ``StateServer.prepare``); the server owns it."""
+    """A snapshot split for the wire with its manifest (see ``StateServer.prepare``); once published, the server
+    owns it."""
 
     step: int
     skeleton: object
