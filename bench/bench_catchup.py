@@ -97,12 +97,12 @@ def _after(records: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for mib in sorted({r["state_mib"] for r in rows}):
-        ratios = [r["admit_ratio"] for r in rows if r["state_mib"] == mib]
-        worst = [r["worst_ratio"] for r in rows if r["state_mib"] == mib]
-        full = [r["admit_vs_full"] for r in rows if r["state_mib"] == mib]
-        out.append({"state_mib": mib, "admissions": len(ratios), "admit_ratio_median": statistics.median(ratios),
-                    "admit_ratio_max": max(ratios), "admit_vs_full_median": statistics.median(full),
-                    "worst_ratio_median": statistics.median(worst)})
+        of = [r for r in rows if r["state_mib"] == mib]
+        ratios = [r["admit_ratio"] for r in of]
+        out.append({"state_mib": mib, "admissions": len(of), "admit_ratio_median": statistics.median(ratios),
+                    "admit_ratio_max": max(ratios),
+                    "admit_vs_full_median": statistics.median(r["admit_vs_full"] for r in of),
+                    "worst_ratio_median": statistics.median(r["worst_ratio"] for r in of)})
     return out
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -15,6 +14,7 @@ from lightning_fthsdp.core.torch_state import load_optimizer_state, optimizer_st
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.snapshot import snapshot, unshared
 from lightning_fthsdp.recovery.wire import StateTree, map_tensors
+from lightning_fthsdp.testing.harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,14 +29,6 @@ def source() -> Iterator[tuple[CatchUp, dict[str, torch.Tensor]]]:
     catchup.register("model", lambda: live, lambda tree: live["w"].copy_(tree["w"]))  # type: ignore[arg-type]
     yield catchup, live
     catchup.close()
-
-
-def until(condition: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def hold_digests(catchup: CatchUp) -> threading.Event:
@@ -75,7 +67,7 @@ def fetch_in_background(catchup: CatchUp, step: int) -> Callable[[], torch.Tenso
     result: list[torch.Tensor | None] = []
     thread = threading.Thread(target=lambda: result.append(served(catchup, step, timeout_s=20)), daemon=True)
     thread.start()
-    until(lambda: catchup._server._wanted[step], "the request to reach the server")
+    wait_for(lambda: catchup._server._wanted[step], 10, "the request to reach the server")
 
     def finish() -> torch.Tensor | None:
         thread.join(20)
@@ -89,7 +81,7 @@ def test_digested_before_the_vote_is_published_at_the_vote_and_keeps_the_copy(so
     catchup, live = source
     expected = live["w"].clone()
     catchup.serve(3)
-    until(lambda: catchup._serving is not None and catchup._serving.prepared is not None, "the digests")
+    wait_for(lambda: catchup._serving is not None and catchup._serving.prepared is not None, 10, "the digests")
     assert served(catchup, 3) is None  # digested, but the step has not voted yet
     catchup.wait_snapshot(timeout_s=10)
     live["w"].add_(1)  # the optimizer step after the vote
@@ -117,7 +109,7 @@ def test_withdrawn_while_digesting_is_never_published_and_its_memory_is_reused(s
     release = voted_while_digesting(catchup, 3)
     catchup.stop_serving()
     release.set()
-    until(lambda: catchup._spare is not None, "the unpublished copy to become the spare")
+    wait_for(lambda: catchup._spare is not None, 10, "the unpublished copy to become the spare")
     assert served(catchup, 3) is None
     spare = catchup._spare["model"]["w"]  # type: ignore[index]
     catchup.serve(4)
@@ -132,7 +124,7 @@ def test_withdrawn_unless_read_while_digesting_without_a_request_is_withdrawn(so
     release = voted_while_digesting(catchup, 3)
     catchup.stop_serving(unless_read=True)
     release.set()
-    until(lambda: catchup._serving is None, "the digests to end")
+    wait_for(lambda: catchup._serving is None, 10, "the digests to end")
     assert catchup._server._held is None and served(catchup, 3) is None
 
 
@@ -147,10 +139,10 @@ def test_a_copy_late_for_the_vote_is_never_published(source) -> None:  # type: i
 
     catchup._entries["model"] = (slow_state, catchup._entries["model"][1])
     catchup.serve(3)
-    until(copying.is_set, "the copy to start")
+    wait_for(copying.is_set, 10, "the copy to start")
     catchup.wait_snapshot(timeout_s=0.2)  # gives up: the optimizer step may now change what the copy reads
     release.set()
-    until(lambda: catchup._spare is not None, "the late copy to end")
+    wait_for(lambda: catchup._spare is not None, 10, "the late copy to end")
     assert served(catchup, 3) is None
 
 
@@ -173,7 +165,7 @@ def test_a_loaded_state_lends_its_memory_to_the_next_snapshot_but_not_what_a_loa
         catchup.reserve_memory().result(timeout=10)  # what the manager does after the first commit
         catchup.serve(5)
         catchup.wait_snapshot(timeout_s=10)
-        until(lambda: catchup._server._held is not None, "the snapshot to be published")
+        wait_for(lambda: catchup._server._held is not None, 10, "the snapshot to be published")
         served_copy = catchup._server._held
         assert served_copy is not None
         memory = {t.data_ptr() for t in served_copy.tensors}

@@ -108,10 +108,8 @@ class CatchUp:
 
     def _take(self, serving: _Serving) -> None:
         """Executor thread: copy (the only part the live state waits for), then digest, then publish if due."""
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
         try:
-            copy = snapshot(self.capture(), into=spare)
+            copy = snapshot(self.capture(), into=self._take_spare())
         except Exception as exc:
             serving.error = exc  # wait_snapshot reports it
             return
@@ -137,8 +135,7 @@ class CatchUp:
         step of the step that admits a recovering group waits for it). Costs host memory the size of the state; a
         rank that caught up may hold part of it already (the fetched tensors its loaders copied, see ``load``)."""
         def fill() -> None:
-            with self._spare_lock:  # taken, not read: a snapshot must not copy into it meanwhile
-                spare, self._spare = self._spare, None
+            spare = self._take_spare()
             try:
                 spare = reserve(self.capture(), into=spare)
             except Exception as exc:  # e.g. the optimizer state still being filled: the first snapshot maps it
@@ -147,6 +144,12 @@ class CatchUp:
                 self._keep_spare(spare)
 
         return self._executor.submit(fill)
+
+    def _take_spare(self) -> StateTree | None:
+        """The spare memory, taken rather than read: nothing else may copy into it while its taker does."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        return spare
 
     def _keep_spare(self, tree: StateTree) -> None:
         with self._spare_lock:
