@@ -8,7 +8,8 @@ One launch per replica group (Lightning starts the group's ranks itself)::
     FTHSDP_REPLICA_ID=b python examples/train_lightning.py fit ...   # the same command, another MASTER_PORT
 
 ``--recorder.jsonl PATH`` makes every rank append one JSON line per optimizer step (``event: "step"``: global step,
-epoch, learning rate, this rank's parameter digest, the group's stream position) and one at the end of fit
+epoch, learning rate, this rank's parameter and buffer digests, the logged metrics, the group's stream position)
+and one at the end of fit
 (``event: "end"``); ``--recorder.params PATH`` saves the full parameters at the end (rank 0);
 ``--recorder.ballast_mib N`` registers N MiB of extra state per rank for catch-up to transfer.
 """
@@ -90,7 +91,9 @@ class StepRecorder(CommittedStepCallback):
                           batch_idx: int) -> None:
         record = {"event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
-                  "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch)}
+                  "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch),
+                  "buffers_sha256": _digest_tensors(local(b) for b in pl_module.buffers()),
+                  "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
         manager = getattr(trainer.strategy, "manager", None)  # None: another strategy (the benchmark's baseline)
         if manager is not None:
             record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,

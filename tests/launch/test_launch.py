@@ -48,8 +48,16 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     assert report["groups"]["b"]["restarts"] >= 1
     killed = [r for r in report["recoveries"] if r["kind"] == "kill"]
     assert killed and killed[0]["replica_id"] == "b" and killed[0]["caught_up"]
+    # b's first step after its restart only followed the job (computed on weights it had not loaded): no loss.
+    b_losses = {row[1] for row in report["losses"]["b"]}
+    assert killed[0]["rejoined_at_step"] not in b_losses and max(b_losses) == STEPS
     assert 0 < report["effective_training_time"] <= 1
     assert report["loss"]["fell"]
+    # Every group evaluates the held-out slice at the same committed steps (every 100 and the last), with the same
+    # parameters: the same value.
+    vals = {g: {row[1]: row[2] for row in rows} for g, rows in report["val_losses"].items()}
+    assert sorted(vals["a"]) == [100, 200, STEPS] and vals["a"] == vals["b"], vals
+    assert report["val_loss"] == {"step": STEPS, "final": vals["a"][STEPS]}
     assert (out / "report.png").stat().st_size > 0
     assert "final parameters identical across groups: True" in output
     calibration = read_report(out / "report.json")  # the simulator's --from-report accepts it

@@ -6,65 +6,20 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+from lightning_fthsdp.testing.harness import ROOT, Job, wait_for
+
+from .groups import max_diff, start_lightning_group
 
 sys.path.insert(0, str(ROOT / "examples"))
 from train_lightning import TinyRegressor, make_dataset
 
 pytestmark = pytest.mark.integration
-EXAMPLE = ROOT / "examples" / "train_lightning.py"
 LR, DECAY = 0.05, 0.95
-STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps: int, extra: tuple[str, ...] = (),
-                          replica_ids: tuple[str, ...] = ("a", "b")) -> Group:
-    """``fit`` one replica group; every rank appends to ``<workdir>/<replica_id>.jsonl``."""
-    jsonl = job.workdir / f"{replica_id}.jsonl"
-    log = job.workdir / f"{replica_id}-{len(job._procs)}.log"
-    cmd = [sys.executable, str(EXAMPLE), "fit",
-           f"--trainer.strategy={STRATEGY}", f"--trainer.strategy.replica_ids=[{','.join(replica_ids)}]",
-           "--trainer.accelerator=cpu", f"--trainer.devices={devices}", f"--trainer.max_steps={max_steps}",
-           "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-           f"--trainer.default_root_dir={job.workdir}", f"--recorder.jsonl={jsonl}", *extra]
-    env = {"FTHSDP_REPLICA_ID": replica_id, "FTHSDP_LIGHTHOUSE": job.lighthouse_url,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    return job.start_command(replica_id, cmd, jsonl=jsonl, log=log, env=env)
-
-
-def _job(tmp_path: Path, min_replicas: int) -> Iterator[Job]:
-    job = Job(tmp_path, min_replicas=min_replicas, join_timeout_ms=3_000)
-    try:
-        job.start_lighthouse()
-        yield job
-    finally:
-        job.close()
-
-
-@pytest.fixture
-def job(tmp_path: Path) -> Iterator[Job]:
-    """Both groups train from the first step (the lighthouse waits for two)."""
-    yield from _job(tmp_path, 2)
-
-
-@pytest.fixture
-def job_alone_ok(tmp_path: Path) -> Iterator[Job]:
-    """A group may go on alone (while the other is down)."""
-    yield from _job(tmp_path, 1)
 
 
 def reference(steps: int, *, shards: int, samples: int, batch_size: int, accumulate: int = 1,
@@ -98,11 +53,6 @@ def reference(steps: int, *, shards: int, samples: int, batch_size: int, accumul
         optimizer.step()
         scheduler.step()
     return {name: p.detach() for name, p in model.named_parameters()}
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def run_pair(job: Job, *, devices: int, steps: int, extra: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:

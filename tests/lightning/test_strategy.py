@@ -55,6 +55,7 @@ def test_missing_lighthouse_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     ({"data_parallel_size": 2}, TypeError, "data_parallel_size=2: the shard count is the group's devices"),
     ({"cpu_offload": True}, TypeError, "FSDPStrategy"),
     ({"lr_scaling": "cubic"}, ValueError, "lr_scaling must be one of"),
+    ({"validate_every_n_steps": -1}, ValueError, "validate_every_n_steps must be >= 0"),
     ({"lr_scaling": "sqrt", "keep_global_batch": True}, ValueError, "lr_scaling='none' with keep_global_batch=True"),
     ({"replica_ids": ["x", "y"]}, ValueError, "replica_id='a' is not in replica_ids"),
     ({"num_replica_groups": 2}, ValueError, "pass replica_ids"),
@@ -125,3 +126,16 @@ def test_fp16_loss_scaling_is_refused_with_the_fix() -> None:
     refuse_loss_scaling(MixedPrecision("bf16-mixed", "cpu"))  # no scaler: fine
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         refuse_loss_scaling(MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cpu")))
+
+
+def test_policy_leaves_tied_modules_to_the_root() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.mix = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 64, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    assert shard_units(model, min_params=1) == [model.mix]

@@ -42,6 +42,9 @@ class LMConfig:
     group reads the same bytes); nothing is downloaded or shipped. More text means fewer repeated windows."""
     batch_size: int = _at_least(16, 1)
     """Sequences per shard rank and step: the global batch is batch_size x devices_per_replica x replicas."""
+    val_windows: int = _at_least(256, 1)
+    """Sequences at the end of the corpus held out for the validation loss (see trainer.val_every_n_steps); no
+    group ever trains on them. More give a steadier estimate and a longer validation."""
     lr: float = _at_least(3e-3, 0.0)
     """Peak AdamW learning rate, reached after warmup_steps (see ft.lr_scaling for degraded steps)."""
     weight_decay: float = _at_least(0.0, 0.0)
@@ -72,6 +75,8 @@ class RegressionConfig:
     """Generated samples (the same in every process: a fixed seed)."""
     batch_size: int = _at_least(4, 1)
     """Samples per shard rank and step."""
+    val_samples: int = _at_least(64, 1)
+    """Further generated samples held out for the validation loss; never trained on."""
     lr: float = _at_least(0.01, 0.0)
     """SGD learning rate (momentum 0.9)."""
 
@@ -90,6 +95,9 @@ class TrainerConfig:
     """Clip the global gradient norm (after the cross-group average) to this; null: no clipping."""
     log_every_n_steps: int = _at_least(10, 1)
     """Lightning's logging cadence (the launcher's own JSONL records every step regardless)."""
+    val_every_n_steps: int = _at_least(100, 0)
+    """Evaluate the held-out validation loss after every committed step that is a multiple of this, and after the
+    last one (0: only after the last); every group evaluates the same steps. The launch report and plot carry it."""
     seed: int = 0
     """Seed of every process: all groups start from the same initial weights."""
     min_step_time_s: float = _at_least(0.0, 0.0)

@@ -205,7 +205,8 @@ class Heartbeat:
         # Outlasts a heartbeat in flight (held up to the interval, then answered within the timeout): the leave
         # below uses the same connection.
         in_flight_ms = self._timeouts.heartbeat_interval_ms + self._timeouts.heartbeat_timeout_ms
-        self._thread.join(timeout=in_flight_ms / 1000 + 1)
+        if self.started:  # a rank that fails before its first step never started heartbeating
+            self._thread.join(timeout=in_flight_ms / 1000 + 1)
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
             self._conn.post("/v1/leave", {"replica_id": self._replica_id, "rank": self._rank},
                             timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)

@@ -23,21 +23,37 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ModuleState:
-    """Getter and loader of a module's parameters and buffers (this rank's shards), for ``register_state``.
+    """Getter and loader of a module's parameters and persistent buffers (this rank's shards), for
+    ``register_state``. Non-persistent buffers (``persistent=False``: caches a module rebuilds, such as rotary
+    tables or masks) are not state and do not travel.
 
     Captures the parameter objects once, at construction (after ``fully_shard``, before training): the catch-up
     snapshot runs on a background thread during forward and backward, when FSDP2 has swapped the module's
     registered parameters for unsharded ones; the sharded DTensors captured here (the optimizer's own parameters)
-    hold this rank's shard throughout.
+    hold this rank's shard throughout. Buffers, unlike parameters, change during forward (BatchNorm's running
+    statistics): a training loop that calls ``hold_buffers`` before each step's first forward has that copy served
+    instead of the live buffers, so a snapshot never reads them while a forward writes them.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._parameters = list(module.named_parameters())
-        self._buffers = list(module.named_buffers())
+        self._buffers = _persistent_buffers(module)
+        self._held: dict[str, torch.Tensor] | None = None
+
+    def hold_buffers(self) -> None:
+        """Copy the buffers as they are now; ``get`` serves this copy until the next ``hold_buffers`` or ``load``."""
+        if not self._buffers:
+            return
+        held = self._held or {name: torch.empty_like(local(b)) for name, b in self._buffers}
+        with torch.no_grad():
+            for name, b in self._buffers:
+                held[name].copy_(local(b))
+        self._held = held
 
     def get(self) -> StateTree:
+        buffers = self._held or {name: local(b).detach() for name, b in self._buffers}
         return {name: local(p).detach() for name, p in self._parameters} | {
-            f"buffer:{name}": local(b).detach() for name, b in self._buffers}
+            f"buffer:{name}": b for name, b in buffers.items()}
 
     def load(self, tree: StateTree) -> None:
         expected = {name for name, _ in self._parameters} | {f"buffer:{name}" for name, _ in self._buffers}
@@ -49,6 +65,20 @@ class ModuleState:
                 local(p).copy_(tree[name])
             for name, b in self._buffers:
                 local(b).copy_(tree[f"buffer:{name}"])
+        self._held = None
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_buffers`` without the non-persistent ones (which ``state_dict`` leaves out too)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is None or name in owner._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            found.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return found
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> StateTree:

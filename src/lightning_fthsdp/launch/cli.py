@@ -140,6 +140,8 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
           f"{report['discarded_steps']}; every group finished: {reached}")
     if loss["first"] is not None:
         print(f"  loss: {loss['first']:.4f} -> {loss['last']:.4f} ({'fell' if loss['fell'] else 'did NOT fall'})")
+    if report["val_loss"]["final"] is not None:
+        print(f"  held-out validation loss at step {report['val_loss']['step']}: {report['val_loss']['final']:.4f}")
     print(f"  failures injected: {report['failures_injected']}; stalls of the healthy groups (s): "
           f"{report['stalls_s']}")
     for r in report["recoveries"]:

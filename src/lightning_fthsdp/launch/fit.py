@@ -23,9 +23,9 @@ RECORDER = "lightning_fthsdp.launch.recorder.LaunchRecorder"
 _TASKS = {  # task -> (LightningModule, LightningDataModule, model fields, data fields) of its recipe section
     "lm": ("lightning_fthsdp.models.gpt.DecoderLM", "lightning_fthsdp.models.text.StdlibTextData",
            ("style", "n_layer", "n_head", "d_model", "context", "lr", "weight_decay", "warmup_steps"),
-           ("context", "corpus_mb", "batch_size")),
+           ("context", "corpus_mb", "batch_size", "val_windows")),
     "regression": ("lightning_fthsdp.models.mlp.Regressor", "lightning_fthsdp.models.mlp.RegressionData",
-                   ("features", "width", "blocks", "lr"), ("samples", "features", "batch_size")),
+                   ("features", "width", "blocks", "lr"), ("samples", "features", "batch_size", "val_samples")),
 }
 
 
@@ -87,7 +87,8 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[s
             "gradient_clip_val": trainer.gradient_clip_val, "log_every_n_steps": trainer.log_every_n_steps,
             "strategy": {"class_path": STRATEGY,
                          "init_args": {"lr_scaling": recipe.ft.lr_scaling,
-                                       "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts}},
+                                       "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts,
+                                       "validate_every_n_steps": trainer.val_every_n_steps}},
             "callbacks": callbacks,
         },
         "model": {"class_path": model_path, "init_args": {f: getattr(section, f) for f in model_fields}},

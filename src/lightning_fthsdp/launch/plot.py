@@ -20,7 +20,11 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     for replica_id, rows in report["losses"].items():
         if rows:
             loss_ax.plot([r[1] for r in rows], [r[2] for r in rows], ".", ms=3, label=f"group {replica_id}")
-    loss_ax.set(title="training loss per replica group", xlabel="committed step", ylabel="loss")
+    for replica_id, rows in report.get("val_losses", {}).items():
+        if rows:
+            loss_ax.plot([r[1] for r in rows], [r[2] for r in rows], "o-", ms=5, lw=1,
+                         label=f"held-out validation, group {replica_id}")
+    loss_ax.set(title="loss per replica group (trained steps only)", xlabel="committed step", ylabel="loss")
     loss_ax.legend(loc="upper right")
 
     groups = list(report["groups"])

@@ -11,6 +11,8 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   target's first committed step after it (restart and catch-up included), as ``fthsdp simulate --from-report``
   expects; ``caught_up``: the target loaded a peer's state (rather than resuming on its own).
 - ``final_params_identical``: every group finished and their full final parameters have the same digest.
+- ``val_loss``: the held-out validation loss at the last step any group validated (``final``: the mean over the
+  groups that validated it; they hold identical parameters) and ``val_losses`` every group's evaluations.
 - ``effective_training_time``: useful work / wall time between the first and the last committed step, where a
   step's useful work is (participants / replicas) x the median duration of fault-free steps (all replicas
   participating). 1.0 is a fault-free run; a stall earns nothing, a step with k of R groups earns k/R.
@@ -48,6 +50,9 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
                                "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("recoveries", 0) > 0})
     finals = {g.replica_id: g.params_sha256 for g in groups.values()}
     losses = _loss_by_step(steps)
+    vals = [r for g in groups.values() for r in g.records if r["event"] == "val"]
+    val_step = max((r["step"] for r in vals), default=None)
+    finals_val = [r["val_loss"] for r in vals if r["step"] == val_step]
     head, tail = losses[:10], losses[-10:]
     return {
         **meta,
@@ -66,8 +71,12 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
                                   "status": g.status, "discarded": g.discarded, "recoveries": g.recoveries,
                                   "params_sha256": g.params_sha256} for g in groups.values()},
         "timeline": [{**e, "t": round(e["t"] - t0, 3)} for e in transitions],
+        "val_loss": {"step": val_step, "final": _mean(finals_val)},
+        "val_losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["val_loss"], 5)]
+                                      for r in g.records if r["event"] == "val"] for g in groups.values()},
         "losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["loss"], 5)]
-                                  for r in g.records if r["event"] == "step"] for g in groups.values()},
+                                  for r in g.records if r["event"] == "step" and "loss" in r]
+                   for g in groups.values()},
     }
 
 
@@ -75,7 +84,8 @@ def _loss_by_step(steps: list[dict[str, Any]]) -> list[float]:
     """Mean loss over the groups that recorded each step, in step order."""
     by_step: dict[int, list[float]] = {}
     for r in steps:
-        by_step.setdefault(r["step"], []).append(r["loss"])
+        if "loss" in r:  # a step a group only followed has none
+            by_step.setdefault(r["step"], []).append(r["loss"])
     return [statistics.fmean(v) for _, v in sorted(by_step.items())]
 
 

@@ -165,7 +165,8 @@ class Supervisor:
             record = json.loads(line) | {"incarnation": state.incarnation}
             state.records.append(record)
             if record["event"] == "step":
-                state.step, state.loss = record["step"], record["loss"]
+                state.step = record["step"]
+                state.loss = record.get("loss", state.loss)  # none for a step the group only followed
                 state.participants = record.get("participants", [])
                 state.discarded = state._base_discarded + record.get("discarded", 0)
                 state.recoveries = state._base_recoveries + record.get("recoveries", 0)

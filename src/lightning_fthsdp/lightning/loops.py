@@ -25,11 +25,19 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_fthsdp.core.torch_state import StateTree
 
 
+def _step_progress(trainer: pl.Trainer) -> Any:
+    """The tracker ``trainer.global_step`` reads: automatic and manual optimization count steps apart."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        return epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    return epoch_loop.manual_optimization.optim_step_progress.total
+
+
 def job_counters(trainer: pl.Trainer) -> StateTree:
     """The job-wide counters at a step boundary (read on the serving group while its step is in flight)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     return {
-        "global_step": epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed,
+        "global_step": _step_progress(trainer).completed,
         "batches_that_stepped": epoch_loop._batches_that_stepped,
         "scheduler_steps": epoch_loop.scheduler_progress.total.completed,
     }
@@ -42,7 +50,7 @@ def load_job_counters(trainer: pl.Trainer, tree: StateTree) -> None:
     when ``optimizer_step`` returns, so ``completed`` is the source's value and ``ready`` one more.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
-    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step = _step_progress(trainer)
     step.completed = int(tree["global_step"])
     step.ready = step.completed + 1
     epoch_loop._batches_that_stepped = int(tree["batches_that_stepped"])
@@ -85,6 +93,24 @@ def take_over_schedulers(trainer: pl.Trainer) -> list[LRSchedulerConfig]:
     return [config for config in trainer.lr_scheduler_configs if not config.reduce_on_plateau]
 
 
+def validate_at_job_steps(trainer: pl.Trainer, every_n_steps: int) -> None:
+    """Run Lightning's validation loop after every committed step that is a multiple of ``every_n_steps`` (0: none)
+    and after the last one (``max_steps``), instead of at this group's own batch counts and epoch ends (which
+    differ between groups once one has restarted): every group then validates the same committed steps."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    last = [trainer.global_step]
+
+    def due(data_fetcher: Any) -> bool:
+        step = trainer.global_step
+        if step == last[0] or epoch_loop._should_accumulate():
+            return False  # nothing committed since the last check (an accumulation micro-batch, or a retry)
+        crossed = every_n_steps > 0 and step // every_n_steps > last[0] // every_n_steps
+        last[0] = step
+        return trainer.enable_validation and (crossed or step >= trainer.max_steps)
+
+    epoch_loop._should_check_val_fx = due  # type: ignore[method-assign]
+
+
 def step_scheduler(trainer: pl.Trainer, config: LRSchedulerConfig) -> None:
     """Step one scheduler as Lightning would (through the LightningModule's ``lr_scheduler_step`` hook)."""
     progress = trainer.fit_loop.epoch_loop.scheduler_progress
@@ -105,7 +131,7 @@ def replay_optimizer_step(trainer: pl.Trainer, closure: Callable[[], Any]) -> No
 def count_replayed_step(trainer: pl.Trainer) -> None:
     """Count a replayed step as Lightning counts a completed optimizer step."""
     epoch_loop = trainer.fit_loop.epoch_loop
-    step = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step = _step_progress(trainer)
     step.ready += 1  # the step in flight stays counted as ready: it completes when its optimizer_step returns
     step.completed += 1
     epoch_loop._batches_that_stepped += 1

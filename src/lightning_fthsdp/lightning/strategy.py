@@ -24,7 +24,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning.pytorch.utilities.types import STEP_OUTPUT, LRSchedulerConfig
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
@@ -40,8 +41,10 @@ from lightning_fthsdp.core.torch_state import (
 )
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import loops
+from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.lightning.metrics import FTMetrics, FTMetricsLogger
 from lightning_fthsdp.lightning.policy import DEFAULT_MIN_PARAMS, apply_fully_shard
+from lightning_fthsdp.lightning.root_forward import call_through_forward
 from lightning_fthsdp.lightning.sampler import ReplicaStreamSampler
 
 #: Fallbacks for the data topology; an explicit argument always wins.
@@ -86,6 +89,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         timeouts: the validated timeout hierarchy of the fault-tolerant path.
         auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
             child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
+        validate_every_n_steps: run the validation loop after every committed step that is a multiple of this (0:
+            none) and after the last one, in every group alike; None (default): Lightning's own schedule
+            (``val_check_interval``, epoch ends), which counts this group's own batches and epochs.
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
 
@@ -107,6 +113,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         keep_global_batch: bool = False,
         timeouts: Timeouts | None = None,
         auto_shard_min_params: int = DEFAULT_MIN_PARAMS,
+        validate_every_n_steps: int | None = None,
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -135,6 +142,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.keep_global_batch = keep_global_batch
         self.timeouts = timeouts or Timeouts()
         self.auto_shard_min_params = auto_shard_min_params
+        if validate_every_n_steps is not None and validate_every_n_steps < 0:
+            raise ValueError(f"FTHSDPStrategy validate_every_n_steps must be >= 0 (0: only after the last step) or "
+                             f"None (Lightning's own schedule), got {validate_every_n_steps}")
+        self.validate_every_n_steps = validate_every_n_steps
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
@@ -145,6 +156,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._unscaled_lrs: list[float] | None = None  # the step's learning rates before the degraded factor
         self._schedulers: list[LRSchedulerConfig] = []  # stepped by job-wide counts (see _step_schedulers)
         self._replaying = False  # inside the replay of a step held during catch-up
+        self._steps_through_root = False  # the policy sharded the root: step methods run through its forward
+        self._logs = DeferredLogs()  # a training step's self.log calls, logged once it commits as trained
+        self._trained_last_commit = True  # whether this group's gradients went into the last committed step
+        self._module_state: ModuleState | None = None
+        self._step_open = False  # a micro-batch of the next optimizer step has started
+        self._optimizer_steps_in_batch = 0
+        self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
+        self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
 
     @property
     def manager(self) -> FTManager:
@@ -228,21 +247,58 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 f"FTHSDPStrategy cannot keep {type(plateau[0].scheduler).__name__} identical across "
                 f"{self.num_replica_groups} replica groups: it steps on a metric each group monitors at its own epoch "
                 "ends. Use a schedule of steps or epochs (e.g. CosineAnnealingLR, StepLR), or one replica group")
+        if self.validate_every_n_steps is not None:
+            loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
         if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
             self._schedulers = loops.take_over_schedulers(trainer)
+        elif len(self.optimizers) > 1 and self.num_replica_groups > 1:
+            raise ValueError(
+                f"FTHSDPStrategy cannot keep {len(self.optimizers)} optimizers of manual optimization in step across "
+                f"{self.num_replica_groups} replica groups: which one steps would depend on each group's own batch "
+                "index, and a restarted group joins at another. Put every model in one optimizer (a param group "
+                "each, e.g. torch.optim.Adam([{'params': g.parameters()}, {'params': d.parameters(), 'lr': 1e-4}])) "
+                "and step it once per training_step")
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not self._step_open:
+            # Before the step's first forward changes them: what a recovering group receives of this step.
+            assert self._module_state is not None
+            self._module_state.hold_buffers()
+            self._step_open = True
+        self._optimizer_steps_in_batch = 0
         # Overlap the quorum request with this step's forward and backward (only on the stepping micro-batch).
         if not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
             self.manager.begin_step()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module = self.lightning_module
+        with self.precision_plugin.train_step_context(), self._logs.recording(module):
+            output = self._step_method("training_step", *args, **kwargs)
+        if not module.automatic_optimization:  # its optimizer steps (and commits) ran inside the step
+            self._logs.flush(module, trained=self._trained_last_commit)
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.val_step_context():
+            return self._step_method("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.test_step_context():
+            return self._step_method("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step_method("predict_step", *args, **kwargs)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """FSDP2's reduce-scatter is skipped during accumulation micro-batches (Lightning only knows DDP's)."""
-        from torch.distributed.fsdp import FSDPModule
-
         units = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -263,6 +319,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
+        self._optimizer_steps_in_batch += 1
+        if self._optimizer_steps_in_batch > 1 and self.num_replica_groups > 1:
+            raise ValueError(
+                f"FTHSDPStrategy needs one optimizer step per training batch across {self.num_replica_groups} replica "
+                f"groups, got {self._optimizer_steps_in_batch}: a restarted group joins at a batch boundary and must "
+                "take the same step as the others. Put every model in one optimizer (a param group each) and step "
+                "it once per training_step")
 
         def closure_then_sync() -> Any:
             result = closure()
@@ -323,7 +386,30 @@ class FTHSDPStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------- helpers
 
     def _configure_model_by_policy(self, module: pl.LightningModule) -> None:
-        apply_fully_shard(module, self.device_mesh["data_parallel"], self.auto_shard_min_params)
+        mesh = self.device_mesh["data_parallel"]
+        if module.automatic_optimization:
+            apply_fully_shard(module, mesh, self.auto_shard_min_params)
+            self._steps_through_root = True
+            return
+        # Manual optimization steps the optimizer inside training_step, so the step cannot run inside the root's
+        # forward (its parameters must be sharded again for the step): every direct child is a unit of its own.
+        apply_fully_shard(module, mesh, min_params=0)
+        units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+        held = [name for name, p in module.named_parameters() if not any(_holds(u, p) for u in units)]
+        if held:
+            raise ValueError(
+                f"FTHSDPStrategy cannot shard {type(module).__name__} for manual optimization without configure_model: "
+                f"parameters {held} are held by the LightningModule itself or tied across its children. Move them "
+                "into a submodule, or define configure_model and call fully_shard on the modules training_step uses")
+
+    def _step_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the LightningModule's step method ``name``; through the root unit's forward when the policy sharded
+        the root (see ``root_forward``), so the step may use any parameter, however it reaches it."""
+        module = self.lightning_module
+        assert module is not None
+        if self._steps_through_root:
+            return call_through_forward(module, name, *args, **kwargs)
+        return getattr(module, name)(*args, **kwargs)
 
     def _step_at_degraded_lr(self, optimizer: Optimizer, closure: Callable[[], Any],
                              model: pl.LightningModule | torch.nn.Module | None, **kwargs: Any) -> Any:
@@ -346,6 +432,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         schedulers and Lightning's step counters advance."""
         def held_step_closure() -> torch.Tensor:
             # Where a trained step's closure ends with the sync; the gradients are in place already.
+            self._drop_missing_gradients()
             self._scale_lr(self.optimizers[0], len(self.manager.participants))
             return torch.zeros(())  # not None: tells Lightning's precision plugins a backward ran
 
@@ -382,16 +469,21 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _sync_until_committed(self, optimizer: Optimizer) -> None:
         assert self.model is not None
         manager = self.manager
-        for p in self.model.parameters():
-            if p.grad is None and p.requires_grad:
-                p.grad = torch.zeros_like(p)  # every group must send the same tensors (gloo sizes must match)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        ours = [local(p.grad).clone() for p in params]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Every group must send the same tensors (gloo sizes must match): a missing gradient is sent as zeros, and
+        # a flag per parameter says whether a group had one, so a parameter no group had a gradient for is skipped
+        # by the optimizer (as without us) instead of stepped with zeros (weight decay, momentum, Adam's state).
+        self._had_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.root_device)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._synced = [(p, p.grad) for p in params]
+        ours = [local(p.grad).clone() for p in params] + [self._had_grad.clone()]
         started, attempts = time.monotonic(), 0
         while True:
             attempts += 1
             self._train_extra_batches(manager.step_batches() - 1, optimizer)
-            grads = [local(p.grad) for p in params]
+            grads = [local(p.grad) for p in params] + [self._had_grad]
             self._fire_fault("before")
             manager.sync_gradients(grads)
             self._check_quorum_size()
@@ -401,8 +493,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
             for grad, own in zip(grads, ours, strict=True):
                 grad.copy_(own)
             last_failed = time.monotonic()
+        self._drop_missing_gradients()
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
+        self._trained_last_commit = participated
+        self._step_open = False
+        if self.lightning_module.automatic_optimization:
+            self._logs.flush(self.lightning_module, trained=participated)
         self._stream_step += 1
         if self._caught_up or not participated or manager.next_batch_index != self._stream_step:
             # Catch-up (or a commit made without us): our data stream continues at our committed position.
@@ -436,6 +533,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
                                  f"(a tensor or a dict with 'loss'), got {type(output).__name__}")
             self.backward(loss / accumulate, optimizer)
 
+    def _drop_missing_gradients(self) -> None:
+        """After the exchange: no gradient (None) for a parameter no contributing group had one for. The exchanged
+        tensor is attached again otherwise (a replayed step before this one may have dropped it)."""
+        for (p, grad), had in zip(self._synced, self._had_grad.tolist(), strict=True):
+            p.grad = grad if had > 0.0 else None
+
     def _scale_lr(self, optimizer: Optimizer, healthy: int) -> None:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         self._unscaled_lrs = [group["lr"] for group in inner.param_groups]
@@ -456,7 +559,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _register_catchup_state(self, trainer: pl.Trainer) -> None:
         """What a restarted group fetches from a healthy one, loaded inside the step it catches up in."""
         assert self.model is not None
-        model = ModuleState(self.model)
+        model = self._module_state = ModuleState(self.model)
         manager = self.manager
         manager.register_state("model", model.get, model.load)
         for i, optimizer in enumerate(self.optimizers):
@@ -475,6 +578,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _fire_fault(self, phase: str) -> None:
         if self._fault is not None and self._manager is not None:
             self._fault.fire_if(self._manager.step, phase, self._manager.rank)
+
+
+def _holds(unit: torch.nn.Module, param: torch.Tensor) -> bool:
+    return any(p is param for p in unit.parameters())
 
 
 def refuse_loss_scaling(precision: Any) -> None:

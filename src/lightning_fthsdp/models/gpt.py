@@ -87,6 +87,10 @@ class DecoderLM(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        self.log("val_loss", F.cross_entropy(self(tokens).flatten(0, 1), targets.flatten()), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_fthsdp.models.held_out import held_out
 
 log = logging.getLogger("fthsdp.data")
 _SKIPPED_PARTS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -62,18 +64,27 @@ class ByteWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class StdlibTextData(pl.LightningDataModule):
-    """Byte-level windows of the standard library's source text (shuffled by Lightning's sampler)."""
+    """Byte-level windows of the standard library's source text (shuffled by Lightning's sampler); the last
+    ``val_windows`` windows of the corpus are held out for validation and never trained on."""
 
-    def __init__(self, context: int = 64, corpus_mb: float = 2.0, batch_size: int = 16) -> None:
+    def __init__(self, context: int = 64, corpus_mb: float = 2.0, batch_size: int = 16, val_windows: int = 256) -> None:
         super().__init__()
         self.context, self.corpus_bytes, self.batch_size = context, int(corpus_mb * 2**20), batch_size
-        self._dataset: ByteWindows | None = None
+        self.val_windows = val_windows
+        self._train: Subset[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._val: Subset[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def setup(self, stage: str) -> None:
         corpus = stdlib_corpus(self.corpus_bytes)
         log.info("corpus: %d bytes of stdlib source, sha256 %s", len(corpus), hashlib.sha256(corpus).hexdigest()[:16])
-        self._dataset = ByteWindows(corpus, self.context)
+        windows = ByteWindows(corpus, self.context)
+        self._train, self._val = held_out(windows, self.val_windows, "val_windows")
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
-        assert self._dataset is not None, "Lightning calls setup() before train_dataloader()"
-        return DataLoader(self._dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        assert self._train is not None, "Lightning calls setup() before train_dataloader()"
+        return DataLoader(self._train, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        assert self._val is not None, "Lightning calls setup() before val_dataloader()"
+        return DataLoader(self._val, batch_size=self.batch_size)
+

@@ -114,9 +114,9 @@ class Job:
         return group
 
     def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path,
-                      env: dict[str, str] | None = None) -> Group:
+                      env: dict[str, str] | None = None, cwd: Path = ROOT) -> Group:
         """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours."""
-        group = Group(replica_id, self._spawn(cmd, log, env), jsonl, log)
+        group = Group(replica_id, self._spawn(cmd, log, env, cwd), jsonl, log)
         self.groups[replica_id] = group
         return group
 
@@ -144,10 +144,11 @@ class Job:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
 
-    def _spawn(self, cmd: list[str], out: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def _spawn(self, cmd: list[str], out: Path, extra_env: dict[str, str] | None = None,
+               cwd: Path = ROOT) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         with out.open("wb") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)
         self._procs.append(proc)
         return proc

@@ -1,0 +1,221 @@
+"""Module shapes people write, and Lightning's own demo modules, unchanged under ``strategy="fthsdp"``: real replica
+groups of two ranks against a real lighthouse, identical to single-process training where the shape allows the
+comparison, and a group killed and restarted that catches up and ends identical."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+
+from . import shapes
+from .groups import ANY_MODULE, max_diff, start_lightning_group
+
+pytestmark = pytest.mark.integration
+DEMOS = "lightning.pytorch.demos"
+
+
+def run_pair(job: Job, model: str, steps: int, extra: tuple[str, ...] = ()) -> dict[str, dict[str, torch.Tensor]]:
+    """Train ``model`` as groups a and b of two ranks each, to the end; their full final parameters."""
+    groups = {}
+    for rid in ("a", "b"):
+        params = job.workdir / f"{rid}.pt"
+        groups[rid] = start_lightning_group(job, rid, devices=2, max_steps=steps, script=ANY_MODULE,
+                                            extra=(f"--model={model}", f"--recorder.params={params}", *extra))
+    for group in groups.values():
+        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+    return {rid: torch.load(job.workdir / f"{rid}.pt") for rid in groups}
+
+
+def single_process(name: str, steps: int, *, shards: int = 4, accumulate: int = 1,
+                   clip: float | None = None) -> dict[str, torch.Tensor]:
+    """One process training ``shapes.<name>`` on every shard's batch of each step at once (the union, in the
+    order the shards' samplers give it), with the module's own optimizer and scheduler."""
+    from lightning.pytorch import seed_everything
+
+    seed_everything(0)
+    model = getattr(shapes, name)()
+    loader = model.train_dataloader()
+    data, batch_size = loader.dataset, loader.batch_size
+    configured = model.configure_optimizers()
+    optimizer, scheduler = ((configured["optimizer"], configured["lr_scheduler"]["scheduler"])
+                            if isinstance(configured, dict) else (configured, None))
+    samplers = [DistributedSampler(data, num_replicas=shards, rank=k, shuffle=True, seed=0) for k in range(shards)]
+    per_epoch = samplers[0].num_samples // batch_size
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            epoch, offset = divmod(step * accumulate + micro, per_epoch)
+            index: list[int] = []
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+                index += list(sampler)[offset * batch_size:(offset + 1) * batch_size]
+            (model.training_step(data[index], step) / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+EQUIVALENT: dict[str, dict[str, Any]] = {
+    "DirectSubmodules": {},
+    "SelfAndSubmodules": {},
+    "RootParameter": {},
+    "TiedWeights": {},
+    "FrozenAndUnused": {},
+    "ScheduledStep": {"accumulate": 2, "clip": 0.05},
+    "ValidatedAndLogged": {"val_check_interval": 2},
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", EQUIVALENT)
+def test_two_groups_of_two_ranks_train_the_shape_as_one_process_would(job: Job, name: str) -> None:
+    options = EQUIVALENT[name]
+    steps, extra = 6, []
+    if "accumulate" in options:
+        extra += [f"--trainer.accumulate_grad_batches={options['accumulate']}",
+                  f"--trainer.gradient_clip_val={options['clip']}"]
+    if "val_check_interval" in options:
+        extra += [f"--trainer.val_check_interval={options['val_check_interval']}"]
+    params = run_pair(job, f"shapes.{name}", steps, tuple(extra))
+    expected = single_process(name, steps, accumulate=options.get("accumulate", 1), clip=options.get("clip"))
+    assert max_diff(params["a"], params["b"]) == 0.0
+    for key, value in expected.items():
+        torch.testing.assert_close(params["a"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+    a_steps = job.groups["a"].records("step")
+    assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1))
+
+    if name == "TiedWeights":  # one tensor, still shared: a broken tie would list the head's weight on its own
+        assert "head.weight" not in params["a"] and "embed.weight" in params["a"]
+    if name == "FrozenAndUnused":
+        from lightning.pytorch import seed_everything
+
+        seed_everything(0)
+        initial = dict(shapes.FrozenAndUnused().named_parameters())
+        for key in ("frozen.weight", "unused.weight", "unused.bias"):
+            assert torch.equal(params["a"][key], initial[key].detach()), f"{key} changed without a gradient"
+    if name == "ValidatedAndLogged":
+        for rank in (0, 1):
+            # Validation runs after steps 2 and 4 (and 6), after their records: its value shows from step 3 on.
+            val = [r["metrics"].get("val_loss") for r in job.groups["a"].records("step", rank=rank)]
+            assert None not in val[2:] and val[2] != val[4], f"validation every 2 batches must log val_loss: {val}"
+        by_rank = [{r["global_step"]: r["metrics"]["train_loss"] for r in job.groups["b"].records("step", rank=k)}
+                   for k in (0, 1)]
+        assert by_rank[0] == by_rank[1], "sync_dist=True must give both ranks of a group the same value"
+
+
+def write_text_corpus(workdir: Path) -> int:
+    """``<workdir>/data/wikitext-2.txt`` for Lightning's transformer demo, from the standard library's own source
+    (nothing is downloaded); returns the demo's vocabulary size for it."""
+    source = Path(textwrap.__file__).read_text().splitlines()[:160]
+    (workdir / "data").mkdir()
+    (workdir / "data" / "wikitext-2.txt").write_text("\n".join(source) + "\n")
+    return len({word for line in source for word in line.split()} | {"<eos>"})
+
+
+def kill_and_restart(job: Job, model_args: tuple[str, ...], cwd: Path = ROOT) -> tuple[Group, Group, int]:
+    """a trains alone from the start; b joins, kills itself (SIGKILL) in its cross-group allreduce of step >= 4,
+    restarts and catches up from a; both train to the end. Returns a, b and how many steps b's first life logged."""
+    steps = 150  # at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
+
+    def start(replica_id: str, *extra: str) -> Group:
+        return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=ANY_MODULE, cwd=cwd,
+                                     extra=(*model_args, "--recorder.sleep_s=0.15", *extra))
+
+    a = start("a")
+    wait_for(lambda: a.records("step"), 90, "group a's first step")
+    b = start("b", "--trainer.strategy.fault=sigkill:step=4:phase=allreduce")
+    job.wait_exit(b, 90)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
+    first_life = len(b.records("step"))
+    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
+             "group a to discard the failed step and continue alone")
+    b = start("b")
+    for group in (a, b):
+        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+
+    for rank in (0, 1):
+        a_steps, b_steps = a.records("step", rank=rank), b.records("step", rank=rank)[first_life:]
+        assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a lost or repeated a step"
+        assert b_steps[0]["recoveries"] and b_steps[0]["recoveries"][0]["source"] == "a", b_steps[0]
+        assert [r["global_step"] for r in b_steps] == list(range(b_steps[0]["global_step"], steps + 1))
+        by_step = {r["global_step"]: r["params_sha256"] for r in a_steps}
+        assert all(by_step[r["global_step"]] == r["params_sha256"] for r in b_steps), "a and b differ at a step"
+        assert a.records("end", rank=rank)[0]["params_sha256"] == b.records("end", rank=rank)[0]["params_sha256"]
+    return a, b, first_life
+
+
+KILLED = {
+    "issue_module": ("--model=shapes.DirectSubmodules",),
+    "root_parameter": ("--model=shapes.RootParameter",),
+    "tied_weights": ("--model=shapes.TiedWeights",),
+    "boring_model": (f"--model={DEMOS}.boring_classes.BoringModel",),
+    "manual_optimization_boring_model": (f"--model={DEMOS}.boring_classes.ManualOptimBoringModel",),
+    "demo_model_on_boring_data": (f"--model={DEMOS}.boring_classes.DemoModel",
+                                  f"--data={DEMOS}.boring_classes.BoringDataModule"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape", KILLED)
+def test_killed_group_catches_up(job_alone_ok: Job, shape: str) -> None:
+    kill_and_restart(job_alone_ok, KILLED[shape])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_transformer_demo_on_standard_library_text(job_alone_ok: Job) -> None:
+    vocab = write_text_corpus(job_alone_ok.workdir)
+    kill_and_restart(job_alone_ok, (f"--model={DEMOS}.transformer.LightningTransformer",
+                                    f"--model.vocab_size={vocab}"), cwd=job_alone_ok.workdir)
+
+
+@pytest.mark.timeout(300)
+def test_batchnorm_buffers_come_from_the_same_rank_of_the_source(job_alone_ok: Job) -> None:
+    """A restarted group receives, on each shard rank, the running statistics the source's same rank held at the
+    end of the step it loads (then updates them from its own batches)."""
+    a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.BatchNormNet",))
+    for rank in (0, 1):
+        first = b.records("step", rank=rank)[first_life]
+        recovery = first["recoveries"][0]
+        assert first["global_step"] == recovery["step"] + recovery["replayed"] + 1  # no forward since the load
+        source = {r["global_step"]: r["buffers_sha256"] for r in a.records("step", rank=rank)}
+        assert first["buffers_sha256"] == source[recovery["step"]]
+    a_ranks = [a.records("step", rank=k)[-1]["buffers_sha256"] for k in (0, 1)]
+    assert a_ranks[0] != a_ranks[1], "each rank's statistics come from its own batches"
+
+
+@pytest.mark.timeout(300)
+def test_a_followed_step_never_reaches_the_logged_metrics(job_alone_ok: Job) -> None:
+    """b's first step after its restart runs on weights it has not loaded yet (it follows, contributing nothing):
+    its train_loss is never logged, while every step b trains logs one."""
+    a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.ValidatedAndLogged",
+                                                       "--trainer.val_check_interval=4"))
+    for rank in (0, 1):
+        second_life = b.records("step", rank=rank)[first_life:]
+        assert "train_loss" not in second_life[0]["metrics"], second_life[0]
+        assert "b" not in second_life[0]["participants"]
+        assert all("train_loss" in r["metrics"] for r in second_life[1:])
+        assert all("train_loss" in r["metrics"] for r in a.records("step", rank=rank))
+
+
+def test_manual_optimization_with_two_optimizers_is_refused_with_the_fix(job: Job) -> None:
+    a = start_lightning_group(job, "a", devices=1, max_steps=3, script=ANY_MODULE,
+                              extra=("--model=shapes.TwoOptimizersManual",))
+    assert job.wait_exit(a, 90) != 0
+    log = a.log.read_text()
+    assert "cannot keep 2 optimizers of manual optimization in step across 2 replica groups" in log
+    assert "Put every model in one optimizer" in log
+
