@@ -195,3 +195,35 @@ class TwoOptimizersManual(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(regression_data(), batch_size=4, shuffle=True)
+
+
+class ManualRootParameter(DirectSubmodules):
+    """Manual optimization with a parameter the LightningModule holds itself (refused without configure_model)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(F.mse_loss(self.net(x) * self.scale, y))
+        optimizer.step()
+
+
+class ManualTwoStepsPerBatch(DirectSubmodules):
+    """Manual optimization stepping its one optimizer twice per batch (refused)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        optimizer = self.optimizers()
+        for _ in range(2):
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self.net(x), y))
+            optimizer.step()

@@ -139,3 +139,49 @@ def test_policy_leaves_tied_modules_to_the_root() -> None:
 
     model = Tied()
     assert shard_units(model, min_params=1) == [model.mix]
+
+
+def test_policy_for_manual_optimization_shards_every_holder_outside_a_unit() -> None:
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.norm = nn.LayerNorm(8)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = Encoder()
+            self.head = nn.Linear(8, 2)
+
+    model = Model()
+    assert shard_units(model, min_params=0) == [*model.encoder.layers, model.head]
+    assert shard_units(model, min_params=0, every_holder=True) == [
+        *model.encoder.layers, model.head, model.encoder.embed, model.encoder.norm]
+
+
+@pytest.mark.parametrize(("every", "max_steps", "validated"), [
+    (4, 10, [4, 8, 10]),  # multiples, then the last step
+    (0, 10, [10]),  # only the last
+    (4, -1, [4, 8]),  # no max_steps: no "last step" to add
+])
+def test_validation_at_job_steps(every: int, max_steps: int, validated: list[int]) -> None:
+    from types import SimpleNamespace
+
+    from lightning_fthsdp.lightning.loops import validate_at_job_steps
+
+    trainer = SimpleNamespace(global_step=0, max_steps=max_steps, enable_validation=True,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    validate_at_job_steps(trainer, every)  # type: ignore[arg-type]
+    due = trainer.fit_loop.epoch_loop._should_check_val_fx
+    seen = []
+    for step in [1, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10]:  # a repeated step: an accumulation micro-batch
+        trainer.global_step = step
+        if due(None):
+            seen.append(step)
+    assert seen == validated
+    trainer.global_step = 0
+    validate_at_job_steps(trainer, 4)  # type: ignore[arg-type]
+    trainer.global_step = 7  # a catch-up jumped from 0 to 7 past the multiple 4: the others validated that one
+    assert not trainer.fit_loop.epoch_loop._should_check_val_fx(None)

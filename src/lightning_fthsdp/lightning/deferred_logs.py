@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-_MISSING = object()
+from lightning_fthsdp.lightning.instance_attribute import set_for_now
 
 
 class DeferredLogs:
@@ -28,30 +28,29 @@ class DeferredLogs:
     @contextmanager
     def recording(self, module: pl.LightningModule) -> Generator[None, None, None]:
         """While inside, ``module.log`` (and ``log_dict``, which calls it) records instead of logging."""
-        own_log = module.__dict__.get("log", _MISSING)
-
-        def record(*args: Any, **kwargs: Any) -> None:
-            self._calls.append((args, kwargs))
-
-        module.__dict__["log"] = record
+        restore = set_for_now(module, "log", lambda *args, **kwargs: self._calls.append((args, kwargs)))
         try:
             yield
         finally:
-            if own_log is _MISSING:
-                module.__dict__.pop("log", None)
-            else:
-                module.__dict__["log"] = own_log
+            restore()
+
+    def mark(self) -> int:
+        """A point to ``rewind`` to."""
+        return len(self._calls)
+
+    def rewind(self, mark: int) -> None:
+        """Forget the calls recorded since ``mark`` (a discarded attempt's extra batches, trained again)."""
+        del self._calls[mark:]
 
     def flush(self, module: pl.LightningModule, *, trained: bool) -> None:
         """Log the recorded calls as ``training_step`` would have (``trained``), or drop them."""
         calls, self._calls = self._calls, []
         if not trained or not calls:
             return
-        log = module.__dict__.get("log") or type(module).log.__get__(module)
         previous = module._current_fx_name  # Lightning checks where a value is logged from by this name
         module._current_fx_name = "training_step"
         try:
             for args, kwargs in calls:
-                log(*args, **kwargs)
+                module.log(*args, **kwargs)
         finally:
             module._current_fx_name = previous

@@ -95,18 +95,19 @@ def take_over_schedulers(trainer: pl.Trainer) -> list[LRSchedulerConfig]:
 
 def validate_at_job_steps(trainer: pl.Trainer, every_n_steps: int) -> None:
     """Run Lightning's validation loop after every committed step that is a multiple of ``every_n_steps`` (0: none)
-    and after the last one (``max_steps``), instead of at this group's own batch counts and epoch ends (which
-    differ between groups once one has restarted): every group then validates the same committed steps."""
+    and after the last one (``max_steps``, if set), instead of at this group's own batch counts and epoch ends
+    (which differ between groups once one has restarted): every group validates the same committed steps. A group
+    that reaches a step by catching up (its counter jumps past a multiple) does not validate the steps it skipped."""
     epoch_loop = trainer.fit_loop.epoch_loop
     last = [trainer.global_step]
 
     def due(data_fetcher: Any) -> bool:
         step = trainer.global_step
-        if step == last[0] or epoch_loop._should_accumulate():
-            return False  # nothing committed since the last check (an accumulation micro-batch, or a retry)
-        crossed = every_n_steps > 0 and step // every_n_steps > last[0] // every_n_steps
+        if step == last[0]:
+            return False  # an accumulation micro-batch: nothing was committed
         last[0] = step
-        return trainer.enable_validation and (crossed or step >= trainer.max_steps)
+        multiple = every_n_steps > 0 and step % every_n_steps == 0
+        return trainer.enable_validation and (multiple or step == trainer.max_steps)
 
     epoch_loop._should_check_val_fx = due  # type: ignore[method-assign]
 

@@ -8,6 +8,10 @@ Policy (FSDP2's usual recipe, per transformer block then the root):
    of rule 1;
 3. the LightningModule itself, which takes every parameter not in a unit (so nothing stays unsharded).
 
+With ``every_holder`` (manual optimization, where nothing may be left to the root), every module below the root
+that directly holds parameters outside the units of rules 1 and 2 is a unit too (an encoder's embedding and final
+norm beside its block list).
+
 A candidate of rules 1 and 2 that shares a parameter with a module outside it (tied weights: an embedding and an
 output head holding one tensor) is left to an enclosing unit: FSDP2 manages a parameter in one unit only, and the
 tie survives sharding only if both modules hold the very same sharded parameter.
@@ -26,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 DEFAULT_MIN_PARAMS = 1_000_000
 
 
-def shard_units(root: nn.Module, min_params: int = DEFAULT_MIN_PARAMS) -> list[nn.Module]:
-    """The modules rules 1 and 2 shard, in the order they are wrapped (the root comes after them)."""
+def shard_units(root: nn.Module, min_params: int = DEFAULT_MIN_PARAMS, every_holder: bool = False) -> list[nn.Module]:
+    """The modules the rules shard, in the order they are wrapped (the root comes after them)."""
     units: list[nn.Module] = []
     for _, module in root.named_modules():
         if isinstance(module, nn.ModuleList) and not any(_contains(u, module) for u in units):
@@ -37,14 +41,21 @@ def shard_units(root: nn.Module, min_params: int = DEFAULT_MIN_PARAMS) -> list[n
         size = sum(p.numel() for p in child.parameters())
         if not holds_unit and size > 0 and size >= min_params and not _tied(child, root):
             units.append(child)
+    if every_holder:
+        for module in root.modules():
+            holds = any(True for _ in module.parameters(recurse=False))
+            inside = any(_contains(u, module) for u in units)
+            if module is not root and holds and not inside and not _tied(module, root):
+                units.append(module)
     return units
 
 
-def apply_fully_shard(root: nn.Module, mesh: DeviceMesh, min_params: int = DEFAULT_MIN_PARAMS) -> None:
+def apply_fully_shard(root: nn.Module, mesh: DeviceMesh, min_params: int = DEFAULT_MIN_PARAMS,
+                      every_holder: bool = False) -> None:
     """Shard ``root`` over ``mesh`` by the module's policy (idempotent)."""
     if isinstance(root, FSDPModule):
         return
-    for unit in shard_units(root, min_params):
+    for unit in shard_units(root, min_params, every_holder):
         if not isinstance(unit, FSDPModule):
             fully_shard(unit, mesh=mesh)
     fully_shard(root, mesh=mesh)

@@ -6,17 +6,26 @@ post-forward hook registers the reduce-scatter of their gradients for backward. 
 ``self.net(x)`` instead of ``self(x)`` never passes through that ``forward``, so the root's parameters stay sharded
 DTensors ("got mixed torch.Tensor and DTensor"). Lightning's DDP and FSDP1 strategies solve this with a wrapper
 module; with FSDP2 the LightningModule is its own wrapper, so the step method is called through ``module(...)``
-with ``forward`` swapped for one call. A step that also calls ``self(x)`` enters the root's ``forward`` a second
-time, nested: FSDP2 treats a nested root call as an ordinary forward of an already gathered unit.
+with ``forward`` swapped for one call. (Lightning's own ``_ForwardRedirection`` does the swap too, but leaves a
+bound ``forward`` on the instance and nothing restores it when the step raises.)
+
+A step that also calls ``self(x)`` enters the root's ``forward`` again, nested. The root's parameters are gathered
+for the whole step already; run through FSDP2's hooks, the nested call's post-forward would reshard them and
+backward would gather them a second time. So while the step runs, the root unit's own two forward hooks are
+hidden (its children's units keep theirs). That reads FSDP2's hook handles (``_get_fsdp_state``,
+``_pre_forward_hook_handle``, ``_post_forward_hook_handle``) and ``nn.Module``'s hook dictionaries: private
+members, checked by tests/unit/test_root_forward.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-_MISSING = object()
+from lightning_fthsdp.lightning.instance_attribute import set_for_now
 
 
 def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwargs: Any) -> Any:
@@ -24,20 +33,37 @@ def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwar
     if method_name == "forward":
         raise ValueError("call_through_forward routes another method through forward, not forward itself")
     method = getattr(module, method_name)
-    own_forward = module.__dict__.get("forward", _MISSING)  # an instance attribute someone else set, kept as is
-
-    def restore() -> None:
-        if own_forward is _MISSING:
-            module.__dict__.pop("forward", None)
-        else:
-            module.__dict__["forward"] = own_forward
 
     def step_as_forward(*step_args: Any, **step_kwargs: Any) -> Any:
-        restore()  # before the step runs: a ``self(x)`` inside it must reach the module's real forward
-        return method(*step_args, **step_kwargs)
+        restore_forward()  # before the step runs: a ``self(x)`` inside it must reach the module's real forward
+        show_hooks = _hide_own_fsdp_hooks(module)
+        try:
+            return method(*step_args, **step_kwargs)
+        finally:
+            show_hooks()  # before the outer call's post-forward hooks are read
 
-    module.__dict__["forward"] = step_as_forward
+    restore_forward = set_for_now(module, "forward", step_as_forward)
     try:
         return module(*args, **kwargs)
     finally:
-        restore()
+        restore_forward()
+
+
+def _hide_own_fsdp_hooks(module: nn.Module) -> Callable[[], None]:
+    """Take the module's own FSDP2 forward hooks out of its hook dictionaries; returns the call that puts both
+    dictionaries back as they were (same hooks, same order)."""
+    if not isinstance(module, FSDPModule):
+        return lambda: None
+    state = module._get_fsdp_state()
+    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+    saved_pre, saved_post = dict(pre_hooks), dict(post_hooks)
+    del pre_hooks[state._pre_forward_hook_handle.id]
+    del post_hooks[state._post_forward_hook_handle.id]
+
+    def show() -> None:
+        pre_hooks.clear()
+        pre_hooks.update(saved_pre)
+        post_hooks.clear()
+        post_hooks.update(saved_post)
+
+    return show

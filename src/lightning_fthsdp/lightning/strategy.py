@@ -162,6 +162,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._module_state: ModuleState | None = None
         self._step_open = False  # a micro-batch of the next optimizer step has started
         self._optimizer_steps_in_batch = 0
+        self._batches_started = 0
         self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
         self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
 
@@ -251,6 +252,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
             loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
         if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
             self._schedulers = loops.take_over_schedulers(trainer)
+        elif self.keep_global_batch:
+            raise ValueError(
+                "FTHSDPStrategy(keep_global_batch=True) trains a degraded step's extra batches through training_step, "
+                "which with manual optimization would step the optimizer itself: use automatic optimization, or "
+                "keep_global_batch=False (with lr_scaling for degraded steps)")
         elif len(self.optimizers) > 1 and self.num_replica_groups > 1:
             raise ValueError(
                 f"FTHSDPStrategy cannot keep {len(self.optimizers)} optimizers of manual optimization in step across "
@@ -266,7 +272,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             assert self._module_state is not None
             self._module_state.hold_buffers()
             self._step_open = True
+        manual = not self.lightning_module.automatic_optimization
+        if manual and self._optimizer_steps_in_batch == 0 and self._batches_started:
+            raise ValueError(
+                "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a batch "
+                "without a step: a group's data position counts committed steps. Accumulate gradients with automatic "
+                "optimization (Trainer(accumulate_grad_batches=...)) instead")
         self._optimizer_steps_in_batch = 0
+        self._batches_started += 1
         # Overlap the quorum request with this step's forward and backward (only on the stepping micro-batch).
         if not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
             self.manager.begin_step()
@@ -320,12 +333,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
         self._optimizer_steps_in_batch += 1
-        if self._optimizer_steps_in_batch > 1 and self.num_replica_groups > 1:
+        if self._optimizer_steps_in_batch > 1:
             raise ValueError(
-                f"FTHSDPStrategy needs one optimizer step per training batch across {self.num_replica_groups} replica "
-                f"groups, got {self._optimizer_steps_in_batch}: a restarted group joins at a batch boundary and must "
-                "take the same step as the others. Put every model in one optimizer (a param group each) and step "
-                "it once per training_step")
+                f"FTHSDPStrategy needs one optimizer step per training batch, got {self._optimizer_steps_in_batch}: "
+                "a group's data position counts committed steps, and a restarted group joins at a batch boundary "
+                "and must take the same step as the others. Put every model in one optimizer (a param group each) "
+                "and step it once per training_step")
 
         def closure_then_sync() -> Any:
             result = closure()
@@ -392,13 +405,16 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._steps_through_root = True
             return
         # Manual optimization steps the optimizer inside training_step, so the step cannot run inside the root's
-        # forward (its parameters must be sharded again for the step): every direct child is a unit of its own.
-        apply_fully_shard(module, mesh, min_params=0)
-        units = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
-        held = [name for name, p in module.named_parameters() if not any(_holds(u, p) for u in units)]
+        # forward (its parameters must be sharded again for the step): every module below the root that holds
+        # parameters is (inside) a unit of its own.
+        name = type(module).__name__  # before fully_shard renames the class
+        apply_fully_shard(module, mesh, min_params=0, every_holder=True)
+        in_units = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
+                    for p in m.parameters()}
+        held = [name for name, p in module.named_parameters() if id(p) not in in_units]
         if held:
             raise ValueError(
-                f"FTHSDPStrategy cannot shard {type(module).__name__} for manual optimization without configure_model: "
+                f"FTHSDPStrategy cannot shard {name} for manual optimization without configure_model: "
                 f"parameters {held} are held by the LightningModule itself or tied across its children. Move them "
                 "into a submodule, or define configure_model and call fully_shard on the modules training_step uses")
 
@@ -470,28 +486,33 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None
         manager = self.manager
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # Every group must send the same tensors (gloo sizes must match): a missing gradient is sent as zeros, and
-        # a flag per parameter says whether a group had one, so a parameter no group had a gradient for is skipped
-        # by the optimizer (as without us) instead of stepped with zeros (weight decay, momentum, Adam's state).
-        self._had_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.root_device)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self._synced = [(p, p.grad) for p in params]
-        ours = [local(p.grad).clone() for p in params] + [self._had_grad.clone()]
+        # A discarded attempt is retried from this gradient (the weights did not change).
+        ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
+        logged = self._logs.mark()
         started, attempts = time.monotonic(), 0
         while True:
             attempts += 1
             self._train_extra_batches(manager.step_batches() - 1, optimizer)
-            grads = [local(p.grad) for p in params] + [self._had_grad]
+            # Every group must send the same tensors (gloo sizes must match): a missing gradient is sent as zeros,
+            # and a flag per parameter says whether a group had one, so a parameter no group had a gradient for is
+            # skipped by the optimizer (as without us) instead of stepped with zeros (weight decay, momentum, Adam).
+            self._had_grad = torch.tensor([float(p.grad is not None) for p in params], device=self.root_device)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._synced = [(p, p.grad) for p in params]
             self._fire_fault("before")
-            manager.sync_gradients(grads)
+            manager.sync_gradients([local(p.grad) for p in params] + [self._had_grad])
             self._check_quorum_size()
             self._caught_up = False
             if manager.commit():
                 break
-            for grad, own in zip(grads, ours, strict=True):
-                grad.copy_(own)
+            for p, own in zip(params, ours, strict=True):
+                if own is None:
+                    p.grad = None
+                else:
+                    local(p.grad).copy_(own)
+            self._logs.rewind(logged)  # the extra batches are trained (and log) again
             last_failed = time.monotonic()
         self._drop_missing_gradients()
         trainer = self.lightning_module.trainer
@@ -578,10 +599,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _fire_fault(self, phase: str) -> None:
         if self._fault is not None and self._manager is not None:
             self._fault.fire_if(self._manager.step, phase, self._manager.rank)
-
-
-def _holds(unit: torch.nn.Module, param: torch.Tensor) -> bool:
-    return any(p is param for p in unit.parameters())
 
 
 def refuse_loss_scaling(precision: Any) -> None:
