@@ -407,14 +407,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # Manual optimization steps the optimizer inside training_step, so the step cannot run inside the root's
         # forward (its parameters must be sharded again for the step): every module below the root that holds
         # parameters is (inside) a unit of its own.
-        name = type(module).__name__  # before fully_shard renames the class
+        module_name = type(module).__name__  # before fully_shard renames the class
         apply_fully_shard(module, mesh, min_params=0, every_holder=True)
         in_units = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
                     for p in m.parameters()}
         held = [name for name, p in module.named_parameters() if id(p) not in in_units]
         if held:
             raise ValueError(
-                f"FTHSDPStrategy cannot shard {name} for manual optimization without configure_model: "
+                f"FTHSDPStrategy cannot shard {module_name} for manual optimization without configure_model: "
                 f"parameters {held} are held by the LightningModule itself or tied across its children. Move them "
                 "into a submodule, or define configure_model and call fully_shard on the modules training_step uses")
 
