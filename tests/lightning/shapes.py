@@ -227,3 +227,19 @@ class ManualTwoStepsPerBatch(DirectSubmodules):
             optimizer.zero_grad()
             self.manual_backward(F.mse_loss(self.net(x), y))
             optimizer.step()
+
+
+class ManualSkipsSteps(DirectSubmodules):
+    """Manual optimization that steps only every second batch, accumulating in between (refused)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.manual_backward(F.mse_loss(self.net(x), y))
+        if batch_idx % 2:
+            optimizer = self.optimizers()
+            optimizer.step()
+            optimizer.zero_grad()

@@ -220,6 +220,8 @@ def test_a_followed_step_never_reaches_the_logged_metrics(job_alone_ok: Job) -> 
                                 "step it once per training_step"]),
     ("ManualRootParameter", ["cannot shard ManualRootParameter for manual optimization without configure_model",
                              "parameters ['scale']", "Move them into a submodule"]),
+    ("ManualSkipsSteps", ["needs manual optimization to step the optimizer in every training_step",
+                          "automatic optimization (Trainer(accumulate_grad_batches=...))"]),
 ])
 def test_manual_optimization_it_cannot_keep_consistent_is_refused_with_the_fix(
         job_alone_ok: Job, model: str, expected: list[str]) -> None:

@@ -80,6 +80,33 @@ def test_the_forward_swap_is_undone_when_the_step_raises(sharded: tuple[Model, l
     assert F.mse_loss(model(torch.zeros(2, 4)), torch.zeros(2, 1)).item() >= 0.0  # the model still runs
 
 
+def test_the_forward_swap_is_undone_when_a_root_pre_hook_raises(sharded: tuple[Model, list[int]]) -> None:
+    model, _ = sharded
+
+    def refuse(module: nn.Module, args: object) -> None:
+        raise RuntimeError("hook says no")
+
+    handle = model.register_forward_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="hook says no"):
+        call_through_forward(model, "step_direct", torch.randn(2, 4))
+    handle.remove()
+    assert "forward" not in model.__dict__
+
+
+def test_hooks_registered_during_the_step_stay(sharded: tuple[Model, list[int]]) -> None:
+    model, _ = sharded
+    seen: list[str] = []
+
+    def step_registering(x: torch.Tensor) -> torch.Tensor:
+        model.register_forward_hook(lambda module, args, output: seen.append("user hook"))
+        return model.step_direct(x)
+
+    model.step_registering = step_registering  # type: ignore[attr-defined]
+    call_through_forward(model, "step_registering", torch.randn(2, 4)).backward()
+    model(torch.randn(2, 4))
+    assert seen == ["user hook", "user hook"], "the hook ran after the step and on the next call"
+
+
 def test_forward_itself_is_refused() -> None:
     with pytest.raises(ValueError, match="not forward itself"):
         call_through_forward(nn.Linear(1, 1), "forward", torch.ones(1))

@@ -7,14 +7,14 @@ post-forward hook registers the reduce-scatter of their gradients for backward. 
 DTensors ("got mixed torch.Tensor and DTensor"). Lightning's DDP and FSDP1 strategies solve this with a wrapper
 module; with FSDP2 the LightningModule is its own wrapper, so the step method is called through ``module(...)``
 with ``forward`` swapped for one call. (Lightning's own ``_ForwardRedirection`` does the swap too, but leaves a
-bound ``forward`` on the instance and nothing restores it when the step raises.)
+bound ``forward`` on the instance, and the swap in place if the wrapper's pre-forward hooks raise.)
 
 A step that also calls ``self(x)`` enters the root's ``forward`` again, nested. The root's parameters are gathered
-for the whole step already; run through FSDP2's hooks, the nested call's post-forward would reshard them and
-backward would gather them a second time. So while the step runs, the root unit's own two forward hooks are
-hidden (its children's units keep theirs). That reads FSDP2's hook handles (``_get_fsdp_state``,
-``_pre_forward_hook_handle``, ``_post_forward_hook_handle``) and ``nn.Module``'s hook dictionaries: private
-members, checked by tests/unit/test_root_forward.py.
+for the whole step already; run through FSDP2's hooks, the nested call's post-forward would mark the unit idle, the
+outer post-forward would then reshard it, and backward would gather it a second time. So while the step runs, the
+root unit's own two forward hooks do nothing (its children's units keep theirs). That reads FSDP2's hook handles
+(``_get_fsdp_state``, ``_pre_forward_hook_handle``, ``_post_forward_hook_handle``) and ``nn.Module``'s hook
+dictionaries: private members, checked by tests/unit/test_root_forward.py.
 """
 
 from __future__ import annotations
@@ -50,20 +50,21 @@ def call_through_forward(module: nn.Module, method_name: str, *args: Any, **kwar
 
 
 def _hide_own_fsdp_hooks(module: nn.Module) -> Callable[[], None]:
-    """Take the module's own FSDP2 forward hooks out of its hook dictionaries; returns the call that puts both
-    dictionaries back as they were (same hooks, same order)."""
+    """Make the module's own FSDP2 forward hooks do nothing, in place (every other hook, and the order, stay as
+    they are); returns the call that puts them back."""
     if not isinstance(module, FSDPModule):
         return lambda: None
     state = module._get_fsdp_state()
     pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
-    saved_pre, saved_post = dict(pre_hooks), dict(post_hooks)
-    del pre_hooks[state._pre_forward_hook_handle.id]
-    del post_hooks[state._post_forward_hook_handle.id]
+    pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
+    pre_hook, post_hook = pre_hooks[pre_id], post_hooks[post_id]
 
     def show() -> None:
-        pre_hooks.clear()
-        pre_hooks.update(saved_pre)
-        post_hooks.clear()
-        post_hooks.update(saved_post)
+        pre_hooks[pre_id], post_hooks[post_id] = pre_hook, post_hook
 
+    pre_hooks[pre_id], post_hooks[post_id] = _unchanged, _unchanged
     return show
+
+
+def _unchanged(*hook_args: Any) -> None:
+    """A forward (pre-)hook that changes nothing (returning None keeps the inputs and the output)."""

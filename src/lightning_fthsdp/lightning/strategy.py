@@ -90,7 +90,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
             child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
         validate_every_n_steps: run the validation loop after every committed step that is a multiple of this (0:
-            none) and after the last one, in every group alike; None (default): Lightning's own schedule
+            none) and after ``max_steps``, in every group alike (a group that catches up skips the multiples its
+            step count jumps past); 0 needs ``max_steps``. None (default): Lightning's own schedule
             (``val_check_interval``, epoch ends), which counts this group's own batches and epochs.
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
@@ -143,7 +144,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.timeouts = timeouts or Timeouts()
         self.auto_shard_min_params = auto_shard_min_params
         if validate_every_n_steps is not None and validate_every_n_steps < 0:
-            raise ValueError(f"FTHSDPStrategy validate_every_n_steps must be >= 0 (0: only after the last step) or "
+            raise ValueError(f"FTHSDPStrategy validate_every_n_steps must be >= 0 (0: only after max_steps) or "
                              f"None (Lightning's own schedule), got {validate_every_n_steps}")
         self.validate_every_n_steps = validate_every_n_steps
         self._fault = Fault.parse(fault) if fault else None
@@ -162,7 +163,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._module_state: ModuleState | None = None
         self._step_open = False  # a micro-batch of the next optimizer step has started
         self._optimizer_steps_in_batch = 0
-        self._batches_started = 0
         self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
         self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
 
@@ -248,6 +248,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
                 f"FTHSDPStrategy cannot keep {type(plateau[0].scheduler).__name__} identical across "
                 f"{self.num_replica_groups} replica groups: it steps on a metric each group monitors at its own epoch "
                 "ends. Use a schedule of steps or epochs (e.g. CosineAnnealingLR, StepLR), or one replica group")
+        if self.validate_every_n_steps == 0 and trainer.max_steps < 0:
+            raise ValueError("FTHSDPStrategy(validate_every_n_steps=0) validates only after max_steps, and the Trainer "
+                             "has none: set Trainer(max_steps=...) or a positive validate_every_n_steps")
         if self.validate_every_n_steps is not None:
             loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
         if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
@@ -272,14 +275,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             assert self._module_state is not None
             self._module_state.hold_buffers()
             self._step_open = True
-        manual = not self.lightning_module.automatic_optimization
-        if manual and self._optimizer_steps_in_batch == 0 and self._batches_started:
-            raise ValueError(
-                "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a batch "
-                "without a step: a group's data position counts committed steps. Accumulate gradients with automatic "
-                "optimization (Trainer(accumulate_grad_batches=...)) instead")
         self._optimizer_steps_in_batch = 0
-        self._batches_started += 1
         # Overlap the quorum request with this step's forward and backward (only on the stepping micro-batch).
         if not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
             self.manager.begin_step()
@@ -290,6 +286,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
         with self.precision_plugin.train_step_context(), self._logs.recording(module):
             output = self._step_method("training_step", *args, **kwargs)
         if not module.automatic_optimization:  # its optimizer steps (and commits) ran inside the step
+            if self._optimizer_steps_in_batch == 0:
+                raise ValueError(
+                    "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a "
+                    "training_step without a step: a group's data position counts committed steps. Accumulate "
+                    "gradients with automatic optimization (Trainer(accumulate_grad_batches=...)) instead")
             self._logs.flush(module, trained=self._trained_last_commit)
         return output
 
@@ -415,8 +416,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if held:
             raise ValueError(
                 f"FTHSDPStrategy cannot shard {module_name} for manual optimization without configure_model: "
-                f"parameters {held} are held by the LightningModule itself or tied across its children. Move them "
-                "into a submodule, or define configure_model and call fully_shard on the modules training_step uses")
+                f"parameters {held} would be left to the LightningModule's own unit (held by it directly, tied "
+                "across modules, or beside a tied module). Move them into a submodule (tied modules under one "
+                "child), or define configure_model and call fully_shard on the modules training_step uses")
 
     def _step_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call the LightningModule's step method ``name``; through the root unit's forward when the policy sharded
