@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job
+from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
 
 EXAMPLE = ROOT / "examples" / "train_lightning.py"
 ANY_MODULE = Path(__file__).resolve().parent / "fit_module.py"
@@ -41,3 +44,39 @@ def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
+                     cwd: Path = ROOT) -> tuple[Group, Group, dict[int, int]]:
+    """Groups a and b of two ranks run ``script`` with ``args``: a trains alone from the start; b joins, kills itself
+    (SIGKILL) in its cross-group allreduce of step >= 4, restarts and catches up from a; both train to the end,
+    every step committed once, identical at every common step and at the end (both ranks). Returns a, b and how many
+    steps b's first life logged, per rank."""
+    steps = 150  # at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
+
+    def start(replica_id: str, *extra: str) -> Group:
+        return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=script, cwd=cwd,
+                                     extra=(*args, "--recorder.sleep_s=0.15", *extra))
+
+    a = start("a")
+    wait_for(lambda: a.records("step"), 90, "group a's first step")
+    b = start("b", "--trainer.strategy.fault=sigkill:step=4:phase=allreduce")
+    job.wait_exit(b, 90)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
+    first_life = {rank: len(b.records("step", rank=rank)) for rank in (0, 1)}
+    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
+             "group a to discard the failed step and continue alone")
+    b = start("b")
+    for group in (a, b):
+        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+
+    for rank in (0, 1):
+        a_steps, b_steps = a.records("step", rank=rank), b.records("step", rank=rank)[first_life[rank]:]
+        assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a lost or repeated a step"
+        assert b_steps[0]["recoveries"] and b_steps[0]["recoveries"][0]["source"] == "a", b_steps[0]
+        assert [r["global_step"] for r in b_steps] == list(range(b_steps[0]["global_step"], steps + 1))
+        by_step = {r["global_step"]: r["params_sha256"] for r in a_steps}
+        assert all(by_step[r["global_step"]] == r["params_sha256"] for r in b_steps), "a and b differ at a step"
+        assert a.records("end", rank=rank)[0]["params_sha256"] == b.records("end", rank=rank)[0]["params_sha256"]
+    return a, b, first_life

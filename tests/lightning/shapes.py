@@ -197,44 +197,45 @@ class TwoOptimizersManual(pl.LightningModule):
         return DataLoader(regression_data(), batch_size=4, shuffle=True)
 
 
-class ManualRootParameter(DirectSubmodules):
-    """Manual optimization with a parameter the LightningModule holds itself (refused without configure_model)."""
+class ManualOneOptimizer(DirectSubmodules):
+    """Manual optimization of one optimizer, one step per ``training_step``; the refused variants below change it."""
 
     def __init__(self, lr: float = 0.05) -> None:
         super().__init__(lr)
         self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.step_on(super().training_step(batch, batch_idx))
+
+    def step_on(self, loss: torch.Tensor) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+class ManualRootParameter(ManualOneOptimizer):
+    """A parameter the LightningModule holds itself (refused without configure_model)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
         self.scale = nn.Parameter(torch.ones(1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        self.manual_backward(F.mse_loss(self.net(x) * self.scale, y))
-        optimizer.step()
+        self.step_on(F.mse_loss(self.net(x) * self.scale, y))
 
 
-class ManualTwoStepsPerBatch(DirectSubmodules):
-    """Manual optimization stepping its one optimizer twice per batch (refused)."""
-
-    def __init__(self, lr: float = 0.05) -> None:
-        super().__init__(lr)
-        self.automatic_optimization = False
+class ManualTwoStepsPerBatch(ManualOneOptimizer):
+    """The optimizer stepped twice per batch (refused)."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        optimizer = self.optimizers()
         for _ in range(2):
-            optimizer.zero_grad()
-            self.manual_backward(F.mse_loss(self.net(x), y))
-            optimizer.step()
+            super().training_step(batch, batch_idx)
 
 
-class ManualSkipsSteps(DirectSubmodules):
-    """Manual optimization that steps only every second batch, accumulating in between (refused)."""
-
-    def __init__(self, lr: float = 0.05) -> None:
-        super().__init__(lr)
-        self.automatic_optimization = False
+class ManualSkipsSteps(ManualOneOptimizer):
+    """The optimizer stepped every second batch, gradients accumulating in between (refused)."""
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

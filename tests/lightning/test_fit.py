@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
 import sys
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 
 from lightning_fthsdp.testing.harness import ROOT, Job, wait_for
 
-from .groups import max_diff, start_lightning_group
+from .groups import kill_and_restart, max_diff, start_lightning_group
 
 sys.path.insert(0, str(ROOT / "examples"))
 from train_lightning import TinyRegressor, make_dataset
@@ -111,30 +108,14 @@ def test_keep_global_batch_while_degraded_equals_the_healthy_batch(job_alone_ok:
 
 @pytest.mark.timeout(240)
 def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> None:
-    job = job_alone_ok
-    steps = 150  # at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
-    common = ("--data.samples=512", "--data.batch_size=4", "--recorder.sleep_s=0.15")
-    a = start_lightning_group(job, "a", devices=2, max_steps=steps, extra=common)
-    # a holds the job's state from its first step on, whatever b does (b joins it and catches up).
-    wait_for(lambda: a.records("step"), 90, "group a's first step")
-    # b kills itself while its cross-group allreduce of step >= 4 is in flight: a's step is discarded.
-    b = start_lightning_group(job, "b", devices=2, max_steps=steps,
-                              extra=(*common, "--trainer.strategy.fault=sigkill:step=4:phase=allreduce"))
-    job.wait_exit(b, 90)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
-    first_life = b.records("step")
-    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
-             "group a to discard the failed step and continue alone")
-    b = start_lightning_group(job, "b", devices=2, max_steps=steps, extra=common)
-    for group in (a, b):
-        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
+    steps = 150  # kill_and_restart's run
+    a, b, first_life = kill_and_restart(job_alone_ok, ("--data.samples=512", "--data.batch_size=4"))
 
     a_steps = a.records("step")
     assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a's global_step drifted"
     for r in a_steps:  # the LR schedule follows the committed steps: a discarded attempt did not step it
         assert math.isclose(r["lr"], LR * DECAY ** r["global_step"], rel_tol=1e-9), r
-    second_life = b.records("step")[len(first_life):]
+    second_life = b.records("step")[first_life[0]:]
     assert second_life[0]["global_step"] > 4, "b must join where the job is, not restart from 0"
     assert [r["global_step"] for r in second_life] == list(range(second_life[0]["global_step"], steps + 1))
     assert a.records("end")[0]["params_sha256"] == b.records("end")[0]["params_sha256"]

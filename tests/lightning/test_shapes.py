@@ -4,9 +4,6 @@ comparison, and a group killed and restarted that catches up and ends identical.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -15,10 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+from lightning_fthsdp.testing.harness import Job
 
 from . import shapes
-from .groups import ANY_MODULE, max_diff, start_lightning_group
+from .groups import ANY_MODULE, kill_and_restart, max_diff, start_lightning_group
 
 pytestmark = pytest.mark.integration
 DEMOS = "lightning.pytorch.demos"
@@ -125,39 +122,6 @@ def write_text_corpus(workdir: Path) -> int:
     return len({word for line in source for word in line.split()} | {"<eos>"})
 
 
-def kill_and_restart(job: Job, model_args: tuple[str, ...], cwd: Path = ROOT) -> tuple[Group, Group, int]:
-    """a trains alone from the start; b joins, kills itself (SIGKILL) in its cross-group allreduce of step >= 4,
-    restarts and catches up from a; both train to the end. Returns a, b and how many steps b's first life logged."""
-    steps = 150  # at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
-
-    def start(replica_id: str, *extra: str) -> Group:
-        return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=ANY_MODULE, cwd=cwd,
-                                     extra=(*model_args, "--recorder.sleep_s=0.15", *extra))
-
-    a = start("a")
-    wait_for(lambda: a.records("step"), 90, "group a's first step")
-    b = start("b", "--trainer.strategy.fault=sigkill:step=4:phase=allreduce")
-    job.wait_exit(b, 90)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
-    first_life = len(b.records("step"))
-    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
-             "group a to discard the failed step and continue alone")
-    b = start("b")
-    for group in (a, b):
-        assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
-
-    for rank in (0, 1):
-        a_steps, b_steps = a.records("step", rank=rank), b.records("step", rank=rank)[first_life:]
-        assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a lost or repeated a step"
-        assert b_steps[0]["recoveries"] and b_steps[0]["recoveries"][0]["source"] == "a", b_steps[0]
-        assert [r["global_step"] for r in b_steps] == list(range(b_steps[0]["global_step"], steps + 1))
-        by_step = {r["global_step"]: r["params_sha256"] for r in a_steps}
-        assert all(by_step[r["global_step"]] == r["params_sha256"] for r in b_steps), "a and b differ at a step"
-        assert a.records("end", rank=rank)[0]["params_sha256"] == b.records("end", rank=rank)[0]["params_sha256"]
-    return a, b, first_life
-
-
 KILLED = {
     "issue_module": ("--model=shapes.DirectSubmodules",),
     "root_parameter": ("--model=shapes.RootParameter",),
@@ -172,23 +136,23 @@ KILLED = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("shape", KILLED)
 def test_killed_group_catches_up(job_alone_ok: Job, shape: str) -> None:
-    kill_and_restart(job_alone_ok, KILLED[shape])
+    kill_and_restart(job_alone_ok, KILLED[shape], script=ANY_MODULE)
 
 
 @pytest.mark.timeout(300)
 def test_lightning_transformer_demo_on_standard_library_text(job_alone_ok: Job) -> None:
     vocab = write_text_corpus(job_alone_ok.workdir)
     kill_and_restart(job_alone_ok, (f"--model={DEMOS}.transformer.LightningTransformer",
-                                    f"--model.vocab_size={vocab}"), cwd=job_alone_ok.workdir)
+                                    f"--model.vocab_size={vocab}"), script=ANY_MODULE, cwd=job_alone_ok.workdir)
 
 
 @pytest.mark.timeout(300)
 def test_batchnorm_buffers_come_from_the_same_rank_of_the_source(job_alone_ok: Job) -> None:
     """A restarted group receives, on each shard rank, the running statistics the source's same rank held at the
     end of the step it loads (then updates them from its own batches)."""
-    a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.BatchNormNet",))
+    a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.BatchNormNet",), script=ANY_MODULE)
     for rank in (0, 1):
-        first = b.records("step", rank=rank)[first_life]
+        first = b.records("step", rank=rank)[first_life[rank]]
         recovery = first["recoveries"][0]
         assert first["global_step"] == recovery["step"] + recovery["replayed"] + 1  # no forward since the load
         source = {r["global_step"]: r["buffers_sha256"] for r in a.records("step", rank=rank)}
@@ -202,9 +166,9 @@ def test_a_followed_step_never_reaches_the_logged_metrics(job_alone_ok: Job) -> 
     """b's first step after its restart runs on weights it has not loaded yet (it follows, contributing nothing):
     its train_loss is never logged, while every step b trains logs one."""
     a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.ValidatedAndLogged",
-                                                       "--trainer.val_check_interval=4"))
+                                                       "--trainer.val_check_interval=4"), script=ANY_MODULE)
     for rank in (0, 1):
-        second_life = b.records("step", rank=rank)[first_life:]
+        second_life = b.records("step", rank=rank)[first_life[rank]:]
         assert "train_loss" not in second_life[0]["metrics"], second_life[0]
         assert "b" not in second_life[0]["participants"]
         # Lightning keeps a metric's last value: every trained step logging its own shows as a new value each step.

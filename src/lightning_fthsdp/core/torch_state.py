@@ -31,8 +31,9 @@ class ModuleState:
     snapshot runs on a background thread during forward and backward, when FSDP2 has swapped the module's
     registered parameters for unsharded ones; the sharded DTensors captured here (the optimizer's own parameters)
     hold this rank's shard throughout. Buffers, unlike parameters, change during forward (BatchNorm's running
-    statistics): a training loop that calls ``hold_buffers`` before each step's first forward has that copy served
-    instead of the live buffers, so a snapshot never reads them while a forward writes them.
+    statistics): a training loop that calls ``hold_buffers`` at each step boundary (after its commit, before the
+    next forward) has that copy served instead of the live buffers, so a snapshot never reads them while a forward
+    writes them.
     """
 
     def __init__(self, module: nn.Module) -> None:

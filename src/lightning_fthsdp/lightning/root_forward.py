@@ -53,7 +53,7 @@ def _hide_own_fsdp_hooks(module: nn.Module) -> Callable[[], None]:
     """Make the module's own FSDP2 forward hooks do nothing, in place (every other hook, and the order, stay as
     they are); returns the call that puts them back."""
     if not isinstance(module, FSDPModule):
-        return lambda: None
+        raise TypeError(f"call_through_forward needs an FSDP2 root (fully_shard applied), got {type(module).__name__}")
     state = module._get_fsdp_state()
     pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
     pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id

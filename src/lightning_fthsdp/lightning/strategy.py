@@ -159,9 +159,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._replaying = False  # inside the replay of a step held during catch-up
         self._steps_through_root = False  # the policy sharded the root: step methods run through its forward
         self._logs = DeferredLogs()  # a training step's self.log calls, logged once it commits as trained
-        self._trained_last_commit = True  # whether this group's gradients went into the last committed step
         self._module_state: ModuleState | None = None
-        self._step_open = False  # a micro-batch of the next optimizer step has started
         self._optimizer_steps_in_batch = 0
         self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
         self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
@@ -253,6 +251,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
                              "has none: set Trainer(max_steps=...) or a positive validate_every_n_steps")
         if self.validate_every_n_steps is not None:
             loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
+        assert self._module_state is not None
+        self._module_state.hold_buffers()  # as restored from a checkpoint, before the first forward
         if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
             self._schedulers = loops.take_over_schedulers(trainer)
         elif self.keep_global_batch:
@@ -270,11 +270,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if not self._step_open:
-            # Before the step's first forward changes them: what a recovering group receives of this step.
-            assert self._module_state is not None
-            self._module_state.hold_buffers()
-            self._step_open = True
         self._optimizer_steps_in_batch = 0
         # Overlap the quorum request with this step's forward and backward (only on the stepping micro-batch).
         if not self.lightning_module.trainer.fit_loop.epoch_loop._should_accumulate():
@@ -291,7 +286,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
                     "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a "
                     "training_step without a step: a group's data position counts committed steps. Accumulate "
                     "gradients with automatic optimization (Trainer(accumulate_grad_batches=...)) instead")
-            self._logs.flush(module, trained=self._trained_last_commit)
+            self._logs.flush(module, trained=self.replica_id in self.manager.participants)
         return output
 
     @override
@@ -519,8 +514,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._drop_missing_gradients()
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
-        self._trained_last_commit = participated
-        self._step_open = False
+        # What a recovering group receives of this step's buffers: the next forward changes the live ones.
+        assert self._module_state is not None
+        self._module_state.hold_buffers()
         if self.lightning_module.automatic_optimization:
             self._logs.flush(self.lightning_module, trained=participated)
         self._stream_step += 1
@@ -560,7 +556,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """After the exchange: no gradient (None) for a parameter no contributing group had one for. The exchanged
         tensor is attached again otherwise (a replayed step before this one may have dropped it)."""
         for (p, grad), had in zip(self._synced, self._had_grad.tolist(), strict=True):
-            p.grad = grad if had > 0.0 else None
+            wanted = grad if had > 0.0 else None
+            if p.grad is not wanted:  # assigning a DTensor's gradient validates it: only where it changes
+                p.grad = wanted
 
     def _scale_lr(self, optimizer: Optimizer, healthy: int) -> None:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
