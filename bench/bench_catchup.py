@@ -2,10 +2,10 @@
 
     python bench/bench_catchup.py --mib 64 512        # writes bench/results/catchup.json
 
-Two healthy groups of examples/train_plain.py (a, c) train with ``--ballast-mib`` extra state (so the state that
-travels is that large); a third group, b, is started fresh, catches up (following the job while the transfer runs,
-then replaying the steps it followed), trains 15 steps and is SIGKILLed; then the same again, ``--admissions``
-times per state size. Measured from the groups' JSONL logs, per admission:
+Two healthy groups of lightning_fthsdp.demo.train_plain (a, c) train with ``--ballast-mib`` extra state (so the
+state that travels is that large); a third group, b, is started fresh, catches up (following the job while the
+transfer runs, then replaying the steps it followed), trains 15 steps and is SIGKILLed; then the same again,
+``--admissions`` times per state size. Measured from the groups' JSONL logs, per admission:
 - admit ratio: the healthy groups' step time in the step that admits b (the one b joins the quorum in, when the
   source snapshots its state and b's transfer starts), over their steady median: the 20 steps before b's process
   was started (after the previous kill had settled). Target <= 1.10.
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.testing.harness import Job, wait_for
+from lightning_fthsdp.launch.processes import Job, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEADY_STEPS = 20

@@ -7,7 +7,7 @@ the fault-tolerant path (quorum + cross-group allreduce + commit vote), alternat
 padded with ``--compute-ms`` of emulated device compute (a sleep: on a GPU the compute does not use the CPU).
 Ratio = median FT step time / median baseline step time, measured in the same run.
 
-Stall: 3 replica groups of examples/train_plain.py against a real lighthouse; one group is killed (SIGKILL) or
+Stall: 3 replica groups of lightning_fthsdp.demo.train_plain against a real lighthouse; one group is killed (SIGKILL) or
 stopped (SIGSTOP) from outside; stall = time from the signal to the survivors' next committed step.
 """
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.core.config import Timeouts
-from lightning_fthsdp.core.manager import FTManager
-from lightning_fthsdp.testing.harness import Job, wait_for
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.launch.processes import Job, wait_for
+from lightning_fthsdp.manager import FTManager
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lightning_fthsdp.testing.harness import read_jsonl
+from lightning_fthsdp.launch.processes import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -86,7 +86,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.jsonl)
         return
-    from lightning_fthsdp.testing.harness import Job
+    from lightning_fthsdp.launch.processes import Job
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -29,10 +29,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
-from lightning_fthsdp.core.torch_state import local
 from lightning_fthsdp.lightning import release_process_groups
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 from lightning_fthsdp.models.mlp import Regressor
+from lightning_fthsdp.recovery.torch_state import local
 
 
 class TinyRegressor(Regressor):

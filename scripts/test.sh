@@ -4,5 +4,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-ruff check src tests examples bench
+ruff check src tests examples bench scripts
 exec python -m pytest -q "$@"

@@ -1,9 +1,13 @@
 """lightning-fthsdp: Fault Tolerant Hybrid-Sharded Data Parallelism for PyTorch.
 
-The fault-tolerant core (``lightning_fthsdp.core``) imports nothing of Lightning; front ends live beside it.
+Packages by plane, each importing only those below it (``scripts/check_layers.py`` holds them to it): ``config``;
+``lighthouse`` (control plane), ``exchange`` (data plane across groups), ``recovery`` (catch-up); ``manager`` (one
+fault-tolerant step); front ends ``lightning``, ``launch`` and ``demo``. Nothing below the front ends imports Lightning.
+
 With Lightning installed, importing this package registers ``Trainer(strategy="fthsdp")``: at once if
-``lightning.pytorch`` is already imported, else as soon as it is (so processes that never use Lightning, such as
-the lighthouse, do not pay for importing it).
+``lightning.pytorch`` is already imported, else as soon as it is. The hook is there because Lightning has no entry
+point for strategies, and importing Lightning eagerly would cost every process that never uses it (the lighthouse,
+the plain training loop) seconds of start-up.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 # Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int``.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "lightning_fthsdp.core.lighthouse_cli",
-    "lightning_fthsdp.demo",
+    "lightning_fthsdp.lighthouse.cli",
+    "lightning_fthsdp.demo.cli",
     "lightning_fthsdp.sim.cli",
     "lightning_fthsdp.launch.cli",
     "lightning_fthsdp.launch.fit",

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.testing.harness import Job
+from lightning_fthsdp.launch.processes import Job
 
 
 @pytest.fixture

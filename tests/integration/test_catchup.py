@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fthsdp.testing.harness import Group, Job, assert_consistent, assert_exactly_once, wait_for
+from lightning_fthsdp.launch.processes import Group, Job, wait_for
+from tests.invariants import assert_consistent, assert_exactly_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -6,13 +6,8 @@ import itertools
 
 import pytest
 
-from lightning_fthsdp.testing.harness import (
-    Job,
-    assert_consistent,
-    assert_exactly_once,
-    assert_no_step_lost,
-    wait_for,
-)
+from lightning_fthsdp.launch.processes import Job, wait_for
+from tests.invariants import assert_consistent, assert_exactly_once, assert_no_step_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_fthsdp.cli import main
 from lightning_fthsdp.launch.fit import split_rest
-from lightning_fthsdp.testing.harness import ROOT
+from tests.paths import ROOT
 
 
 @pytest.mark.parametrize(("command", "expected"), [

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fthsdp.sim.report import read_report
-from lightning_fthsdp.testing.harness import ROOT
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
 STEPS = 300

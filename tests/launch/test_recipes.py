@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.configs import RecipeConfig, RecipeError, field_docs, load_recipe, to_yaml
-from lightning_fthsdp.testing.harness import ROOT
+from lightning_fthsdp.recipes import RecipeConfig, RecipeError, field_docs, load_recipe, to_yaml
+from tests.paths import ROOT
 
 RECIPES = ROOT / "recipes"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.testing.harness import Job
+from lightning_fthsdp.launch.processes import Job
 
 
 def _job(tmp_path: Path, min_replicas: int) -> Iterator[Job]:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Group, Job, wait_for
+from lightning_fthsdp.launch.processes import Group, Job, wait_for
+from tests.paths import EXAMPLES, ROOT
 
-EXAMPLE = ROOT / "examples" / "train_lightning.py"
+EXAMPLE = EXAMPLES / "train_lightning.py"
 ANY_MODULE = Path(__file__).resolve().parent / "fit_module.py"
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
 

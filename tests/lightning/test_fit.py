@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
-from lightning_fthsdp.testing.harness import ROOT, Job, wait_for
+from lightning_fthsdp.launch.processes import Job, wait_for
+from tests.paths import EXAMPLES
 
 from .groups import kill_and_restart, max_diff, start_lightning_group
 
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(EXAMPLES))
 from train_lightning import TinyRegressor, make_dataset
 
 pytestmark = pytest.mark.integration

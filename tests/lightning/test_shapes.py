@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_fthsdp.testing.harness import Job
+from lightning_fthsdp.launch.processes import Job
 
 from . import shapes
 from .groups import ANY_MODULE, kill_and_restart, max_diff, start_lightning_group

@@ -13,9 +13,9 @@ from torch import nn
 import lightning_fthsdp
 from lightning_fthsdp.lightning import FTHSDPStrategy, ReplicaStreamSampler
 from lightning_fthsdp.lightning.policy import shard_units
-from lightning_fthsdp.testing.harness import ROOT
+from tests.paths import EXAMPLES
 
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(EXAMPLES))
 from train_lightning import TinyCLI, TinyData, TinyRegressor
 
 HERE = Path(__file__).parent

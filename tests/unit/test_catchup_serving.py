@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from lightning_fthsdp.core.catchup import CatchUp
-from lightning_fthsdp.core.torch_state import load_optimizer_state, optimizer_state
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.snapshot import snapshot, unshared
+from lightning_fthsdp.recovery.torch_state import load_optimizer_state, optimizer_state
 from lightning_fthsdp.recovery.wire import StateTree, map_tensors
-from lightning_fthsdp.testing.harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

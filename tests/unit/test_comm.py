@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.core.comm import CollectiveAborted, CrossGroupComm
-from lightning_fthsdp.core.config import Timeouts
-from lightning_fthsdp.testing.harness import wait_for
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
+from lightning_fthsdp.launch.processes import wait_for
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=500, collective_timeout_ms=5_000,
                     quorum_timeout_ms=6_000, connect_timeout_ms=8_000, join_timeout_ms=1_000)

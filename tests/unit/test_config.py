@@ -4,14 +4,8 @@ import argparse
 
 import pytest
 
-from lightning_fthsdp.core.config import (
-    ENV_LIGHTHOUSE,
-    Timeouts,
-    add_timeout_arguments,
-    from_env,
-    resolve,
-    timeouts_from_args,
-)
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, from_env, resolve
+from lightning_fthsdp.config.timeouts import Timeouts, add_timeout_arguments, timeouts_from_args
 
 
 def test_defaults_respect_the_hierarchy() -> None:

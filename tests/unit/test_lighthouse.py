@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 import pytest
 
 from lightning_fthsdp.cli import main as cli_main
-from lightning_fthsdp.core.config import Timeouts
-from lightning_fthsdp.core.lighthouse import LighthouseThread
-from lightning_fthsdp.core.lighthouse_client import Heartbeat
-from lightning_fthsdp.core.quorum import QuorumRules
-from lightning_fthsdp.testing.harness import wait_for
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.lighthouse.client import Heartbeat
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from tests.lighthouse_thread import LighthouseThread
 
 LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_fthsdp.core.torch_state import ModuleState
+from lightning_fthsdp.recovery.torch_state import ModuleState
 
 
 class WithBuffers(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fthsdp.core.quorum import (
+from lightning_fthsdp.lighthouse.quorum import (
     Quorum,
     QuorumRequest,
     QuorumRules,

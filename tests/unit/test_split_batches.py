@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fthsdp.core.manager import FTManager, split_batches
+from lightning_fthsdp.manager import FTManager, split_batches
 
 
 def test_without_a_global_batch_every_participant_trains_one() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_fthsdp.configs.schema import RecipeConfig
     from lightning_fthsdp.launch.chaos import ChaosSchedule
+    from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -42,8 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.configs.loader import RecipeError, load_recipe, to_yaml
     from lightning_fthsdp.launch import chaos
+    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
     overrides = list(args.overrides)
     for flag, key in ((args.replicas, "launch.replicas"), (args.devices_per_replica, "launch.devices_per_replica"),
@@ -72,10 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path,
              live: bool | None) -> dict[str, Any]:
+    from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
     from lightning_fthsdp.launch.supervisor import Supervisor
     from lightning_fthsdp.launch.view import ConsoleView
-    from lightning_fthsdp.testing.harness import Job
 
     timeouts = recipe.ft.timeouts
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.configs.schema import RecipeConfig
+from lightning_fthsdp.recipes.schema import RecipeConfig
 
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
 RECORDER = "lightning_fthsdp.launch.recorder.LaunchRecorder"
@@ -34,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "fit", help="train one replica group from a recipe (LightningCLI with strategy fthsdp)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, metavar="RECIPE.yaml",
-                        help="an omegaconf recipe (recipes/*.yaml), validated against lightning_fthsdp.configs")
+                        help="an omegaconf recipe (recipes/*.yaml), validated against lightning_fthsdp.recipes")
     parser.add_argument("--record", type=Path, default=None, metavar="PATH",
                         help="append one JSON line per committed step to PATH (what fthsdp launch reads)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="key=value | --lightning.arg",
@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.configs.loader import RecipeError, load_recipe
+    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe
 
     overrides, lightning_args = split_rest(args.rest)
     try:

@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_fthsdp.core.config import ENV_REPLICA_ID
+from lightning_fthsdp.config.env import ENV_REPLICA_ID
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 
 

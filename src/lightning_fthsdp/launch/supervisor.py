@@ -1,7 +1,7 @@
 """Supervises the replica groups of one local job: starts each as one ``fthsdp fit`` launch, follows its JSONL,
 restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group.
 
-Processes are started and ended through ``lightning_fthsdp.testing.harness.Job`` (own session each, ended by
+Processes are started and ended through ``lightning_fthsdp.launch.processes.Job`` (own session each, ended by
 process-group id, SIGCONT before SIGKILL). The supervisor never blocks: ``poll()`` does one bounded round of work
 and the caller decides the pace and the overall deadline.
 """
@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_ID, ENV_REPLICA_INDEX
 from lightning_fthsdp.launch.chaos import Injection
-from lightning_fthsdp.lightning.strategy import ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_INDEX
-from lightning_fthsdp.testing.harness import Group, Job
+from lightning_fthsdp.launch.processes import Group, Job
 
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from lightning_fthsdp.core.torch_state import StateTree
+from lightning_fthsdp.recovery.torch_state import StateTree
 
 
 def _step_progress(trainer: pl.Trainer) -> Any:

@@ -30,15 +30,14 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID, Timeouts, resolve
-from lightning_fthsdp.core.manager import FTManager
-from lightning_fthsdp.core.torch_state import (
-    ModuleState,
-    StateTree,
-    load_optimizer_state,
-    local,
-    optimizer_state,
+from lightning_fthsdp.config.env import (
+    ENV_LIGHTHOUSE,
+    ENV_NUM_REPLICA_GROUPS,
+    ENV_REPLICA_ID,
+    ENV_REPLICA_INDEX,
+    resolve,
 )
+from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import loops
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
@@ -46,10 +45,14 @@ from lightning_fthsdp.lightning.metrics import FTMetrics, FTMetricsLogger
 from lightning_fthsdp.lightning.policy import DEFAULT_MIN_PARAMS, apply_fully_shard
 from lightning_fthsdp.lightning.root_forward import call_through_forward
 from lightning_fthsdp.lightning.sampler import ReplicaStreamSampler
-
-#: Fallbacks for the data topology; an explicit argument always wins.
-ENV_NUM_REPLICA_GROUPS = "FTHSDP_NUM_REPLICA_GROUPS"
-ENV_REPLICA_INDEX = "FTHSDP_REPLICA_INDEX"
+from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.recovery.torch_state import (
+    ModuleState,
+    StateTree,
+    load_optimizer_state,
+    local,
+    optimizer_state,
+)
 
 LRScaling = Literal["none", "linear", "sqrt"]
 _LR_SCALINGS = ("none", "linear", "sqrt")

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import torch
 
-from lightning_fthsdp.core.log import RECOVERY
+from lightning_fthsdp.config.log import RECOVERY
 from lightning_fthsdp.recovery import wire
 
 log = logging.getLogger(RECOVERY)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.core.config import Timeouts
+from lightning_fthsdp.config.timeouts import Timeouts
 
 _NCCL_POLL_S = 0.001
 """How often an NCCL collective is checked for completion (its future completes when it is queued, not done)."""

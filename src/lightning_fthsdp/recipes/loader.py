@@ -2,7 +2,7 @@
 
 Composition: a recipe may start with ``defaults: [name, ...]``; each name is another recipe in the same folder
 (``.yaml`` optional), composed recursively and merged in order, then the recipe's own keys on top, then the
-overrides in order. Every key must exist in ``lightning_fthsdp.configs.schema``; every value must have the
+overrides in order. Every key must exist in ``lightning_fthsdp.recipes.schema``; every value must have the
 field's type, be one of its ``choices`` and at least its ``min``; then each section's ``check()`` and the
 ``Timeouts`` hierarchy run. Any violation raises ``RecipeError`` naming the source (file or override), the key,
 the value and what is allowed.
@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_fthsdp.configs.schema import RecipeConfig
+from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
 class RecipeError(ValueError):

@@ -18,14 +18,13 @@ import gzip
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_fthsdp.core import lighthouse_page
-from lightning_fthsdp.core.httpserver import (
+from lightning_fthsdp.lighthouse import page as lighthouse_page
+from lightning_fthsdp.lighthouse.http import (
     Connection,
     HttpError,
     Request,
@@ -34,7 +33,7 @@ from lightning_fthsdp.core.httpserver import (
     require,
     require_int,
 )
-from lightning_fthsdp.core.quorum import (
+from lightning_fthsdp.lighthouse.quorum import (
     Quorum,
     QuorumRequest,
     QuorumRules,
@@ -517,48 +516,3 @@ def _replica_id(body: dict[str, object]) -> str:
         return check_replica_id(require(body, "replica_id", str, "a replica id string"))
     except ValueError as e:
         raise HttpError(400, f"field 'replica_id': {e}") from None
-
-
-class LighthouseThread:
-    """Runs a :class:`Lighthouse` on its own event loop in a daemon thread; ``with`` yields its url.
-
-    For tests and embedding. Entering raises what ``start()`` raised; leaving stops it (bounded: 10 s).
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.lighthouse = Lighthouse(**kwargs)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="lighthouse", daemon=True)
-
-    def __enter__(self) -> str:
-        self._thread.start()
-        if not self._ready.wait(60):
-            raise TimeoutError("LighthouseThread: the lighthouse did not start within 60 s")
-        if self._error is not None:
-            raise self._error
-        return self.lighthouse.url
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            await self.lighthouse.start()
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            await self._stop.wait()
-        finally:
-            await self.lighthouse.stop()

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.core import log
-from lightning_fthsdp.core.catchup import CatchUp, StateGetter, StateLoader
-from lightning_fthsdp.core.comm import CollectiveAborted, CrossGroupComm
-from lightning_fthsdp.core.config import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, Timeouts, from_env, resolve
-from lightning_fthsdp.core.lighthouse_client import Heartbeat, LighthouseRejected, LighthouseUnavailable, QuorumClient
-from lightning_fthsdp.core.quorum import Member, Quorum, check_replica_id
-from lightning_fthsdp.core.torch_state import StateTree, load_rng_state, rng_state
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
+from lightning_fthsdp.lighthouse.client import Heartbeat, LighthouseRejected, LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum, check_replica_id
+from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
+from lightning_fthsdp.recovery.torch_state import StateTree, load_rng_state, rng_state
 
 _GATEWAY_TIMEOUT = 504
 _OWN_STATE = "fthsdp"

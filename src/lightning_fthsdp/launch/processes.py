@@ -1,4 +1,4 @@
-"""A failure-injection harness: a real lighthouse and real replica-group processes on loopback.
+"""Real processes of a fault-tolerant job (a lighthouse and replica groups) for the launcher, demo, tests and benches.
 
 Every process is started in its own session and ended by process-group id in ``Job.close()`` (SIGCONT before
 SIGKILL, so stopped ones die too). Waits are for events (a line, a JSONL record, an exit) with deadlines.
@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE = ROOT / "examples" / "train_plain.py"
+PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
 LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+)) store")
 
 
@@ -95,8 +94,8 @@ class Job:
                     step_time_ms: int = 20, extra: tuple[str, ...] = ()) -> Group:
         jsonl = self.workdir / f"{replica_id}.jsonl"
         log = self.workdir / f"{replica_id}-{len(self._procs)}.log"
-        args = [str(EXAMPLE), "--replica-id", replica_id, "--lighthouse", self.lighthouse_url, "--steps", str(steps),
-                "--log-jsonl", str(jsonl), "--step-time-ms", str(step_time_ms),
+        args = ["-m", PLAIN_TRAINER, "--replica-id", replica_id, "--lighthouse", self.lighthouse_url,
+                "--steps", str(steps), "--log-jsonl", str(jsonl), "--step-time-ms", str(step_time_ms),
                 "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms),
                 "--join-timeout-ms", str(self.join_timeout_ms),
                 "--collective-timeout-ms", str(self.collective_timeout_ms),
@@ -114,7 +113,7 @@ class Job:
         return group
 
     def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path,
-                      env: dict[str, str] | None = None, cwd: Path = ROOT) -> Group:
+                      env: dict[str, str] | None = None, cwd: Path | None = None) -> Group:
         """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours."""
         group = Group(replica_id, self._spawn(cmd, log, env, cwd), jsonl, log)
         self.groups[replica_id] = group
@@ -145,87 +144,10 @@ class Job:
                 proc.wait(timeout=10)
 
     def _spawn(self, cmd: list[str], out: Path, extra_env: dict[str, str] | None = None,
-               cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+               cwd: Path | None = None) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         with out.open("wb") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)
         self._procs.append(proc)
         return proc
-
-
-def kept_commits(*groups: Group, rank: int = 0) -> dict[int, int]:
-    """step -> the quorum whose commit of that step the job kept: the latest one.
-
-    The commit vote is per group, so a group may commit a step whose exchange the others abandoned (a member was
-    declared dead as it completed); they train that step again in a later quorum, and the lone commit is
-    superseded: its group died, or it recovers their state (see ``assert_consistent``).
-    """
-    kept: dict[int, int] = {}
-    for group in groups:
-        for record in group.records(rank=rank):
-            kept[record["step"]] = max(kept.get(record["step"], -1), record["quorum_id"])
-    return kept
-
-
-def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
-    """At every step two groups both committed in the kept quorum, their parameters are bit-identical, and a group
-    whose commit was superseded commits nothing more of its own before it recovers or restarts. Returns the steps
-    every group committed in the kept quorum."""
-    kept = kept_commits(*groups, rank=rank)
-    by_group = []
-    for group in groups:
-        rows = group.records(event=None, rank=rank)
-        for i, row in enumerate(rows):
-            if row["event"] == "commit" and row["quorum_id"] != kept[row["step"]]:
-                # Discarded attempts and steps followed while a state transfer runs are not training of its own.
-                after = next((r for r in rows[i + 1:] if r["event"] not in ("discard", "follow")), None)
-                assert after is None or after["event"] == "ready" or after.get("recovery"), (
-                    f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
-                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
-        by_group.append({r["step"]: r["params_sha256"] for r in rows
-                         if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
-    common = set.intersection(*(set(d) for d in by_group))
-    for step in sorted(common):
-        digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True)}
-        assert len(set(digests.values())) == 1, f"parameters differ at step {step}: {digests}"
-    return common
-
-
-def contributions_by_step(*groups: Group) -> dict[int, dict[str, list[int]]]:
-    """Every kept committed step's data: participant -> the indices of its batches that went into it, merged over
-    the groups' logs; groups that committed the same step in the kept quorum must agree on it."""
-    kept = kept_commits(*groups)
-    steps: dict[int, dict[str, list[int]]] = {}
-    for group in groups:
-        for record in group.records():
-            if record["quorum_id"] != kept[record["step"]]:
-                continue  # superseded: the others trained that step again (assert_consistent checks the rest)
-            batches = {p: list(range(first, first + record["shares"][p]))
-                       for p, first in record["contributions"].items()}
-            known = steps.setdefault(record["step"], batches)
-            assert known == batches, f"step {record['step']}: {known} != {batches}"
-    return steps
-
-
-def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
-    """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
-    and no gap. Returns each group's stream in step order."""
-    steps = contributions_by_step(*groups)
-    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
-    streams: dict[str, list[int]] = {}
-    for step in sorted(steps):
-        for replica_id, indices in steps[step].items():
-            streams.setdefault(replica_id, []).extend(indices)
-    for replica_id, indices in streams.items():
-        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
-    return streams
-
-
-def assert_no_step_lost(group: Group, final_step: int, rank: int = 0) -> None:
-    """Committed steps are exactly 1..final_step with none repeated (catch-up may jump ahead: see start)."""
-    steps = [r["step"] for r in group.records(rank=rank)]
-    assert steps == sorted(set(steps)), f"{group.replica_id} committed a step twice: {steps}"
-    assert steps and steps[-1] == final_step, f"{group.replica_id} ended at {steps[-1:]} not {final_step}"
-    first = steps[0]
-    assert steps == list(range(first, final_step + 1)), f"{group.replica_id} skipped steps: {steps}"

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from dataclasses import dataclass, fields
 from datetime import timedelta
-
-#: Environment variables; an explicit argument always wins over the environment.
-ENV_REPLICA_ID = "FTHSDP_REPLICA_ID"
-ENV_LIGHTHOUSE = "FTHSDP_LIGHTHOUSE"
-ENV_TOKEN = "FTHSDP_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -73,11 +67,6 @@ class Timeouts:
         return timedelta(milliseconds=ms)
 
 
-def from_env(value: str | None, env_name: str) -> str | None:
-    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty; else None."""
-    return value or os.environ.get(env_name) or None
-
-
 def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
     """Add a ``--<field>`` option per Timeouts field; help text is the field's docstring."""
     docs = field_docs(Timeouts)
@@ -104,11 +93,3 @@ def field_docs(cls: type) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
             docs[node.target.id] = " ".join(str(following.value.value).split())  # type: ignore[attr-defined]
     return docs
-
-
-def resolve(value: str | None, env_name: str, what: str, fix: str) -> str:
-    """An explicit ``value`` wins; else ``env_name``; else a ValueError that names both and the fix."""
-    found = from_env(value, env_name)
-    if found:
-        return found
-    raise ValueError(f"{what} is not set: pass it explicitly or set {env_name} ({fix})")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_fthsdp.configs.loader import RecipeError, load_recipe, to_yaml
-from lightning_fthsdp.configs.schema import (
+from lightning_fthsdp.config.timeouts import field_docs
+from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
+from lightning_fthsdp.recipes.schema import (
     FTConfig,
     LaunchConfig,
     LMConfig,
@@ -11,7 +12,6 @@ from lightning_fthsdp.configs.schema import (
     RegressionConfig,
     TrainerConfig,
 )
-from lightning_fthsdp.core.config import field_docs
 
 __all__ = ["FTConfig", "LMConfig", "LaunchConfig", "RecipeConfig", "RecipeError", "RegressionConfig",
            "TrainerConfig", "field_docs", "load_recipe", "to_yaml"]

@@ -18,9 +18,9 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from lightning_fthsdp.core import log
-from lightning_fthsdp.core.config import Timeouts
-from lightning_fthsdp.core.quorum import Quorum
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.quorum import Quorum
 
 _qlog = logging.getLogger(log.QUORUM)
 

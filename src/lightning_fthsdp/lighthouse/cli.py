@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 import sys
 
-from lightning_fthsdp.core.config import ENV_TOKEN, Timeouts
+from lightning_fthsdp.config.env import ENV_TOKEN, from_env
+from lightning_fthsdp.config.timeouts import Timeouts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -44,8 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.core.lighthouse import Lighthouse
-    from lightning_fthsdp.core.quorum import QuorumRules
+    from lightning_fthsdp.lighthouse.quorum import QuorumRules
+    from lightning_fthsdp.lighthouse.server import Lighthouse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     lighthouse = Lighthouse(
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         store_port=args.store_port,
         rules=QuorumRules(min_replicas=args.min_replicas, join_timeout_s=args.join_timeout_ms / 1000),
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        token=args.token or os.environ.get(ENV_TOKEN) or None,
+        token=from_env(args.token, ENV_TOKEN),
     )
 
     async def main() -> None:

@@ -1,8 +1,8 @@
 """``fthsdp demo``: the local fault-injection demo.
 
-A real lighthouse and three replica groups of ``examples/train_plain.py`` train together on loopback; group b is
-killed with SIGKILL mid-run, restarted with the same command, catches up from a healthy group, and every group
-ends with bit-identical parameters. Prints what happened and exits non-zero if any invariant failed.
+A real lighthouse and three replica groups of ``lightning_fthsdp.demo.train_plain`` train together on loopback;
+group b is killed with SIGKILL mid-run, restarted with the same command, catches up from a healthy group, and every
+group ends with bit-identical parameters. Prints what happened and exits non-zero if any invariant failed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.testing.harness import Job, wait_for
+    from lightning_fthsdp.launch.processes import Job, wait_for
 
     workdir = args.out or Path(tempfile.mkdtemp(prefix="fthsdp-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)

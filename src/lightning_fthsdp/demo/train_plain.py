@@ -3,12 +3,12 @@
 One process per replica group::
 
     fthsdp lighthouse --port 29510 --min-replicas 1 &
-    python examples/train_plain.py --replica-id a --lighthouse http://127.0.0.1:29510 --steps 100
-    python examples/train_plain.py --replica-id b --lighthouse http://127.0.0.1:29510 --steps 100
+    python -m lightning_fthsdp.demo.train_plain --replica-id a --lighthouse http://127.0.0.1:29510 --steps 100
+    python -m lightning_fthsdp.demo.train_plain --replica-id b --lighthouse http://127.0.0.1:29510 --steps 100
 
 Several shard ranks per group (FSDP2 inside the group) via torchrun, one torchrun per group::
 
-    torchrun --nproc-per-node 2 --master-port 29600 examples/train_plain.py --replica-id a ...
+    torchrun --nproc-per-node 2 --master-port 29600 -m lightning_fthsdp.demo.train_plain --replica-id a ...
 
 Every group starts from the same seeded weights and trains on its own data stream (batch ``k`` of group ``r``
 is a pure function of ``(r, k, shard rank)``), so after every committed step all groups hold identical
@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fthsdp.core.config import add_timeout_arguments, timeouts_from_args
-from lightning_fthsdp.core.manager import FTManager
-from lightning_fthsdp.core.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
+from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.faults import Fault
+from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
 
 FEATURES = 16
 BATCH = 32

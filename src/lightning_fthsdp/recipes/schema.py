@@ -2,7 +2,7 @@
 
 A recipe (``recipes/*.yaml``) sets any subset of these fields; everything it leaves out keeps the default here.
 Fields with a fixed set of values declare it as ``metadata={"choices": ...}`` and numeric fields their lower
-bound as ``metadata={"min": ...}``; ``lightning_fthsdp.configs.loader`` enforces both and names the key, the value
+bound as ``metadata={"min": ...}``; ``lightning_fthsdp.recipes.loader`` enforces both and names the key, the value
 and what is allowed. Cross-field rules live in each section's ``check()``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_fthsdp.core.config import Timeouts
+from lightning_fthsdp.config.timeouts import Timeouts
 
 
 def _choice(default: str, *choices: str) -> Any:

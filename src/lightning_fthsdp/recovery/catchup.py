@@ -16,10 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from lightning_fthsdp.core.torch_state import StateTree
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.server import PreparedState, StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot, unshared
+from lightning_fthsdp.recovery.torch_state import StateTree
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]

@@ -1,0 +1,36 @@
+"""Every ``FTHSDP_*`` environment variable the project reads, and how an explicit value wins over it.
+
+A launcher (``fthsdp launch``, SLURM, Kubernetes) sets these per replica group; an explicit argument always wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_REPLICA_ID = "FTHSDP_REPLICA_ID"
+"""The replica group's stable id (the same across its restarts)."""
+
+ENV_LIGHTHOUSE = "FTHSDP_LIGHTHOUSE"
+"""The lighthouse's URL, ``http://HOST:PORT``."""
+
+ENV_TOKEN = "FTHSDP_TOKEN"
+"""The job's shared secret for the lighthouse and the state servers (unset: no token)."""
+
+ENV_NUM_REPLICA_GROUPS = "FTHSDP_NUM_REPLICA_GROUPS"
+"""How many replica groups the job has (default 1): the Lightning strategy's data-stream count."""
+
+ENV_REPLICA_INDEX = "FTHSDP_REPLICA_INDEX"
+"""This group's index in ``0..FTHSDP_NUM_REPLICA_GROUPS-1``: which data stream it trains."""
+
+
+def from_env(value: str | None, env_name: str) -> str | None:
+    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty; else None."""
+    return value or os.environ.get(env_name) or None
+
+
+def resolve(value: str | None, env_name: str, what: str, fix: str) -> str:
+    """An explicit ``value`` wins; else ``env_name``; else a ValueError that names both and the fix."""
+    found = from_env(value, env_name)
+    if found:
+        return found
+    raise ValueError(f"{what} is not set: pass it explicitly or set {env_name} ({fix})")

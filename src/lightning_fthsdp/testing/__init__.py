@@ -1,1 +1,0 @@
-"""Helpers to run real fault-tolerant jobs (lighthouse + replica groups) for tests and benchmarks."""
