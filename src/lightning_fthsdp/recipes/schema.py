@@ -112,8 +112,9 @@ class FTConfig:
     min_replicas: int = _at_least(1, 1)
     """Smallest quorum the lighthouse forms. Lower keeps training through more failures; it must not exceed
     launch.replicas (else one failure stops the job)."""
-    lr_scaling: str = _choice("sqrt", "none", "linear", "sqrt")
-    """Learning-rate factor while h of R groups contribute: 1, h/R or sqrt(h/R) (the paper found sqrt best)."""
+    lr_scaling: str = _choice("none", "none", "linear", "sqrt")
+    """Learning-rate factor while h of R groups contribute: 1, h/R or sqrt(h/R). Default none, as the strategy's;
+    the paper found sqrt best, which recipes/base.yaml sets."""
     keep_global_batch: bool = False
     """While h of R groups contribute, the healthy ones train R/h times their batches (split as evenly as possible)
     so the global batch stays that of a healthy job; steps take longer. Needs lr_scaling=none."""

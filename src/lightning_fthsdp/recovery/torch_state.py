@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-StateTree = dict[str, Any]
+from lightning_fthsdp.recovery.wire import StateTree
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

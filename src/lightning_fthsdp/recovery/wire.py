@@ -25,6 +25,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -45,7 +46,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-StateTree = dict[str, object]
+StateTree = dict[str, Any]
 """Nested dicts (str keys) / lists / tuples of torch.Tensor and JSON scalars (int, float, str, bool, None)."""
 
 
