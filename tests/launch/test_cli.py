@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from lightning_fthsdp.cli import main
+from lightning_fthsdp.cli import build_parser, main
 from lightning_fthsdp.launch.fit import split_rest
 from tests.paths import ROOT
 
@@ -24,6 +24,13 @@ def test_every_subcommand_has_help(command: str, expected: str, capsys: pytest.C
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert expected in capsys.readouterr().out
+
+
+def test_a_renamed_launch_flag_still_works_and_says_its_new_name(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["launch", "recipes/mlp.yaml", "--devices-per-replica", "2"])
+    assert args.shard_count == 2
+    assert "--devices-per-replica is deprecated, use --shard-count" in capsys.readouterr().err
+    assert build_parser().parse_args(["launch", "recipes/mlp.yaml", "--shard-count", "3"]).shard_count == 3
 
 
 def test_top_level_help_lists_every_subcommand() -> None:

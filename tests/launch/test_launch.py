@@ -26,7 +26,7 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     # The pace keeps the survivor training while the killed group restarts (a Lightning start-up takes seconds).
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", "--replicas", "2",
-           "--devices-per-replica", "1", "--chaos", CHAOS, "--out", str(out), "--no-live"]
+           "--shard-count", "1", "--chaos", CHAOS, "--out", str(out), "--no-live"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                 start_new_session=True)
     try:
@@ -64,4 +64,4 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     assert (out / "report.png").stat().st_size > 0
     assert "final parameters identical across groups: True" in output
     calibration = read_report(out / "report.json")  # the simulator's --from-report accepts it
-    assert calibration.failures_injected == 2 and calibration.recoveries == len(report["recoveries"])
+    assert calibration.failures_injected == 2 and calibration.recovery_count == len(report["recoveries"])

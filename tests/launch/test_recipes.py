@@ -73,3 +73,20 @@ def test_every_config_field_has_a_docstring() -> None:
         documented = field_docs(section)
         missing = [f.name for f in dataclasses.fields(section) if f.name not in documented]
         assert not missing, f"{section.__name__} fields without a docstring: {missing}"
+
+
+def test_a_renamed_key_is_still_read_with_a_deprecation(tmp_path: Path) -> None:
+    (tmp_path / "old.yaml").write_text("defaults: [base]\nlaunch: {devices_per_replica: 3}\n")
+    (tmp_path / "base.yaml").write_text("launch: {replicas: 2}\n")
+    with pytest.warns(FutureWarning, match=r"launch\.devices_per_replica is deprecated, use launch\.shard_count"):
+        recipe = load_recipe(tmp_path / "old.yaml")
+    assert recipe.launch.shard_count == 3
+    with pytest.warns(FutureWarning, match=r"override 'launch.devices_per_replica=4'"):
+        assert load_recipe(tmp_path / "base.yaml", ["launch.devices_per_replica=4"]).launch.shard_count == 4
+    assert "devices_per_replica" not in to_yaml(recipe)
+
+
+def test_a_renamed_key_set_twice_differently_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "both.yaml").write_text("launch: {devices_per_replica: 3, shard_count: 2}\n")
+    with pytest.warns(FutureWarning), pytest.raises(RecipeError, match=r"sets both launch\.devices_per_replica"):
+        load_recipe(tmp_path / "both.yaml")

@@ -28,7 +28,7 @@ def test_means_of_measured_stalls_and_recoveries_become_minutes(tmp_path: Path) 
     calibration = read_report(write(tmp_path, REPORT))
     assert calibration.stall_min == pytest.approx(30.0 / 60)
     assert calibration.group_restart_min == pytest.approx(120.0 / 60)
-    assert (calibration.stalls, calibration.recoveries, calibration.failures_injected) == (3, 2, 3)
+    assert (calibration.stalls, calibration.recovery_count, calibration.failures_injected) == (3, 2, 3)
     assert calibration.measured_ett == 0.91
     cfg = calibration.apply(SimConfig(**PRESETS["paper"]))
     assert (cfg.stall_min, cfg.group_restart, cfg.restart_min) == (0.5, 2.0, 10.0)

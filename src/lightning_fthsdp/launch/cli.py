@@ -1,7 +1,7 @@
 """``fthsdp launch``: a whole fault-tolerant job on this machine, with failure injection and a report.
 
 Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning's launcher starts the group's
-``--devices-per-replica`` ranks), restarts a group that dies (up to ``launch.max_restarts``), injects the
+``--shard-count`` ranks), restarts a group that dies (up to ``launch.max_restarts``), injects the
 ``--chaos`` schedule (grammar: ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the
 end writes ``DIR/report.json``, ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a
 summary. Exit code 0 when every group reached ``trainer.max_steps`` with identical final parameters.
@@ -15,6 +15,7 @@ import json
 import shutil
 import signal
 import string
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,19 @@ if TYPE_CHECKING:
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
+class DeprecatedFlag(argparse.Action):
+    """A renamed flag, still accepted until 0.3: stores into the new flag's destination and says so on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"fthsdp: {option_string} is deprecated, use {self.new} (the old name goes in 0.3)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser(
         "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
@@ -31,8 +45,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.max_steps=50")
     parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
-    parser.add_argument("--devices-per-replica", type=int, default=None,
-                        help="shard ranks per group (default: launch.devices_per_replica)")
+    parser.add_argument("--shard-count", type=int, default=None,
+                        help="shard ranks per replica group (default: launch.shard_count)")
+    parser.add_argument("--devices-per-replica", type=int, dest="shard_count", action=DeprecatedFlag,
+                        help=argparse.SUPPRESS, new="--shard-count")
     parser.add_argument("--chaos", default=None, metavar="SPEC",
                         help="failures to inject, e.g. kill:every=20s,hang:at=45s:for=10s (default: launch.chaos)")
     parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
@@ -46,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
     overrides = list(args.overrides)
-    for flag, key in ((args.replicas, "launch.replicas"), (args.devices_per_replica, "launch.devices_per_replica"),
+    for flag, key in ((args.replicas, "launch.replicas"), (args.shard_count, "launch.shard_count"),
                       (args.chaos, "launch.chaos")):
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
@@ -90,7 +106,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     outcome = "finished"
     try:
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
-                   f"{recipe.launch.devices_per_replica} ranks; logs in {out / 'logs'}")
+                   f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
         supervisor.start_all()
         seen = 0
         first_commit: float | None = None  # the job's clock for time-based faults starts at its first commit
@@ -103,7 +119,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
             supervisor.abandon_stranded()
             if first_commit is None:
                 first_commit = min((r["t"] for g in supervisor.groups.values() for r in g.records
-                                    if r["event"] == "step"), default=None)
+                                    if r["event"] == "commit"), default=None)
             if first_commit is not None:
                 step = max(g.step for g in supervisor.groups.values())
                 # A group at its last step is about to exit: killing it then would restart it with no peer left.
@@ -113,7 +129,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
                     supervisor.inject(injection)
             for event in supervisor.transitions[seen:]:
                 if event["event"] not in ("kill", "hang"):
-                    view.event(f"group {event['group']}: {event['event']} (step {event['step']})")
+                    view.event(f"group {event['replica_id']}: {event['event']} (step {event['step']})")
             seen = len(supervisor.transitions)
             view.update(supervisor.groups)
             time.sleep(0.1)  # the launcher's polling pace; every wait above is non-blocking
@@ -121,7 +137,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
         view.close()
         job.close()
     meta = {"recipe": str(out / "recipe.yaml"), "chaos": recipe.launch.chaos, "outcome": outcome,
-            "devices_per_replica": recipe.launch.devices_per_replica, "wall_s": round(time.time() - started, 3),
+            "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
             "failures_planned": schedule.planned}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=recipe.trainer.max_steps, meta=meta)

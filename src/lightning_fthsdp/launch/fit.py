@@ -82,7 +82,7 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[s
     return {
         "seed_everything": trainer.seed,
         "trainer": {
-            "accelerator": trainer.accelerator, "devices": recipe.launch.devices_per_replica, "num_nodes": 1,
+            "accelerator": trainer.accelerator, "devices": recipe.launch.shard_count, "num_nodes": 1,
             "precision": trainer.precision, "max_steps": trainer.max_steps,
             "gradient_clip_val": trainer.gradient_clip_val, "log_every_n_steps": trainer.log_every_n_steps,
             "strategy": {"class_path": STRATEGY,

@@ -30,7 +30,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     groups = list(report["groups"])
     end = max((e["t"] for e in report["timeline"]), default=0.0)
     for row, replica_id in enumerate(groups):
-        events = [e for e in report["timeline"] if e["group"] == replica_id and e["event"] in _COLORS]
+        events = [e for e in report["timeline"] if e["replica_id"] == replica_id and e["event"] in _COLORS]
         for event, following in zip(events, [*events[1:], None], strict=True):
             stop = following["t"] if following else end
             member_ax.barh(row, max(stop - event["t"], 0.0), left=event["t"], color=_COLORS[event["event"]],
@@ -38,7 +38,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     for event in report["timeline"]:
         if event["event"] in ("kill", "hang"):
             member_ax.axvline(event["t"], color="black", ls="--", lw=0.8)
-            member_ax.text(event["t"], -0.55, f" {event['event']} {event['group']}", fontsize=8, va="bottom")
+            member_ax.text(event["t"], -0.55, f" {event['event']} {event['replica_id']}", fontsize=8, va="bottom")
     member_ax.set_yticks(range(len(groups)), [f"group {g}" for g in groups])
     member_ax.set(title="membership\ngreen: training, gray: starting or catching up, red: down, orange: hung, "
                         "blue: done", xlabel="seconds since the first commit")

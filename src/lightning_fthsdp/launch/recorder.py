@@ -3,10 +3,10 @@
 Records (``event``):
 
 - ``start``: the group (re)started training (``step``: Lightning's global step, 0 unless resumed);
-- ``step``: a committed optimizer step: ``step`` (the job's committed step after it), ``loss`` (rank 0's
+- ``commit``: a committed optimizer step: ``step`` (the job's committed step after it), ``loss`` (rank 0's
   micro-batch; absent from a step this group only followed while catching up: computed on weights it had not
   loaded yet, it is no training loss), ``quorum_size``, ``participants`` (ids whose gradients went into it),
-  ``discarded`` (failed commit attempts of this process so far), ``recoveries`` (catch-ups of this process),
+  ``discarded`` (failed commit attempts of this process so far), ``catch_ups`` (catch-ups of this process),
   ``stall_s`` (time of this step spent in discarded attempts);
 - ``val``: a validation during fit: ``step`` (the committed step it evaluated) and ``val_loss`` (the held-out
   loss the LightningModule logged as ``val_loss``);
@@ -51,14 +51,14 @@ class LaunchRecorder(CommittedStepCallback):
                           batch_idx: int) -> None:
         if self._writes(trainer):
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            record: dict[str, Any] = {"event": "step", "step": trainer.global_step}
+            record: dict[str, Any] = {"event": "commit", "step": trainer.global_step}
             metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy
             trained = True
             if metrics is not None:
                 manager = trainer.strategy.manager  # type: ignore[attr-defined]
                 trained = manager.replica_id in manager.participants
                 record |= {"quorum_size": metrics.quorum_size, "participants": list(manager.participants),
-                           "discarded": metrics.discarded_steps, "recoveries": metrics.recoveries,
+                           "discarded": metrics.discarded_steps, "catch_ups": metrics.recoveries,
                            "stall_s": round(metrics.stall_s, 4)}
             if trained:
                 record["loss"] = float(loss)

@@ -33,21 +33,21 @@ ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x media
 def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]], *, replicas: int,
                  max_steps: int, meta: dict[str, Any]) -> dict[str, Any]:
     """The report as a JSON-able dict (fields in the module docstring, plus per-group details and the timeline)."""
-    steps = [r for g in groups.values() for r in g.records if r["event"] == "step"]
+    steps = [r for g in groups.values() for r in g.records if r["event"] == "commit"]
     t0 = min((r["t"] for r in steps), default=0.0)
     injections = [e for e in transitions if e["event"] in ("kill", "hang")]
     stalls, recoveries = [], []
     for event in injections:
-        others = [r["t"] for r in steps if r["t"] > event["t"] and r["replica_id"] != event["group"]]
+        others = [r["t"] for r in steps if r["t"] > event["t"] and r["replica_id"] != event["replica_id"]]
         if others:
             stalls.append(round(min(others) - event["t"], 3))
-        mine = [r for r in groups[event["group"]].records if r["event"] == "step" and r["t"] > event["t"]
+        mine = [r for r in groups[event["replica_id"]].records if r["event"] == "commit" and r["t"] > event["t"]
                 and (event["event"] != "kill" or r["incarnation"] > event["incarnation"])]
         if mine:
-            recoveries.append({"replica_id": event["group"], "kind": event["event"],
+            recoveries.append({"replica_id": event["replica_id"], "kind": event["event"],
                                "injected_at_s": round(event["t"] - t0, 3),
                                "recovery_s": round(mine[0]["t"] - event["t"], 3),
-                               "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("recoveries", 0) > 0})
+                               "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("catch_ups", 0) > 0})
     finals = {g.replica_id: g.params_sha256 for g in groups.values()}
     losses = _loss_by_step(steps)
     vals = [r for g in groups.values() for r in g.records if r["event"] == "val"]
@@ -68,14 +68,14 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         "effective_training_time_definition": ETT_DEFINITION,
         "loss": {"first": _mean(head), "last": _mean(tail), "fell": bool(head and tail and _mean(tail) < _mean(head))},
         "groups": {g.replica_id: {"final_step": g.step, "restarts": g.restarts, "exit_codes": g.exit_codes,
-                                  "status": g.status, "discarded": g.discarded, "recoveries": g.recoveries,
+                                  "status": g.status, "discarded": g.discarded, "catch_ups": g.catch_ups,
                                   "params_sha256": g.params_sha256} for g in groups.values()},
         "timeline": [{**e, "t": round(e["t"] - t0, 3)} for e in transitions],
         "val_loss": {"step": val_step, "final": _mean(finals_val)},
         "val_losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["val_loss"], 5)]
                                       for r in g.records if r["event"] == "val"] for g in groups.values()},
         "losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["loss"], 5)]
-                                  for r in g.records if r["event"] == "step" and "loss" in r]
+                                  for r in g.records if r["event"] == "commit" and "loss" in r]
                    for g in groups.values()},
     }
 

@@ -41,7 +41,7 @@ class GroupState:
     loss: float | None = None
     participants: list[str] = field(default_factory=list)
     discarded: int = 0
-    recoveries: int = 0
+    catch_ups: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)  # every incarnation's, with "incarnation" added
     exit_codes: list[int] = field(default_factory=list)
     params_sha256: str | None = None
@@ -50,7 +50,7 @@ class GroupState:
     resume_at: float | None = None
     _offset: int = 0
     _base_discarded: int = 0
-    _base_recoveries: int = 0
+    _base_catch_ups: int = 0
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Supervisor:
         state = self.groups[injection.group]
         self._signal(state, signal.SIGKILL if injection.kind == "kill" else signal.SIGSTOP)
         # Timed after the signal: a record the target wrote before it has an earlier t, none can come after it.
-        self.transitions.append({"t": time.time(), "group": state.replica_id, "event": injection.kind,
+        self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
                                  "spec": injection.spec, "step": state.step, "incarnation": state.incarnation})
         if injection.kind == "kill":
             assert state.process is not None
@@ -134,7 +134,7 @@ class Supervisor:
     def _start(self, state: GroupState) -> None:
         state.incarnation += 1
         state._offset = 0
-        state._base_discarded, state._base_recoveries = state.discarded, state.recoveries
+        state._base_discarded, state._base_catch_ups = state.discarded, state.catch_ups
         name = f"{state.replica_id}.{state.incarnation}"
         jsonl = self.out / "groups" / f"{name}.jsonl"
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -163,12 +163,12 @@ class Supervisor:
         for line in complete.decode().splitlines():
             record = json.loads(line) | {"incarnation": state.incarnation}
             state.records.append(record)
-            if record["event"] == "step":
+            if record["event"] == "commit":
                 state.step = record["step"]
                 state.loss = record.get("loss", state.loss)  # none for a step the group only followed
                 state.participants = record.get("participants", [])
                 state.discarded = state._base_discarded + record.get("discarded", 0)
-                state.recoveries = state._base_recoveries + record.get("recoveries", 0)
+                state.catch_ups = state._base_catch_ups + record.get("catch_ups", 0)
                 if state.status == STARTING:
                     self._set(state, TRAINING)
             elif record["event"] == "end":
@@ -193,7 +193,7 @@ class Supervisor:
     def _set(self, state: GroupState, status: str) -> None:
         if state.status != status or not self.transitions or status == STARTING:
             state.status = status
-            self.transitions.append({"t": time.time(), "group": state.replica_id, "event": status,
+            self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": status,
                                      "step": state.step, "incarnation": state.incarnation})
 
 

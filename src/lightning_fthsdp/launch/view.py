@@ -61,9 +61,9 @@ class ConsoleView:
         step = max(g.step for g in groups.values())
         table = Table(title=f"fthsdp launch  t={time.time() - self.started:.1f}s  step {step}/{self.max_steps}  "
                             f"{self._quorum(groups)}")
-        for column in ("group", "status", "step", "loss", "discarded", "recoveries", "restarts"):
+        for column in ("group", "status", "step", "loss", "discarded", "catch-ups", "restarts"):
             table.add_column(column, justify="left" if column in ("group", "status") else "right")
         for g in groups.values():
             table.add_row(g.replica_id, g.status, str(g.step), f"{g.loss:.4f}" if g.loss is not None else "-",
-                          str(g.discarded), str(g.recoveries), str(g.restarts))
+                          str(g.discarded), str(g.catch_ups), str(g.restarts))
         return RichGroup(table, *self._events)

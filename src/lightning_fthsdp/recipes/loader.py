@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,16 +27,23 @@ class RecipeError(ValueError):
     """A recipe or override that does not fit the schema; the message names key, value and allowed values."""
 
 
+#: Keys renamed in 0.2 (one name per concept), still read until 0.3 with a FutureWarning: old -> new.
+RENAMED_KEYS: dict[str, str] = {"launch.devices_per_replica": "launch.shard_count"}
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose ``path``, apply ``overrides`` (``key=value``, YAML values), validate; return the typed recipe."""
     path = Path(path)
     merged = OmegaConf.structured(RecipeConfig)
     merged = _merge(merged, _compose(path, ()), f"recipe {path}")
     for override in overrides:
-        key, sep, _ = override.partition("=")
+        key, sep, value = override.partition("=")
         if not sep or not key:
             raise RecipeError(f"override {override!r} is not key=value (e.g. trainer.max_steps=50)")
-        merged = _merge(merged, OmegaConf.from_dotlist([override]), f"override {override!r}")
+        if key in RENAMED_KEYS:
+            _warn_renamed(f"override {override!r}", key)
+            key = RENAMED_KEYS[key]
+        merged = _merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]), f"override {override!r}")
     try:
         recipe = OmegaConf.to_object(merged)
     except ValueError as err:  # Timeouts.__post_init__: the hierarchy, with every value in the message
@@ -67,6 +75,7 @@ def _compose(path: Path, stack: tuple[Path, ...]) -> DictConfig:
     if not isinstance(raw, DictConfig):
         raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(raw).__name__}")
     defaults = raw.pop("defaults", [])
+    _rename_keys(raw, f"recipe {path}")
     if not isinstance(defaults, ListConfig) and defaults != []:
         raise RecipeError(f"recipe {path}: defaults must be a list of recipe names, got {defaults!r}")
     parts = []
@@ -76,6 +85,29 @@ def _compose(path: Path, stack: tuple[Path, ...]) -> DictConfig:
         default = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
         parts.append(_compose(default, (*stack, path.resolve())))
     return typing.cast(DictConfig, OmegaConf.merge(*parts, raw)) if parts else raw
+
+
+def _rename_keys(raw: DictConfig, source: str) -> None:
+    """Move each renamed key of one file to its new name, in place (before the merge: the schema rejects it)."""
+    for old, new in RENAMED_KEYS.items():
+        value = OmegaConf.select(raw, old, default=_MISSING)
+        if value is _MISSING:
+            continue
+        _warn_renamed(source, old)
+        if OmegaConf.select(raw, new, default=_MISSING) not in (_MISSING, value):
+            raise RecipeError(f"{source} sets both {old} (deprecated) and {new} to different values: keep {new}")
+        section, _, name = old.rpartition(".")
+        parent = OmegaConf.select(raw, section) if section else raw
+        parent.pop(name)
+        OmegaConf.update(raw, new, value, force_add=True)
+
+
+_MISSING = object()
+
+
+def _warn_renamed(source: str, old: str) -> None:
+    warnings.warn(f"{source}: {old} is deprecated, use {RENAMED_KEYS[old]} (the old name goes in 0.3)",
+                  FutureWarning, stacklevel=3)
 
 
 def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:

@@ -41,7 +41,7 @@ class LMConfig:
     """Megabytes of text read at start-up from the Python standard library's own *.py files (sorted, so every
     group reads the same bytes); nothing is downloaded or shipped. More text means fewer repeated windows."""
     batch_size: int = _at_least(16, 1)
-    """Sequences per shard rank and step: the global batch is batch_size x devices_per_replica x replicas."""
+    """Sequences per shard rank and step: the global batch is batch_size x shard_count x replicas."""
     val_windows: int = _at_least(256, 1)
     """Sequences at the end of the corpus held out for the validation loss (see trainer.val_every_n_steps); no
     group ever trains on them. More give a steadier estimate and a longer validation."""
@@ -129,8 +129,8 @@ class LaunchConfig:
 
     replicas: int = _at_least(2, 1)
     """Replica groups (--replicas wins). Each holds a full copy of the model and optimizer state."""
-    devices_per_replica: int = _at_least(1, 1)
-    """Shard ranks per group (--devices-per-replica wins); every group uses the same."""
+    shard_count: int = _at_least(1, 1)
+    """Shard ranks per replica group, one device each (--shard-count wins); every group uses the same."""
     max_restarts: int = _at_least(3, 0)
     """Restarts per group before the launcher gives up on it (a crash or an injected kill counts)."""
     restart_delay_s: float = _at_least(1.0, 0.0)

@@ -163,5 +163,5 @@ def _describe_calibration(calibration: Calibration) -> str:
     return (
         f"calibrated from {calibration.source}: stall {60 * calibration.stall_min:.1f} s (mean of "
         f"{calibration.stalls}), group restart {60 * calibration.group_restart_min:.1f} s (mean of "
-        f"{calibration.recoveries}){measured}{injected}"
+        f"{calibration.recovery_count}){measured}{injected}"
     )

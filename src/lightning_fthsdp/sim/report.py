@@ -37,7 +37,7 @@ class Calibration:
     group_restart_min: float
     """Mean of the recoveries' ``recovery_s`` (or ``duration_s``), in minutes."""
     stalls: int
-    recoveries: int
+    recovery_count: int
     failures_injected: int | None
     measured_ett: float | None
 
@@ -87,7 +87,7 @@ def read_report(path: str | Path) -> Calibration:
         stall_min=stall_min,
         group_restart_min=group_restart_min,
         stalls=len(stall_s),
-        recoveries=len(recovery_s),
+        recovery_count=len(recovery_s),
         failures_injected=failures,
         measured_ett=measured,
     )
