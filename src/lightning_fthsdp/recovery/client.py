@@ -158,7 +158,7 @@ class _Connection:
             raise StateFetchError(f"state server {self._address} unreachable: {e}") from None
         # Kernel-side timeouts on a blocking socket, not settimeout(): each call still returns within POLL_S (to look
         # at abort and the deadline) but without a poll() before every recv, and MSG_WAITALL fills a whole chunk in
-        # one call, leaving more CPU to the verify threads (measured on 2 cores: 1.3 -> 1.55 GB/s with verification).
+        # one call, leaving more CPU to the verify threads (bench/bench_transfer.py measures the throughput).
         self._sock.setblocking(True)
         interval = struct.pack("ll", 0, int(POLL_S * 1e6))
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, interval)

@@ -25,7 +25,7 @@ def snapshot(tree: StateTree, into: StateTree | None = None) -> StateTree:
 
     ``into``: an earlier snapshot that nothing reads any more; its tensors are reused where path, shape and dtype
     match. Their pages are already mapped, so the copy runs several times faster than into fresh memory, which the
-    kernel must first fault in page by page (measured here: ~1 GB/s fresh, ~4 GB/s reused).
+    kernel must first fault in page by page.
 
     Every tensor is copied to a fresh dense, contiguous CPU tensor (detached, plain ``torch.Tensor``); a DTensor
     becomes a copy of its local shard (``.to_local()``), because each shard rank serves its own shard to the same
@@ -116,8 +116,8 @@ def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torc
     out = reuse if _fits(reuse, t) else torch.empty(t.shape, dtype=t.dtype, device="cpu")
     plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
     if plain and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        # One thread, GIL released: copy_ would spread this memory-bound copy over every intra-op thread (here 48 ms
-        # of CPU for 512 MiB on both cores, against 28 ms on one) while the other groups' steps need those cores.
+        # One thread, GIL released: copy_ would spread this memory-bound copy over every intra-op thread, costing
+        # more CPU in all, while the other groups' steps need those cores.
         if t.numel():
             ctypes.memmove(out.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
     else:
