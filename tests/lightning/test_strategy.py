@@ -79,7 +79,7 @@ def test_replica_index_from_replica_ids_and_env(monkeypatch: pytest.MonkeyPatch)
 def test_degraded_lr_scaling(scaling: str, factor: float) -> None:
     strategy = FTHSDPStrategy(num_replica_groups=4, replica_index=0, lr_scaling=scaling)  # type: ignore[arg-type]
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
-    strategy._scale_lr(optimizer, healthy=1)
+    strategy._degraded_lr.scale(optimizer, healthy=1)
     assert math.isclose(optimizer.param_groups[0]["lr"], 0.4 * factor)
 
 
@@ -121,7 +121,7 @@ def test_policy_shards_each_block_then_the_root() -> None:
 def test_fp16_loss_scaling_is_refused_with_the_fix() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_fthsdp.lightning.strategy import refuse_loss_scaling
+    from lightning_fthsdp.lightning.refusals import refuse_loss_scaling
 
     refuse_loss_scaling(MixedPrecision("bf16-mixed", "cpu"))  # no scaler: fine
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):

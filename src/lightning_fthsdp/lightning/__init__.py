@@ -21,9 +21,9 @@ def release_process_groups() -> None:
 
     Call it last, after fit and anything that still needs the groups. Left to interpreter exit, torch's C++
     objects are destroyed among static destructors, which now and then aborts a process that trained fine
-    ("terminate called without an active exception", exit code -6: seen on this 2-core machine in about 1 of 8
-    loaded runs, also with the groups destroyed first). A launcher would take that for a crash, so the process
-    leaves without running those destructors once its output is flushed.
+    ("terminate called without an active exception", exit code -6, also with the groups destroyed first). A
+    launcher would take that for a crash, so the process leaves without running those destructors once its output
+    is flushed.
     """
     import os
     import sys

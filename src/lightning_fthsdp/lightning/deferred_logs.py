@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_fthsdp.lightning import private
 from lightning_fthsdp.lightning.instance_attribute import set_for_now
 
 
@@ -47,10 +48,6 @@ class DeferredLogs:
         calls, self._calls = self._calls, []
         if not trained or not calls:
             return
-        previous = module._current_fx_name  # Lightning checks where a value is logged from by this name
-        module._current_fx_name = "training_step"
-        try:
+        with private.logging_from(module, "training_step"):  # Lightning checks where a value is logged from
             for args, kwargs in calls:
                 module.log(*args, **kwargs)
-        finally:
-            module._current_fx_name = previous

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
+from lightning_fthsdp.manager import FTManager
 
 _PROGRESS_BAR = ("quorum_size", "participants")
 
@@ -33,6 +34,16 @@ class FTMetrics:
     discarded_steps: int = 0
     recoveries: int = 0
     stall_s: float = 0.0
+
+    def record_commit(self, manager: FTManager, *, caught_up: bool, stall_s: float) -> None:
+        """Take the values of the step ``manager`` just committed (``caught_up``: that commit loaded a peer's state;
+        ``stall_s``: the time the step spent in discarded attempts)."""
+        if caught_up:
+            self.recoveries += 1
+        self.quorum_size = len(manager.quorum.members) if manager.quorum is not None else 0
+        self.participants = len(manager.participants)
+        self.discarded_steps = manager.discarded_steps
+        self.stall_s = stall_s
 
 
 class FTMetricsLogger(CommittedStepCallback):

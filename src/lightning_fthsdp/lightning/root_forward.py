@@ -13,8 +13,8 @@ A step that also calls ``self(x)`` enters the root's ``forward`` again, nested. 
 for the whole step already; run through FSDP2's hooks, the nested call's post-forward would mark the unit idle, the
 outer post-forward would then reshard it, and backward would gather it a second time. So while the step runs, the
 root unit's own two forward hooks do nothing (its children's units keep theirs). That reads FSDP2's hook handles
-(``_get_fsdp_state``, ``_pre_forward_hook_handle``, ``_post_forward_hook_handle``) and ``nn.Module``'s hook
-dictionaries: private members, checked by tests/unit/test_root_forward.py.
+and ``nn.Module``'s hook dictionaries: private members, reached through ``private`` (and checked by
+tests/unit/test_root_forward.py and tests/lightning/test_private_members.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_fthsdp.lightning import private
 from lightning_fthsdp.lightning.instance_attribute import set_for_now
 
 
@@ -54,15 +55,15 @@ def _hide_own_fsdp_hooks(module: nn.Module) -> Callable[[], None]:
     they are); returns the call that puts them back."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"call_through_forward needs an FSDP2 root (fully_shard applied), got {type(module).__name__}")
-    state = module._get_fsdp_state()
-    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
-    pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
-    pre_hook, post_hook = pre_hooks[pre_id], post_hooks[post_id]
+    slots = private.own_forward_hook_slots(module)
+    own = [table[key] for table, key in slots]
 
     def show() -> None:
-        pre_hooks[pre_id], post_hooks[post_id] = pre_hook, post_hook
+        for (table, key), hook in zip(slots, own, strict=True):
+            table[key] = hook
 
-    pre_hooks[pre_id], post_hooks[post_id] = _unchanged, _unchanged
+    for table, key in slots:
+        table[key] = _unchanged
     return show
 
 

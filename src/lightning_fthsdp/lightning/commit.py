@@ -1,0 +1,88 @@
+"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds.
+
+A discarded attempt (a group died during the exchange, this group's lease ran out) is retried inside the same
+optimizer step, on the same batch: the weights did not change, so the gradient is restored from a copy made before
+the first attempt (one copy of this rank's gradient shards per step), and a degraded step's extra batches are
+trained again.
+
+Every group must send the same tensors (gloo sizes must match): a missing gradient is sent as zeros, and a flag per
+parameter says whether a group had one, so a parameter no group had a gradient for is skipped by the optimizer (as
+without fault tolerance) instead of stepped with zeros (weight decay, momentum and Adam would move it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
+from lightning_fthsdp.lightning.topology import DataTopology
+from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.recovery.torch_state import local
+
+
+class StepCommit:
+    """Runs a step's exchange and commit vote until the step commits (``until_committed``).
+
+    Args:
+        manager: this rank's ``FTManager``.
+        topology: the job's data topology (a larger quorum is refused: data shards would overlap).
+        device: where the had-gradient flags are exchanged (the gradients' device).
+        logs: the step's held ``self.log`` calls; those of a discarded attempt's extra batches are forgotten.
+        fire_fault: failure injection, called with the phase "before" ahead of each exchange.
+    """
+
+    def __init__(self, manager: FTManager, topology: DataTopology, device: torch.device, logs: DeferredLogs,
+                 fire_fault: Callable[[str], None]) -> None:
+        self._manager, self._topology, self._device = manager, topology, device
+        self._logs, self._fire_fault = logs, fire_fault
+        self.caught_up = False
+        """Whether the last commit loaded a peer's state (set through ``mark_caught_up``)."""
+        self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
+        self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
+
+    def mark_caught_up(self) -> None:
+        """Called by the loop-counter loader of catch-up, inside the commit that loads a peer's state."""
+        self.caught_up = True
+
+    def until_committed(self, params: list[torch.nn.Parameter], train_extra_batches: Callable[[int], None]) -> float:
+        """Exchange the gradients of ``params`` and vote, until the step commits; returns the seconds spent in
+        discarded attempts. ``train_extra_batches(n)`` trains this group's ``n`` extra batches of the attempt (a
+        degraded step with ``keep_global_batch``; 0 otherwise). Raises ValueError on a quorum larger than the job."""
+        manager = self._manager
+        ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
+        logged = self._logs.mark()
+        started, stall_s = time.monotonic(), 0.0
+        while True:
+            train_extra_batches(manager.step_batches() - 1)
+            self._had_grad = torch.tensor([float(p.grad is not None) for p in params], device=self._device)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._synced = [(p, p.grad) for p in params]
+            self._fire_fault("before")
+            manager.sync_gradients([local(p.grad) for p in params] + [self._had_grad])
+            if manager.quorum is not None:
+                self._topology.check_quorum(manager.quorum.member_ids, manager.replica_id)
+            self.caught_up = False
+            if manager.commit():
+                break
+            for p, own in zip(params, ours, strict=True):
+                if own is None:
+                    p.grad = None
+                else:
+                    local(p.grad).copy_(own)
+            self._logs.rewind(logged)  # the extra batches are trained (and log) again
+            stall_s = time.monotonic() - started
+        self.drop_missing_gradients()
+        return stall_s
+
+    def drop_missing_gradients(self) -> None:
+        """After the exchange: no gradient (None) for a parameter no contributing group had one for. The exchanged
+        tensor is attached again otherwise (a replayed step before this one may have dropped it)."""
+        for (p, grad), had in zip(self._synced, self._had_grad.tolist(), strict=True):
+            wanted = grad if had > 0.0 else None
+            if p.grad is not wanted:  # assigning a DTensor's gradient validates it: only where it changes
+                p.grad = wanted

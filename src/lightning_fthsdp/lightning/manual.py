@@ -1,0 +1,77 @@
+"""Manual optimization under FTHSDPStrategy: what it refuses, and how a module without ``configure_model`` is sharded.
+
+A group's data position counts committed steps, and a restarted group joins at a batch boundary and must take the
+same step as the others; with manual optimization the optimizer step (and with it the cross-group sync) runs inside
+``training_step``. Hence exactly one optimizer step per training batch, one optimizer across replica groups, no
+``keep_global_batch`` (its extra batches run ``training_step``, which would step the optimizer itself), and, without
+``configure_model``, every module holding parameters its own FSDP unit (the step cannot run inside the root's
+``forward``: the root's parameters must be sharded again for the optimizer step).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_fthsdp.lightning.policy import apply_fully_shard
+
+
+def refuse_at_train_start(*, keep_global_batch: bool, optimizers: int, num_replica_groups: int) -> None:
+    """Refuse the settings manual optimization cannot keep in step across groups."""
+    if keep_global_batch:
+        raise ValueError(
+            "FTHSDPStrategy(keep_global_batch=True) trains a degraded step's extra batches through training_step, "
+            "which with manual optimization would step the optimizer itself: use automatic optimization, or "
+            "keep_global_batch=False (with lr_scaling for degraded steps)")
+    if optimizers > 1 and num_replica_groups > 1:
+        raise ValueError(
+            f"FTHSDPStrategy cannot keep {optimizers} optimizers of manual optimization in step across "
+            f"{num_replica_groups} replica groups: which one steps would depend on each group's own batch "
+            "index, and a restarted group joins at another. Put every model in one optimizer (a param group each, "
+            "e.g. torch.optim.Adam([{'params': g.parameters()}, {'params': d.parameters(), 'lr': 1e-4}])) and "
+            "step it once per training_step")
+
+
+class OneStepPerBatch:
+    """Counts the optimizer steps of a training batch and refuses any number but one."""
+
+    def __init__(self) -> None:
+        self._steps = 0
+
+    def start_batch(self) -> None:
+        self._steps = 0
+
+    def count_step(self) -> None:
+        """An optimizer step of this batch begins (refused if it is the second)."""
+        self._steps += 1
+        if self._steps > 1:
+            raise ValueError(
+                f"FTHSDPStrategy needs one optimizer step per training batch, got {self._steps}: a group's data "
+                "position counts committed steps, and a restarted group joins at a batch boundary and must take the "
+                "same step as the others. Put every model in one optimizer (a param group each) and step it once "
+                "per training_step")
+
+    def check_stepped(self) -> None:
+        """A manual-optimization ``training_step`` ended (refused if it stepped no optimizer)."""
+        if self._steps == 0:
+            raise ValueError(
+                "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a "
+                "training_step without a step: a group's data position counts committed steps. Accumulate "
+                "gradients with automatic optimization (Trainer(accumulate_grad_batches=...)) instead")
+
+
+def shard_for_manual_optimization(module: pl.LightningModule, mesh: DeviceMesh) -> None:
+    """Make every module below ``module`` that holds parameters (inside) an FSDP unit of its own, then ``module``;
+    refuse a module that would leave parameters to its own unit."""
+    module_name = type(module).__name__  # before fully_shard renames the class
+    apply_fully_shard(module, mesh, min_params=0, every_holder=True)
+    in_units = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule)
+                for p in m.parameters()}
+    held = [name for name, p in module.named_parameters() if id(p) not in in_units]
+    if held:
+        raise ValueError(
+            f"FTHSDPStrategy cannot shard {module_name} for manual optimization without configure_model: "
+            f"parameters {held} would be left to the LightningModule's own unit (held by it directly, tied "
+            "across modules, or beside a tied module). Move them into a submodule (tied modules under one "
+            "child), or define configure_model and call fully_shard on the modules training_step uses")
