@@ -1,1 +1,2 @@
-"""The data plane across replica groups: the cross-group process group, its abort, and the gradient all-reduce."""
+"""The data plane across replica groups: the cross-group process group and its abort (``comm``), and the gradient
+average over it (``average``)."""

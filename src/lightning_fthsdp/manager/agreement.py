@@ -1,0 +1,85 @@
+"""What the ranks of one replica group agree on over its own process group: every rank's state-server address, the
+leader's quorum answer, and the commit vote."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from lightning_fthsdp.config import log
+from lightning_fthsdp.lighthouse.client import LighthouseRejected
+from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.manager.request import QuorumUnavailable
+
+_GATEWAY_TIMEOUT = 504
+
+
+class GroupAgreement:
+    """The in-group collectives of one rank. ``process_group`` is the replica group's own (None for a one-rank
+    group: every agreement is then this rank's own view); it must be CPU-capable (gloo). Every rank of the group
+    must make the same calls in the same order; an error in them (a shard rank died) propagates."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, replica_id: str, step: Callable[[], int]) -> None:
+        self._process_group = process_group
+        self._replica_id = replica_id
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.size = dist.get_world_size(process_group) if process_group is not None else 1
+        self._qlog = log.ReplicaLogger(log.QUORUM, replica_id, self.rank, step)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def gather_addresses(self, address: str) -> list[str]:
+        """Every rank's state-server address (the leader advertises them all, shard rank order)."""
+        if self._process_group is None:
+            return [address]
+        addresses: list[object] = [None] * self.size
+        dist.all_gather_object(addresses, address, group=self._process_group)
+        return [str(a) for a in addresses]
+
+    def quorum(self, answer: Callable[[], tuple[Quorum, str]] | None) -> tuple[Quorum, str] | None:
+        """The leader's quorum and store address (``answer`` waits for them; None on the other ranks), shared with
+        every rank. None on every rank: no quorum this step (a 504 from the lighthouse: retry). Any other error
+        raises RuntimeError on every rank."""
+        message: dict[str, object] = {}
+        if answer is not None:
+            try:
+                quorum, store = answer()
+                message = {"quorum": quorum.to_json(), "store": store}
+            except TimeoutError:
+                message = {"error": "the lighthouse client did not return within connect + quorum timeouts",
+                           "fatal": True}
+            except LighthouseRejected as exc:
+                message = {"error": str(exc), "fatal": exc.status != _GATEWAY_TIMEOUT}
+            except QuorumUnavailable as exc:
+                message = {"error": str(exc), "fatal": True}
+        message = self._broadcast_from_leader(message)
+        if "error" in message:
+            if message.get("fatal"):
+                raise RuntimeError(f"FTManager (group {self._replica_id}): {message['error']}")
+            self._qlog.warning("no quorum this step: %s", message["error"])
+            return None
+        return Quorum.from_json(message["quorum"]), str(message["store"])  # type: ignore[arg-type]
+
+    def vote(self, *flags: bool) -> tuple[bool, ...]:
+        """Unanimity inside the group, flag by flag (commit? every rank's exchange succeeded? ...)."""
+        if self._process_group is None:
+            return flags
+        votes = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._process_group)
+        return tuple(bool(v) for v in votes)
+
+    def _broadcast_from_leader(self, message: dict[str, object]) -> dict[str, object]:
+        if self._process_group is None:
+            return message
+        payload = json.dumps(message).encode() if self.is_leader else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, group_src=0, group=self._process_group)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.is_leader else torch.empty(
+            int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, group_src=0, group=self._process_group)
+        return json.loads(bytes(data.tolist()).decode()) if not self.is_leader else message

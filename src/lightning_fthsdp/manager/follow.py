@@ -1,0 +1,146 @@
+"""The recovering side of catch-up: fetch the state in the background, follow the job while the transfer runs on
+(contributing zeros, holding each step's averaged gradients), then load the state and replay the steps held."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.manager.step import Progress
+from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.recovery.torch_state import StateTree
+
+
+@dataclass
+class _Follow:
+    """A catch-up in progress: the state transfer, and the steps the group followed while it ran (if it outlasts
+    the step it began in)."""
+
+    source: str
+    base_step: int
+    """The step whose state is in transfer."""
+    own_step: int
+    own_committed_in: int
+    """What this group held before (restored if the transfer fails)."""
+    started: float
+    updates: list[tuple[list[torch.Tensor], dict[str, int]]] = field(default_factory=list)
+    """Every step since: the job's averaged gradients and batch shares, replayed once the state arrives."""
+    nbytes: int = 0
+    tree: StateTree | None = None
+    failed: bool = False
+    """The transfer ended without the state: the group stops following at the commit vote."""
+
+
+class Follower:
+    """At most one catch-up of this rank, moving ``progress`` along with it: while following, ``progress.step``
+    counts the steps held (what the quorum request reports); a dropped catch-up restores what the group held."""
+
+    def __init__(
+        self,
+        catchup: CatchUp,
+        progress: Progress,
+        shard_rank: int,
+        timeouts: Timeouts,
+        rlog: log.ReplicaLogger,
+        *,
+        replay_budget: int,
+        keep_memory: bool,
+    ) -> None:
+        self._catchup = catchup
+        self._progress = progress
+        self._shard_rank = shard_rank
+        self._timeout_s = timeouts.collective_timeout_ms / 1000
+        self._rlog = rlog
+        self._replay_budget = replay_budget
+        self._keep_memory = keep_memory
+        self._follow: _Follow | None = None
+        self.recoveries: list[dict[str, object]] = []
+        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
+
+    @property
+    def active(self) -> bool:
+        return self._follow is not None
+
+    @property
+    def failed(self) -> bool:
+        """Whether this step's wait for the transfer ended without the state."""
+        return self._follow is not None and self._follow.failed
+
+    def start(self, quorum: Quorum, source: str) -> None:
+        """The quorum names this group behind ``source``: fetch the state of ``quorum.max_step`` from it."""
+        progress, follow = self._progress, self._follow
+        if follow is not None and (follow.source, follow.base_step) == (source, quorum.max_step) and not follow.updates:
+            return  # a failed step behind us, nothing followed yet: the same transfer runs on
+        self.stop(f"the quorum names us behind again (at step {progress.step})")
+        address = quorum.member(source).address.split(",")[self._shard_rank]
+        self._catchup.start_fetch(address, quorum.max_step, timeout_s=self._timeout_s)
+        if progress.step == quorum.max_step:
+            self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
+                               "trained again: taking their state from %s", progress.step, progress.committed_in,
+                               source)
+        else:
+            self._rlog.info("behind at step %d: fetching step %d from %s", progress.step, quorum.max_step, source)
+        self._follow = _Follow(source, quorum.max_step, progress.step, progress.committed_in, time.monotonic())
+
+    def poll(self, can_replay: bool) -> bool:
+        """Whether this rank holds the fetched state. It waits for the transfer once the replay buffer is full, at
+        once without ``can_replay``: then waiting for the rest of a transfer that ran during the whole step costs
+        the healthy groups less than a retry would (a fresh snapshot, everything transferred again)."""
+        follow = self._follow
+        assert follow is not None, "poll() while following"
+        budget = self._replay_budget if can_replay else 0
+        if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= budget):
+            if follow.updates and not self._catchup.fetch_done():
+                self._rlog.warning("replay buffer full (%d steps, %d MiB): waiting for the state of step %d",
+                                   len(follow.updates), follow.nbytes >> 20, follow.base_step)
+            follow.tree = self._catchup.finish_fetch(timeout_s=self._timeout_s)
+            follow.failed = follow.tree is None
+        return follow.tree is not None
+
+    def hold(self, tensors: Sequence[torch.Tensor], shares: dict[str, int], quorum_id: int) -> None:
+        """Follow the job through a step the state has not arrived for yet: keep its averaged gradients."""
+        follow = self._follow
+        assert follow is not None, "hold() while following"
+        grads = [t.detach().clone() for t in tensors]
+        follow.updates.append((grads, dict(shares)))
+        follow.nbytes += sum(g.numel() * g.element_size() for g in grads)
+        self._progress.step = follow.base_step + len(follow.updates)  # the steps we will hold once the state is in
+        self._progress.committed_in = quorum_id
+
+    def replay(self, tensors: Sequence[torch.Tensor], apply: Callable[[dict[str, int]], None]) -> None:
+        """Load the fetched state, then apply the steps held since: for each, its averaged gradients go into
+        ``tensors`` and ``apply(shares)`` commits it. ``tensors`` are given back what they held; the caller's
+        optimizer step for the current step follows."""
+        follow = self._follow
+        assert follow is not None and follow.tree is not None, "replay() once the state is held"
+        self._follow = None
+        self._catchup.load(follow.tree, keep_memory=self._keep_memory)
+        if follow.updates:
+            current = [t.detach().clone() for t in tensors]
+            for grads, shares in follow.updates:
+                for tensor, grad in zip(tensors, grads, strict=True):
+                    tensor.detach().copy_(grad)
+                apply(shares)
+            for tensor, grad in zip(tensors, current, strict=True):
+                tensor.detach().copy_(grad)
+        self.recoveries.append({"source": follow.source, "step": follow.base_step,
+                                "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
+        self._rlog.info("caught up: loaded the state of step %d and replayed %d steps", follow.base_step,
+                        len(follow.updates))
+
+    def stop(self, reason: str) -> None:
+        """Drop the catch-up (if any): cancel the transfer, back at the group's own step."""
+        follow = self._follow
+        if follow is None:
+            return
+        self._follow = None
+        self._catchup.cancel_fetch()
+        self._progress.step, self._progress.committed_in = follow.own_step, follow.own_committed_in
+        self._rlog.warning("%s: dropping the catch-up from %s (%d steps held), back at our own step %d", reason,
+                           follow.source, len(follow.updates), self._progress.step)

@@ -1,0 +1,121 @@
+"""The leader's quorum request: one per step, on a background thread so that it overlaps forward and backward."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.client import LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+
+
+class QuorumUnavailable(RuntimeError):
+    """No quorum could be had within the connect timeout (lighthouse unreachable with no quorum to keep)."""
+
+
+class QuorumRequester:
+    """Asks the lighthouse for the quorum of each step, for the leader of one replica group.
+
+    Args:
+        client: the connection the requests go over (closed by ``close``).
+        replica_id, shard_count, addresses: what the request says of this group (``addresses``: every rank's
+            state-server address, shard rank order).
+        serve: called with the step when an answer names this group a recovery source, while ``step()`` still
+            returns that step: the snapshot then overlaps forward and backward.
+    """
+
+    def __init__(
+        self,
+        client: QuorumClient,
+        replica_id: str,
+        shard_count: int,
+        addresses: Sequence[str],
+        timeouts: Timeouts,
+        qlog: log.ReplicaLogger,
+        *,
+        step: Callable[[], int],
+        serve: Callable[[int], None],
+    ) -> None:
+        self._client = client
+        self._replica_id, self._shard_count, self._addresses = replica_id, shard_count, ",".join(addresses)
+        self._timeouts = timeouts
+        self._qlog = qlog
+        self._step, self._serve = step, serve
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum")
+        self._pending: Future[tuple[Quorum, str]] | None = None
+        self._lighthouse_away = False
+
+    def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
+              catching_up: bool) -> None:
+        """Ask for the quorum of ``step`` in the background, unless a request is in flight already. ``current``
+        (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it may be."""
+        if self._pending is not None:
+            return
+        self._pending = self._executor.submit(self._request, step, commit_failed, current, store, committed_in,
+                                              catching_up)
+        self._pending.add_done_callback(lambda future: self._serve_early(future, step))
+
+    def answer(self) -> tuple[Quorum, str]:
+        """The answer to the request in flight: the quorum and its rendezvous store's address.
+
+        Raises QuorumUnavailable, LighthouseRejected (504: no quorum in time), or TimeoutError (the client did not
+        return); the request is over either way.
+        """
+        assert self._pending is not None, "answer() follows start()"
+        try:
+            # Outlasts every attempt _request makes (connect timeout, then one quorum request).
+            return self._pending.result(timeout=(self._timeouts.connect_timeout_ms
+                                                 + self._timeouts.quorum_timeout_ms) / 1000 + 30)
+        finally:
+            self._pending = None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
+                 catching_up: bool) -> tuple[Quorum, str]:
+        """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
+        deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000
+        backoff_s = self._timeouts.heartbeat_interval_ms / 1000
+        while True:
+            try:
+                answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
+                                              commit_failed, current, committed_in, catching_up)
+            except LighthouseUnavailable as exc:
+                # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
+                # up-to-date members: last step's recovery assignments must not be replayed.
+                if current is not None and not commit_failed and step == current.max_step + 1:
+                    if not self._lighthouse_away:
+                        self._qlog.warning("lighthouse unreachable (%s): keeping quorum %d until it is back", exc,
+                                           current.quorum_id)
+                    self._lighthouse_away = True
+                    # Who was following still is, to every member alike (one who caught up meanwhile contributes
+                    # zeros for a step: the members must agree on who contributes).
+                    kept = Quorum(current.quorum_id, tuple(Member(m.replica_id, step, m.address)
+                                                           for m in current.members), step, current.shard_count,
+                                  catching_up=current.catching_up)
+                    return kept, store
+                if time.monotonic() >= deadline:
+                    raise QuorumUnavailable(
+                        f"FTManager could not reach the lighthouse within connect_timeout_ms="
+                        f"{self._timeouts.connect_timeout_ms}: {exc}. Start it with `fthsdp lighthouse` and check "
+                        f"the URL ({ENV_LIGHTHOUSE})"
+                    ) from exc
+                time.sleep(backoff_s)
+                continue
+            if self._lighthouse_away:
+                self._qlog.info("lighthouse is back")
+                self._lighthouse_away = False
+            return answer
+
+    def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:
+        """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""
+        if not future.cancelled() and future.exception() is None:
+            quorum, _ = future.result()
+            if self._replica_id in quorum.recover_src.values() and self._step() == step:
+                self._serve(step)

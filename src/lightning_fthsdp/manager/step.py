@@ -1,0 +1,63 @@
+"""The step maths of one rank: its committed progress, what the step under way has done, how batches are split."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.recovery.torch_state import StateTree
+
+
+@dataclass
+class Progress:
+    """This group's committed position: reported to the lighthouse with every quorum request, and (``step`` and
+    ``batches_committed``) transferred to a recovering group."""
+
+    step: int = 0
+    """Committed optimizer steps."""
+    batches_committed: dict[str, int] = field(default_factory=dict)
+    """Replica group -> how many of its own batches went into committed steps."""
+    committed_in: int = -1
+    """The quorum the latest commit happened in: names our state beyond the step count (-1: none yet)."""
+
+    def advance(self, shares: Mapping[str, int]) -> None:
+        """Count one committed step whose data were ``shares`` (participant -> its batches in the step)."""
+        self.step += 1
+        for replica_id, batches in shares.items():
+            self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
+
+    def state(self) -> StateTree:
+        return {"step": self.step, "batches_committed": dict(self.batches_committed)}
+
+    def load(self, tree: StateTree) -> None:
+        self.step = int(tree["step"])
+        self.batches_committed = {str(k): int(v) for k, v in tree["batches_committed"].items()}
+
+
+@dataclass
+class StepState:
+    """What the step under way has done so far: a fresh one from ``begin_step`` (or the first call that needs the
+    step's quorum) to ``commit``. A step that fails is attempted again with a fresh one."""
+
+    agreed: bool = False
+    """Whether the group has agreed on the step's quorum (``step_batches`` or ``sync_gradients``, whichever first)."""
+    quorum: Quorum | None = None
+    """The agreed quorum; None before the agreement, or when there is none this step (the commit votes no)."""
+    tensors: Sequence[torch.Tensor] = ()
+    """What ``sync_gradients`` averaged: a following group holds them for replay, and replays through them."""
+    exchanged: bool = False
+    """This rank's exchange succeeded."""
+    ready: bool = False
+    """The exchange succeeded and this rank holds the state the step applies to (while catching up: the fetched
+    state); the optimizer may step if every rank of the group is ready."""
+
+
+def split_batches(participants: Sequence[str], global_batches: int | None) -> dict[str, int]:
+    """participant -> its batches in a step: ``global_batches`` split as evenly as possible (the first in id
+    order take one more), at least one each; one each without ``global_batches``."""
+    total = max(global_batches or 0, len(participants))
+    base, extra = divmod(total, len(participants))
+    return {p: base + (i < extra) for i, p in enumerate(participants)}

@@ -1,0 +1,139 @@
+"""Follower: the recovering side of catch-up (fetch, follow, replay), against a stand-in CatchUp (no transfer)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import torch
+
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.manager.follow import Follower
+from lightning_fthsdp.manager.step import Progress
+from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.recovery.torch_state import StateTree
+
+QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, recover_src={"b": "a"})
+TREE: StateTree = {"model": {"w": torch.ones(2)}}
+
+
+class Transfer:
+    """Stands in for CatchUp's fetch: done when ``done`` is set, with ``tree`` (None: failed)."""
+
+    def __init__(self) -> None:
+        self.fetches: list[tuple[str, int]] = []
+        self.cancelled = 0
+        self.done = False
+        self.tree: StateTree | None = TREE
+        self.finished = 0
+        self.loaded: list[tuple[StateTree, bool]] = []
+
+    def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
+        self.fetches.append((address, step))
+
+    def fetch_done(self) -> bool:
+        return self.done
+
+    def finish_fetch(self, timeout_s: float) -> StateTree | None:
+        self.finished += 1
+        return self.tree
+
+    def cancel_fetch(self) -> None:
+        self.cancelled += 1
+
+    def load(self, tree: StateTree, *, keep_memory: bool) -> None:
+        self.loaded.append((tree, keep_memory))
+
+
+def follower(budget: int = 1 << 20) -> tuple[Follower, Transfer, Progress]:
+    transfer, progress = Transfer(), Progress(step=3, committed_in=4)
+    rlog = log.ReplicaLogger(log.RECOVERY, "b", 1, lambda: progress.step)
+    return Follower(cast(CatchUp, transfer), progress, 1, Timeouts(), rlog, replay_budget=budget,
+                    keep_memory=True), transfer, progress
+
+
+def test_start_fetches_the_quorums_step_from_the_source_rank_of_our_shard() -> None:
+    follow, transfer, progress = follower()
+    follow.start(QUORUM, "a")
+    assert follow.active and transfer.fetches == [("a1", 10)]
+    assert (progress.step, progress.committed_in) == (3, 4)
+
+
+def test_a_failed_step_with_nothing_held_keeps_the_transfer_a_held_one_starts_afresh() -> None:
+    follow, transfer, _ = follower()
+    follow.start(QUORUM, "a")
+    follow.start(QUORUM, "a")
+    assert transfer.fetches == [("a1", 10)] and transfer.cancelled == 0
+    follow.hold([torch.zeros(1)], {"a": 1}, 9)
+    follow.start(QUORUM, "a")
+    assert transfer.fetches == [("a1", 10), ("a1", 10)] and transfer.cancelled == 1
+
+
+def test_without_replay_the_step_waits_for_the_transfer() -> None:
+    follow, transfer, _ = follower()
+    follow.start(QUORUM, "a")
+    assert follow.poll(can_replay=False)
+    assert transfer.finished == 1 and not follow.failed
+
+
+def test_with_replay_the_step_waits_only_once_the_transfer_ended_or_the_buffer_is_full() -> None:
+    follow, transfer, _ = follower(budget=16)
+    follow.start(QUORUM, "a")
+    assert not follow.poll(can_replay=True) and transfer.finished == 0
+    follow.hold([torch.zeros(4)], {"a": 1}, 9)  # 16 bytes: the buffer is full
+    assert follow.poll(can_replay=True) and transfer.finished == 1
+    follow2, transfer2, _ = follower()
+    follow2.start(QUORUM, "a")
+    transfer2.done = True
+    assert follow2.poll(can_replay=True) and transfer2.finished == 1
+
+
+def test_a_transfer_that_ends_without_the_state_is_marked_failed() -> None:
+    follow, transfer, _ = follower()
+    transfer.tree = None
+    follow.start(QUORUM, "a")
+    assert not follow.poll(can_replay=False)
+    assert follow.failed and follow.active
+
+
+def test_holding_a_step_keeps_its_gradients_and_counts_it() -> None:
+    follow, _, progress = follower()
+    follow.start(QUORUM, "a")
+    grad = torch.full((2,), 5.0)
+    follow.hold([grad], {"a": 2}, 11)
+    grad.zero_()  # the caller's tensors change: what is held does not
+    follow.hold([grad], {"a": 1}, 12)
+    assert (progress.step, progress.committed_in) == (12, 12)
+    applied: list[tuple[dict[str, int], list[float]]] = []
+    follow.poll(can_replay=False)
+    current = torch.full((2,), 7.0)
+    follow.replay([current], lambda shares: applied.append((shares, current.tolist())))
+    assert applied == [({"a": 2}, [5.0, 5.0]), ({"a": 1}, [0.0, 0.0])]
+
+
+def test_replay_loads_the_state_applies_the_held_steps_and_gives_the_tensors_back() -> None:
+    follow, transfer, _ = follower()
+    follow.start(QUORUM, "a")
+    follow.hold([torch.ones(2)], {"a": 1}, 9)
+    assert follow.poll(can_replay=False)
+    current = torch.full((2,), 3.0)
+    follow.replay([current], lambda shares: None)
+    assert transfer.loaded == [(TREE, True)]
+    assert torch.equal(current, torch.full((2,), 3.0))
+    assert not follow.active
+    assert [(r["source"], r["step"], r["replayed"]) for r in follow.recoveries] == [("a", 10, 1)]
+
+
+@pytest.mark.parametrize("held", [0, 2])
+def test_stopping_cancels_the_transfer_and_restores_our_own_step(held: int) -> None:
+    follow, transfer, progress = follower()
+    follow.start(QUORUM, "a")
+    for step in range(held):
+        follow.hold([torch.zeros(1)], {"a": 1}, 9 + step)
+    follow.stop("the transfer failed")
+    assert not follow.active and transfer.cancelled == 1
+    assert (progress.step, progress.committed_in) == (3, 4)
+    follow.stop("again")  # nothing to stop
+    assert transfer.cancelled == 1
