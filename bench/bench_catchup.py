@@ -65,7 +65,7 @@ def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> 
     durations = {s: (t, commits[s] - commits[s - 1]) for s, t in commits.items() if s - 1 in commits}
     rows = []
     for admission, (spawned, ready, first) in enumerate(joins, 1):
-        recovery = first["recovery"]
+        recovery = first["catch_up"]
         admit = recovery["step"] + 1  # a's step that b joined in, contributing zeros as its transfer began
         before = sorted((t, d) for t, d in durations.values() if t <= spawned)[-STEADY_STEPS:]
         steady = statistics.median(d for _, d in before)

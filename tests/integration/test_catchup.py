@@ -105,7 +105,7 @@ def test_transfer_outlasting_steps_the_restarted_group_follows_then_replays(job:
     b = job.start_group("b", STEPS, extra=extra)
     for group in (a, b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
-    recovery = [r["recovery"] for r in b.records() if r["recovery"]][-1]
+    recovery = [r["catch_up"] for r in b.records() if r["catch_up"]][-1]
     followed = [r["step"] for r in b.records("follow")]
     assert recovery["replayed"] >= 1 and followed[-recovery["replayed"]:] == list(
         range(recovery["step"] + 1, recovery["step"] + 1 + recovery["replayed"])), (recovery, followed)

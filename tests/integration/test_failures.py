@@ -19,7 +19,7 @@ KILL_STEP = 5
 def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
     """Group c SIGKILLs itself at step 5, before or inside the cross-group allreduce: a and b finish, identical,
     no committed step lost, at most one step discarded. Inside the allreduce, c's death may break one survivor's
-    exchange after the other's completed: that one discards the step and heals from the other, once, at once."""
+    exchange after the other's completed: that one discards the step and catches up from the other, once, at once."""
     job.start_lighthouse()
     a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
     c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}:phase={phase}")
@@ -27,14 +27,15 @@ def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
     assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
     assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
     common = assert_consistent(a, b)
-    # A heal: the survivor whose exchange broke fetches the other's state, follows until it arrives and commits
-    # again within a few steps; from that commit on, the two commit every step together. (A recovery on a group's
-    # first commit is its late start, not a heal.)
-    heals = [(g.replica_id, r) for g in (a, b) for i, r in enumerate(g.records()) if i and r.get("recovery")]
-    assert len(heals) <= (1 if phase == "allreduce" else 0), heals
+    # A catch-up: the survivor whose exchange broke fetches the other's state, follows until it arrives and commits
+    # again within a few steps; from that commit on, the two commit every step together. (A catch-up on a group's
+    # first commit is its late start, not one of these.)
+    catch_ups = [(g.replica_id, r) for g in (a, b) for i, r in enumerate(g.records()) if i and r.get("catch_up")]
+    assert len(catch_ups) <= (1 if phase == "allreduce" else 0), catch_ups
     together = KILL_STEP + 1
-    for healed, record in heals:
-        assert record["recovery"]["source"] == ({"a", "b"} - {healed}).pop() and record["step"] <= KILL_STEP + 4, heals
+    for caught_up, record in catch_ups:
+        source = ({"a", "b"} - {caught_up}).pop()
+        assert record["catch_up"]["source"] == source and record["step"] <= KILL_STEP + 4, catch_ups
         together = record["step"]
     assert set(range(together, STEPS + 1)) <= common
     for group in (a, b):
@@ -100,10 +101,10 @@ def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
     job.min_replicas = 1
     job.start_lighthouse()
     steps = 150  # at 50 ms a step, a still trains when b (a torchrun launch: seconds to start) joins and dies
-    a = job.start_group("a", steps, nproc=2, step_time_ms=50)
+    a = job.start_group("a", steps, shard_count=2, step_time_ms=50)
     # b joins a job that a already trains (it catches up), so a holds the job's state whatever b does.
     wait_for(lambda: a.last_step() >= 1, 120, "a's first committed step")
-    b = job.start_group("b", steps, nproc=2, fault=f"sigkill:step={KILL_STEP}:rank=1")
+    b = job.start_group("b", steps, shard_count=2, fault=f"sigkill:step={KILL_STEP}:rank=1")
     assert job.wait_exit(b, 180) != 0
     assert a.proc.poll() is None, "a finished before b joined: the test proves nothing"
     assert job.wait_exit(a, 180) == 0, a.log.read_text()[-4000:]

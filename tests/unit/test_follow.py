@@ -123,7 +123,7 @@ def test_replay_loads_the_state_applies_the_held_steps_and_gives_the_tensors_bac
     assert transfer.loaded == [(TREE, True)]
     assert torch.equal(current, torch.full((2,), 3.0))
     assert not follow.active
-    assert [(r["source"], r["step"], r["replayed"]) for r in follow.recoveries] == [("a", 10, 1)]
+    assert [(r["source"], r["step"], r["replayed"]) for r in follow.catch_up_log] == [("a", 10, 1)]
 
 
 @pytest.mark.parametrize("held", [0, 2])

@@ -26,7 +26,7 @@ to how many of its batches (one each, unless ``--global-batches`` keeps the glob
 degraded), so anyone can check that every group's stream was trained exactly once.
 
 and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
-restarted group followed while its state was still in transfer (replayed once it arrives: ``recovery.replayed``).
+restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``).
 """
 
 from __future__ import annotations
@@ -116,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     imports_done = time.time()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    shard_count = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.backend == "nccl" else torch.device(
         "cpu")
-    group = None
+    process_group = None
     model = build_model().to(device)
-    if world_size > 1:
+    if shard_count > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         # The commit vote and the quorum broadcast are small CPU messages: they need a gloo group.
-        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        mesh = init_device_mesh(device.type, (shard_count,), mesh_dim_names=("dp_shard",))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -141,14 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:
             fault.fire_if(manager.step, phase, manager.rank)
 
-    manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, group=group, backend=args.backend,
-                        device=device, timeouts=args.timeouts, on_phase=on_phase, global_batches=args.global_batches)
+    manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, process_group=process_group,
+                        backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
+                        global_batches=args.global_batches)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
-    # How a committed step is applied: a recovering group replays the steps it followed with it, so a long state
+    # How a committed step is applied: a catching-up group replays the steps it followed with it, so a long state
     # transfer never holds the healthy groups up.
     manager.register_update(optimizer.step)
     if args.ballast_mib:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             if fault is not None and not manager.following:  # a step N fault: once this group holds step N
                 fault.fire_if(manager.step, "before", manager.rank)
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
-            recoveries, step_before = len(manager.recoveries), manager.step
+            catch_ups, step_before = len(manager.catch_up_log), manager.step
             committed = manager.commit()
             if committed:
                 optimizer.step()
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     "batch": batch_index,
                     "contributions": manager.contributions if committed else {},
                     "shares": manager.shares if committed else {},
-                    "recovery": manager.recoveries[-1] if len(manager.recoveries) > recoveries else None,
+                    "catch_up": manager.catch_up_log[-1] if len(manager.catch_up_log) > catch_ups else None,
                     "loss": float(loss.detach()),
                 }
                 log_file.write(json.dumps(record) + "\n")

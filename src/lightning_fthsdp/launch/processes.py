@@ -90,7 +90,7 @@ class Job:
         with urllib.request.urlopen(f"{self.lighthouse_url}/status", timeout=5) as response:
             return json.loads(response.read())
 
-    def start_group(self, replica_id: str, steps: int, *, fault: str | None = None, nproc: int = 1,
+    def start_group(self, replica_id: str, steps: int, *, fault: str | None = None, shard_count: int = 1,
                     step_time_ms: int = 20, extra: tuple[str, ...] = ()) -> Group:
         jsonl = self.workdir / f"{replica_id}.jsonl"
         log = self.workdir / f"{replica_id}-{len(self._procs)}.log"
@@ -103,8 +103,8 @@ class Job:
                 "--connect-timeout-ms", str(self.collective_timeout_ms + 20_000), *extra]
         if fault:
             args += ["--fault", fault]
-        if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        if shard_count > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(shard_count),
                    "--standalone", "--max-restarts", "0", *args]
         else:
             cmd = [sys.executable, *args]

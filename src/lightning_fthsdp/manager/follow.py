@@ -60,7 +60,7 @@ class Follower:
         self._replay_budget = replay_budget
         self._keep_memory = keep_memory
         self._follow: _Follow | None = None
-        self.recoveries: list[dict[str, object]] = []
+        self.catch_up_log: list[dict[str, object]] = []
         """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
 
     @property
@@ -129,7 +129,7 @@ class Follower:
                 apply(shares)
             for tensor, grad in zip(tensors, current, strict=True):
                 tensor.detach().copy_(grad)
-        self.recoveries.append({"source": follow.source, "step": follow.base_step,
+        self.catch_up_log.append({"source": follow.source, "step": follow.base_step,
                                 "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
         self._rlog.info("caught up: loaded the state of step %d and replayed %d steps", follow.base_step,
                         len(follow.updates))

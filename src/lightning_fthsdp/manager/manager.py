@@ -6,8 +6,8 @@ One step::
     loss = model(batch); loss.backward()
     for _ in range(manager.step_batches() - 1):   # only with global_batches set, while degraded
         loss = model(next_batch); loss.backward()  # gradients add up: the average weighs them
-    manager.sync_gradients(grads)             # cross-group allreduce (SUM / contributors); never raises on
-                                              # a peer failure: it marks the step failed instead
+    manager.sync_gradients(grads)             # cross-group allreduce, divided by the batches that went into it;
+                                              # never raises on a peer failure: it marks the step failed instead
     if manager.commit():                      # vote inside the replica group
         optimizer.step()                      # else: drop the gradients and retrain the same batch
     optimizer.zero_grad()
@@ -20,6 +20,7 @@ its launcher restarts it. Wrong configuration (shard counts that differ, a bad t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,8 +50,9 @@ class FTManager:
         replica_id: stable id of this replica group (survives restarts); default ``$FTHSDP_REPLICA_ID``.
         lighthouse: ``http://HOST:PORT`` of the lighthouse; default ``$FTHSDP_LIGHTHOUSE``.
         token: the job's shared secret; default ``$FTHSDP_TOKEN`` (none when unset).
-        group: this replica group's own process group (None for a one-rank group); the commit vote and the
-            quorum broadcast run on it, so it must be a CPU-capable (gloo) group.
+        process_group: this replica group's own process group (None for a one-rank group); the commit vote and
+            the quorum broadcast run on it, so it must be a CPU-capable (gloo) group.
+        group: deprecated name of ``process_group`` (read until 0.3).
         backend: cross-group backend, ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         device: where gradients live; cross-group buffers are allocated there.
         timeouts: the validated timeout hierarchy.
@@ -58,10 +60,11 @@ class FTManager:
         on_phase: failure-injection point (see lightning_fthsdp.faults), called with ``"allreduce"`` while a
             cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
             rank, ``"fetch"`` when this rank starts fetching one.
-        global_batches: keep every step at this many group batches (usually the job's group count): while fewer
+        global_batches: keep every step at this many group batches (the job's ``replicas`` keeps a healthy job's
+            global batch): while fewer
             groups participate, each trains several of its own batches (``step_batches()``), so the global batch
             stays constant. None (default): one batch per participant, the global batch shrinks while degraded.
-        replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a recovering group
+        replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a catching-up group
             may hold for replay while its state transfer runs on (then it waits for the transfer).
         reserve_snapshot_memory: after the first committed step (when the optimizer state exists), map host memory
             for a snapshot of the registered state in the background, so the first time this rank serves a
@@ -75,7 +78,7 @@ class FTManager:
         replica_id: str | None = None,
         lighthouse: str | None = None,
         token: str | None = None,
-        group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | None = None,
         backend: str = "gloo",
         device: torch.device | str = "cpu",
         timeouts: Timeouts | None = None,
@@ -84,7 +87,15 @@ class FTManager:
         global_batches: int | None = None,
         replay_buffer_mib: int = 1024,
         reserve_snapshot_memory: bool = True,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        if group is not None:
+            if process_group is not None and process_group is not group:
+                raise ValueError("FTManager got both process_group and its deprecated name group, set to different "
+                                 "process groups: pass process_group only")
+            warnings.warn("FTManager(group=) is deprecated, use process_group= (the old name goes in 0.3)",
+                          FutureWarning, stacklevel=2)
+            process_group = group
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
@@ -100,7 +111,7 @@ class FTManager:
         token = from_env(token, ENV_TOKEN)
         self.timeouts = timeouts or Timeouts()
         self._progress = Progress()
-        self._agreement = GroupAgreement(group, self.replica_id, step=lambda: self.step)
+        self._agreement = GroupAgreement(process_group, self.replica_id, step=lambda: self.step)
         self.rank, self.shard_count = self._agreement.rank, self._agreement.size
         self.device = torch.device(device)
         self.committed_steps = 0
@@ -158,9 +169,17 @@ class FTManager:
         self._progress.batches_committed = batches
 
     @property
+    def catch_up_log(self) -> list[dict[str, object]]:
+        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took), replayed
+        (steps it replayed after loading)."""
+        return self._follower.catch_up_log
+
+    @property
     def recoveries(self) -> list[dict[str, object]]:
-        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
-        return self._follower.recoveries
+        """Deprecated name of ``catch_up_log`` (until 0.3)."""
+        warnings.warn("FTManager.recoveries is deprecated, use catch_up_log (the old name goes in 0.3)",
+                      FutureWarning, stacklevel=2)
+        return self.catch_up_log
 
     @property
     def quorum(self) -> Quorum | None:

@@ -1,0 +1,42 @@
+"""Names renamed for one name per concept: the old spelling still works until 0.3, with a deprecation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from lightning_fthsdp.manager import FTManager
+
+UNREACHABLE = "http://127.0.0.1:1"  # FTManager connects at the first step only
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ftmanager_group_is_read_as_process_group(one_rank_group: dist.ProcessGroup) -> None:
+    with pytest.warns(FutureWarning, match=r"FTManager\(group=\) is deprecated, use process_group="):
+        manager = FTManager(replica_id="a", lighthouse=UNREACHABLE, group=one_rank_group)
+    assert (manager.rank, manager.shard_count) == (0, 1)
+    same = FTManager(replica_id="a", lighthouse=UNREACHABLE, process_group=one_rank_group)
+    assert (same.rank, same.shard_count) == (0, 1)
+
+
+def test_ftmanager_refuses_two_different_process_groups(one_rank_group: dist.ProcessGroup) -> None:
+    other = dist.new_group([0], backend="gloo")
+    with pytest.raises(ValueError, match="both process_group and its deprecated name group"):
+        FTManager(replica_id="a", lighthouse=UNREACHABLE, process_group=one_rank_group, group=other)
+
+
+def test_ftmanager_recoveries_is_the_catch_up_log() -> None:
+    manager = FTManager(replica_id="a", lighthouse=UNREACHABLE)
+    manager.catch_up_log.append({"source": "b", "step": 3})
+    with pytest.warns(FutureWarning, match="FTManager.recoveries is deprecated, use catch_up_log"):
+        assert manager.recoveries == [{"source": "b", "step": 3}]
