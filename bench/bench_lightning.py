@@ -65,7 +65,7 @@ def worker(mode: str, steps: int, jsonl: str) -> None:
 
 def step_time(jsonl: Path, warmup: int) -> float:
     times = [r["t"] for r in read_jsonl(jsonl)
-             if r["event"] == "step" and r["rank"] == 0 and r["global_step"] > warmup]
+             if r["event"] == "commit" and r["rank"] == 0 and r["global_step"] > warmup]
     return (times[-1] - times[0]) / (len(times) - 1)
 
 
@@ -97,7 +97,7 @@ def main() -> None:
         try:
             url = job.start_lighthouse()
             procs = [p for rid in ("a", "b") for p in launch("fthsdp", args.steps, workdir, {
-                "FTHSDP_REPLICA_ID": rid, "FTHSDP_LIGHTHOUSE": url, "FTHSDP_NUM_REPLICA_GROUPS": "2",
+                "FTHSDP_REPLICA_ID": rid, "FTHSDP_LIGHTHOUSE": url, "FTHSDP_REPLICAS": "2",
                 "FTHSDP_REPLICA_INDEX": str(ord(rid) - ord("a"))})]
             for proc in procs:
                 proc.wait(timeout=600)

@@ -7,7 +7,7 @@ One launch per replica group (Lightning starts the group's ranks itself)::
         --trainer.strategy.init_args.replica_ids='[a,b]' --trainer.strategy.init_args.lighthouse=http://127.0.0.1:29510
     FTHSDP_REPLICA_ID=b python examples/train_lightning.py fit ...   # the same command, another MASTER_PORT
 
-``--recorder.jsonl PATH`` makes every rank append one JSON line per optimizer step (``event: "step"``: global step,
+``--recorder.jsonl PATH`` makes every rank append one JSON line per committed step (``event: "commit"``: global step,
 epoch, learning rate, this rank's parameter and buffer digests, the logged metrics, the group's stream position)
 and one at the end of fit
 (``event: "end"``); ``--recorder.params PATH`` saves the full parameters at the end (rank 0);
@@ -89,7 +89,7 @@ class StepRecorder(CommittedStepCallback):
 
     def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int) -> None:
-        record = {"event": "step", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+        record = {"event": "commit", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
                   "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch),
                   "buffers_sha256": _digest_tensors(local(b) for b in pl_module.buffers()),
@@ -98,7 +98,7 @@ class StepRecorder(CommittedStepCallback):
         if manager is not None:
             record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,
                        "participants": list(manager.participants), "discarded": manager.discarded_steps,
-                       "recoveries": manager.recoveries}
+                       "catch_up_log": manager.catch_up_log}
         self._write(trainer, record)
         if self.sleep_s:
             time.sleep(self.sleep_s)

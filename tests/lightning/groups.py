@@ -60,22 +60,22 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
                                      extra=(*args, "--recorder.sleep_s=0.15", *extra))
 
     a = start("a")
-    wait_for(lambda: a.records("step"), 90, "group a's first step")
+    wait_for(lambda: a.records("commit"), 90, "group a's first step")
     b = start("b", "--trainer.strategy.fault=sigkill:step=4:phase=allreduce")
     job.wait_exit(b, 90)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
-    first_life = {rank: len(b.records("step", rank=rank)) for rank in (0, 1)}
-    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("step")), 60,
+    first_life = {rank: len(b.records("commit", rank=rank)) for rank in (0, 1)}
+    wait_for(lambda: any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in a.records("commit")), 60,
              "group a to discard the failed step and continue alone")
     b = start("b")
     for group in (a, b):
         assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
 
     for rank in (0, 1):
-        a_steps, b_steps = a.records("step", rank=rank), b.records("step", rank=rank)[first_life[rank]:]
+        a_steps, b_steps = a.records("commit", rank=rank), b.records("commit", rank=rank)[first_life[rank]:]
         assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a lost or repeated a step"
-        assert b_steps[0]["recoveries"] and b_steps[0]["recoveries"][0]["source"] == "a", b_steps[0]
+        assert b_steps[0]["catch_up_log"] and b_steps[0]["catch_up_log"][0]["source"] == "a", b_steps[0]
         assert [r["global_step"] for r in b_steps] == list(range(b_steps[0]["global_step"], steps + 1))
         by_step = {r["global_step"]: r["params_sha256"] for r in a_steps}
         assert all(by_step[r["global_step"]] == r["params_sha256"] for r in b_steps), "a and b differ at a step"

@@ -71,7 +71,7 @@ def test_two_groups_of_two_ranks_equal_single_process_training_on_the_union(job:
     expected = reference(steps, shards=4, samples=64, batch_size=4)
     assert max_diff(params["a"], params["b"]) == 0.0
     assert max_diff(params["a"], expected) <= 1e-6
-    assert [r["global_step"] for r in job.groups["a"].records("step")] == list(range(1, steps + 1))
+    assert [r["global_step"] for r in job.groups["a"].records("commit")] == list(range(1, steps + 1))
 
 
 @pytest.mark.timeout(200)
@@ -101,7 +101,7 @@ def test_keep_global_batch_while_degraded_equals_the_healthy_batch(job_alone_ok:
     shrunk = reference(steps, shards=2, samples=64, batch_size=4, batches={0: 1})
     assert max_diff(expected, shrunk) > 1e-4
     assert max_diff(torch.load(params), expected) <= 1e-6
-    steps_done = a.records("step")
+    steps_done = a.records("commit")
     assert [r["global_step"] for r in steps_done] == list(range(1, steps + 1))
     assert [r["stream_step"] for r in steps_done] == list(range(2, 2 * steps + 1, 2))
     assert [r["epoch"] for r in steps_done] == [0, 0, 0, 1, 1]
@@ -112,18 +112,18 @@ def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> No
     steps = 150  # kill_and_restart's run
     a, b, first_life = kill_and_restart(job_alone_ok, ("--data.samples=512", "--data.batch_size=4"))
 
-    a_steps = a.records("step")
+    a_steps = a.records("commit")
     assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a's global_step drifted"
     for r in a_steps:  # the LR schedule follows the committed steps: a discarded attempt did not step it
         assert math.isclose(r["lr"], LR * DECAY ** r["global_step"], rel_tol=1e-9), r
-    second_life = b.records("step")[first_life[0]:]
+    second_life = b.records("commit")[first_life[0]:]
     assert second_life[0]["global_step"] > 4, "b must join where the job is, not restart from 0"
     assert [r["global_step"] for r in second_life] == list(range(second_life[0]["global_step"], steps + 1))
     assert a.records("end")[0]["params_sha256"] == b.records("end")[0]["params_sha256"]
     assert all(ra["params_sha256"] == rb["params_sha256"] for ra in a_steps for rb in second_life
                if ra["global_step"] == rb["global_step"]), "a and b differ at a common step"
     # Exactly-once data for b: the batches b contributed, over both lives, are its stream without repeats or gaps.
-    contributed = [r for r in b.records("step") if "b" in r["participants"]]
+    contributed = [r for r in b.records("commit") if "b" in r["participants"]]
     positions = [r["stream_step"] for r in contributed]
     assert positions == list(range(positions[0], positions[0] + len(positions))), positions
     assert len({r["batch_sha256"] for r in contributed}) == len(contributed)
@@ -141,13 +141,13 @@ def test_restarted_group_follows_replays_and_keeps_the_job_wide_epoch_schedule(j
               "--recorder.ballast_mib=128", "--trainer.strategy.keep_global_batch=true",
               "--trainer.profiler=simple")  # its profiler refuses a hook nested in itself: replay must not nest one
     a = start_lightning_group(job, "a", devices=1, max_steps=steps, extra=common)
-    wait_for(lambda: len(a.records("step")) >= 5, 90, "group a's fifth step alone")
+    wait_for(lambda: len(a.records("commit")) >= 5, 90, "group a's fifth step alone")
     b = start_lightning_group(job, "b", devices=1, max_steps=steps, extra=common)
     for group in (a, b):
         assert job.wait_exit(group, 180) == 0, group.log.read_text()[-3000:]
 
-    a_steps, b_steps = a.records("step"), b.records("step")
-    recovery = b_steps[0]["recoveries"][0]
+    a_steps, b_steps = a.records("commit"), b.records("commit")
+    recovery = b_steps[0]["catch_up_log"][0]
     assert recovery["source"] == "a" and recovery["replayed"] >= 1, recovery
     assert b_steps[0]["global_step"] == recovery["step"] + recovery["replayed"] + 1
     for r in a_steps + b_steps:
@@ -184,6 +184,6 @@ def test_checkpoint_written_by_one_group_and_every_group_resumes_from_it(job: Jo
     for rid in ("a", "b"):
         (job.workdir / f"{rid}.jsonl").unlink()
     resumed = run_pair(job, devices=1, steps=6, extra=(*common[:2], f"--ckpt_path={ckpts / names[0]}"))
-    assert [r["global_step"] for r in job.groups["a"].records("step")] == [4, 5, 6]
+    assert [r["global_step"] for r in job.groups["a"].records("commit")] == [4, 5, 6]
     assert max_diff(resumed["a"], resumed["b"]) == 0.0
     assert max_diff(resumed["a"], full["a"]) <= 1e-6

@@ -143,7 +143,7 @@ def fit() -> Fit:
 
 
 @pytest.fixture
-def one_rank_group() -> Iterator[None]:
+def one_rank_process_group() -> Iterator[None]:
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         yield
@@ -161,7 +161,7 @@ def _connected(module: pl.LightningModule) -> Trainer:
 # ------------------------------------------------------------------------------------------- strategy and data
 
 
-def test_mesh_sizes_are_the_ones_model_parallel_setup_environment_builds(one_rank_group: None) -> None:
+def test_mesh_sizes_are_the_ones_model_parallel_setup_environment_builds(one_rank_process_group: None) -> None:
     """``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``."""
     strategy = ModelParallelStrategy()
     _trainer(strategy=strategy)
@@ -328,7 +328,7 @@ def test_log_dict_logs_through_log() -> None:
 # ------------------------------------------------------------------------------------------------- torch FSDP2
 
 
-def test_own_forward_hook_slots_hold_the_hooks_that_gather_the_root(one_rank_group: None) -> None:
+def test_own_forward_hook_slots_hold_the_hooks_that_gather_the_root(one_rank_process_group: None) -> None:
     """``FSDPModule._get_fsdp_state``, ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``,
     ``nn.Module._forward_pre_hooks`` / ``_forward_hooks``."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))

@@ -91,7 +91,7 @@ def test_two_groups_of_two_ranks_train_the_shape_as_one_process_would(job: Job, 
     assert max_diff(params["a"], params["b"]) == 0.0
     for key, value in expected.items():
         torch.testing.assert_close(params["a"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
-    a_steps = job.groups["a"].records("step")
+    a_steps = job.groups["a"].records("commit")
     assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1))
 
     if name == "TiedWeights":  # one tensor, still shared: a broken tie would list the head's weight on its own
@@ -106,9 +106,9 @@ def test_two_groups_of_two_ranks_train_the_shape_as_one_process_would(job: Job, 
     if name == "ValidatedAndLogged":
         for rank in (0, 1):
             # Validation runs after steps 2 and 4 (and 6), after their records: its value shows from step 3 on.
-            val = [r["metrics"].get("val_loss") for r in job.groups["a"].records("step", rank=rank)]
+            val = [r["metrics"].get("val_loss") for r in job.groups["a"].records("commit", rank=rank)]
             assert None not in val[2:] and val[2] != val[4], f"validation every 2 batches must log val_loss: {val}"
-        by_rank = [{r["global_step"]: r["metrics"]["train_loss"] for r in job.groups["b"].records("step", rank=k)}
+        by_rank = [{r["global_step"]: r["metrics"]["train_loss"] for r in job.groups["b"].records("commit", rank=k)}
                    for k in (0, 1)]
         assert by_rank[0] == by_rank[1], "sync_dist=True must give both ranks of a group the same value"
 
@@ -152,12 +152,12 @@ def test_batchnorm_buffers_come_from_the_same_rank_of_the_source(job_alone_ok: J
     end of the step it loads (then updates them from its own batches)."""
     a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.BatchNormNet",), script=ANY_MODULE)
     for rank in (0, 1):
-        first = b.records("step", rank=rank)[first_life[rank]]
-        recovery = first["recoveries"][0]
+        first = b.records("commit", rank=rank)[first_life[rank]]
+        recovery = first["catch_up_log"][0]
         assert first["global_step"] == recovery["step"] + recovery["replayed"] + 1  # no forward since the load
-        source = {r["global_step"]: r["buffers_sha256"] for r in a.records("step", rank=rank)}
+        source = {r["global_step"]: r["buffers_sha256"] for r in a.records("commit", rank=rank)}
         assert first["buffers_sha256"] == source[recovery["step"]]
-    a_ranks = [a.records("step", rank=k)[-1]["buffers_sha256"] for k in (0, 1)]
+    a_ranks = [a.records("commit", rank=k)[-1]["buffers_sha256"] for k in (0, 1)]
     assert a_ranks[0] != a_ranks[1], "each rank's statistics come from its own batches"
 
 
@@ -168,11 +168,11 @@ def test_a_followed_step_never_reaches_the_logged_metrics(job_alone_ok: Job) -> 
     a, b, first_life = kill_and_restart(job_alone_ok, ("--model=shapes.ValidatedAndLogged",
                                                        "--trainer.val_check_interval=4"), script=ANY_MODULE)
     for rank in (0, 1):
-        second_life = b.records("step", rank=rank)[first_life[rank]:]
+        second_life = b.records("commit", rank=rank)[first_life[rank]:]
         assert "train_loss" not in second_life[0]["metrics"], second_life[0]
         assert "b" not in second_life[0]["participants"]
         # Lightning keeps a metric's last value: every trained step logging its own shows as a new value each step.
-        for steps in (second_life[1:], a.records("step", rank=rank)):
+        for steps in (second_life[1:], a.records("commit", rank=rank)):
             values = [r["metrics"]["train_loss"] for r in steps]
             assert len(set(values)) == len(values), "a trained step's train_loss was not logged"
 

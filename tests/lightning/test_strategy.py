@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.utilities.rank_zero import LightningDeprecationWarning
 from torch import nn
 
 import lightning_fthsdp
@@ -41,7 +42,7 @@ def test_lightning_cli_yaml_config_with_class_path() -> None:
     cli = TinyCLI(TinyRegressor, TinyData, run=False, args=["--config", str(HERE / "cli.yaml")])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, FTHSDPStrategy)
-    assert (strategy.replica_id, strategy.num_replica_groups, strategy.replica_index) == ("b", 2, 1)
+    assert (strategy.replica_id, strategy.replicas, strategy.replica_index) == ("b", 2, 1)
     assert strategy.lr_scaling == "sqrt"
 
 
@@ -58,26 +59,47 @@ def test_missing_lighthouse_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     ({"validate_every_n_steps": -1}, ValueError, "validate_every_n_steps must be >= 0"),
     ({"lr_scaling": "sqrt", "keep_global_batch": True}, ValueError, "lr_scaling='none' with keep_global_batch=True"),
     ({"replica_ids": ["x", "y"]}, ValueError, "replica_id='a' is not in replica_ids"),
-    ({"num_replica_groups": 2}, ValueError, "pass replica_ids"),
-    ({"num_replica_groups": 2, "replica_index": 2}, ValueError, "0 <= replica_index < num_replica_groups"),
-    ({"replica_ids": ["a", "b"], "num_replica_groups": 3}, ValueError, "got 2 replica_ids"),
+    ({"replicas": 2}, ValueError, "pass replica_ids"),
+    ({"replicas": 2, "replica_index": 2}, ValueError, "0 <= replica_index < replicas"),
+    ({"replica_ids": ["a", "b"], "replicas": 3}, ValueError, "got 2 replica_ids"),
 ])
 def test_clear_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         FTHSDPStrategy(**kwargs)  # type: ignore[arg-type]
 
 
+def test_old_keyword_num_replica_groups_still_works_with_a_deprecation() -> None:
+    with pytest.warns(LightningDeprecationWarning, match=r"FTHSDPStrategy\(num_replica_groups=\) is deprecated, "
+                      r"use replicas= \(the old name goes in 0.3\)"):
+        strategy = FTHSDPStrategy(num_replica_groups=3, replica_index=2)
+    assert (strategy.replicas, strategy.replica_index) == (3, 2)
+    with pytest.warns(FutureWarning, match=r"ReplicaStreamSampler\(num_replica_groups=\) is deprecated"):
+        sampler = ReplicaStreamSampler(list(range(8)), num_replica_groups=2, replica_index=1, shard_count=1,
+                                       shard_rank=0, batch_size=2, position=lambda: 0)
+    assert sampler.num_replicas == 2 and sampler.rank == 1
+
+
+def test_old_and_new_keyword_with_different_values_are_refused() -> None:
+    with pytest.warns(LightningDeprecationWarning), pytest.raises(
+            ValueError, match="FTHSDPStrategy got replicas=2 and num_replica_groups=3"):
+        FTHSDPStrategy(replicas=2, num_replica_groups=3, replica_index=0)
+    with pytest.warns(FutureWarning), pytest.raises(
+            ValueError, match="ReplicaStreamSampler got replicas=2 and num_replica_groups=3"):
+        ReplicaStreamSampler(list(range(8)), replicas=2, num_replica_groups=3, replica_index=0, shard_count=1,
+                             shard_rank=0, batch_size=2, position=lambda: 0)
+
+
 def test_replica_index_from_replica_ids_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert FTHSDPStrategy(replica_ids=["b", "a"]).replica_index == 1
-    monkeypatch.setenv("FTHSDP_NUM_REPLICA_GROUPS", "3")
+    monkeypatch.setenv("FTHSDP_REPLICAS", "3")
     monkeypatch.setenv("FTHSDP_REPLICA_INDEX", "2")
     strategy = FTHSDPStrategy()
-    assert (strategy.num_replica_groups, strategy.replica_index) == (3, 2)
+    assert (strategy.replicas, strategy.replica_index) == (3, 2)
 
 
 @pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 0.25), ("sqrt", 0.5)])
 def test_degraded_lr_scaling(scaling: str, factor: float) -> None:
-    strategy = FTHSDPStrategy(num_replica_groups=4, replica_index=0, lr_scaling=scaling)  # type: ignore[arg-type]
+    strategy = FTHSDPStrategy(replicas=4, replica_index=0, lr_scaling=scaling)  # type: ignore[arg-type]
     optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
     strategy._degraded_lr.scale(optimizer, healthy=1)
     assert math.isclose(optimizer.param_groups[0]["lr"], 0.4 * factor)
@@ -85,7 +107,7 @@ def test_degraded_lr_scaling(scaling: str, factor: float) -> None:
 
 def test_sampler_shards_are_disjoint_and_cover_the_data() -> None:
     data = list(range(48))
-    samplers = [ReplicaStreamSampler(data, num_replica_groups=2, replica_index=r, shard_count=2, shard_rank=s,
+    samplers = [ReplicaStreamSampler(data, replicas=2, replica_index=r, shard_count=2, shard_rank=s,
                                      batch_size=4, position=lambda: 0, seed=7) for r in range(2) for s in range(2)]
     seen = [i for sampler in samplers for i in sampler]
     assert sorted(seen) == data
@@ -96,7 +118,7 @@ def test_sampler_resumes_its_stream_at_a_position_in_a_later_epoch() -> None:
     position = 0
 
     def make() -> ReplicaStreamSampler:
-        return ReplicaStreamSampler(data, num_replica_groups=2, replica_index=1, shard_count=1, shard_rank=0,
+        return ReplicaStreamSampler(data, replicas=2, replica_index=1, shard_count=1, shard_rank=0,
                                     batch_size=4, position=lambda: position, seed=3)
 
     stream = []

@@ -6,6 +6,7 @@ A launcher (``fthsdp launch``, SLURM, Kubernetes) sets these per replica group; 
 from __future__ import annotations
 
 import os
+import warnings
 
 ENV_REPLICA_ID = "FTHSDP_REPLICA_ID"
 """The replica group's stable id (the same across its restarts)."""
@@ -16,16 +17,25 @@ ENV_LIGHTHOUSE = "FTHSDP_LIGHTHOUSE"
 ENV_TOKEN = "FTHSDP_TOKEN"
 """The job's shared secret for the lighthouse and the state servers (unset: no token)."""
 
-ENV_NUM_REPLICA_GROUPS = "FTHSDP_NUM_REPLICA_GROUPS"
+ENV_REPLICAS = "FTHSDP_REPLICAS"
 """How many replica groups the job has (default 1): the Lightning strategy's data-stream count."""
 
 ENV_REPLICA_INDEX = "FTHSDP_REPLICA_INDEX"
-"""This group's index in ``0..FTHSDP_NUM_REPLICA_GROUPS-1``: which data stream it trains."""
+"""This group's index in ``0..FTHSDP_REPLICAS-1``: which data stream it trains."""
+
+RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
+"""Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
 
 
 def from_env(value: str | None, env_name: str) -> str | None:
-    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty; else None."""
-    return value or os.environ.get(env_name) or None
+    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty (or its old name); else None."""
+    found = value or os.environ.get(env_name)
+    old = RENAMED.get(env_name)
+    if not found and old and os.environ.get(old):
+        warnings.warn(f"${old} is deprecated, set ${env_name} instead (the old name goes in 0.3)", FutureWarning,
+                      stacklevel=2)
+        found = os.environ[old]
+    return found or None
 
 
 def resolve(value: str | None, env_name: str, what: str, fix: str) -> str:

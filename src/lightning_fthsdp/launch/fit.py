@@ -4,7 +4,7 @@
 overrides) is validated and turned into a LightningCLI config (model, data, Trainer with ``FTHSDPStrategy``);
 any remaining ``--...`` arguments go to LightningCLI unchanged and win over the recipe (``-- --print_config``
 prints the result). fthsdp's own options come first. The group's identity and the lighthouse come from the
-environment (``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``, ``FTHSDP_NUM_REPLICA_GROUPS``, ``FTHSDP_REPLICA_INDEX``,
+environment (``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``, ``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``,
 see docs/lightning.md); ``fthsdp launch`` sets them for each group it starts.
 """
 

@@ -58,7 +58,7 @@ class LaunchRecorder(CommittedStepCallback):
                 manager = trainer.strategy.manager  # type: ignore[attr-defined]
                 trained = manager.replica_id in manager.participants
                 record |= {"quorum_size": metrics.quorum_size, "participants": list(manager.participants),
-                           "discarded": metrics.discarded_steps, "catch_ups": metrics.recoveries,
+                           "discarded": metrics.discarded_steps, "catch_ups": metrics.catch_ups,
                            "stall_s": round(metrics.stall_s, 4)}
             if trained:
                 record["loss"] = float(loss)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_ID, ENV_REPLICA_INDEX
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
 from lightning_fthsdp.launch.chaos import Injection
 from lightning_fthsdp.launch.processes import Group, Job
 
@@ -143,7 +143,7 @@ class Supervisor:
                "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
                f"--trainer.default_root_dir={self.out / 'lightning'}"]
         env = {ENV_REPLICA_ID: state.replica_id, ENV_LIGHTHOUSE: self.job.lighthouse_url,
-               ENV_NUM_REPLICA_GROUPS: str(len(self.replica_ids)),
+               ENV_REPLICAS: str(len(self.replica_ids)),
                ENV_REPLICA_INDEX: str(self.replica_ids.index(state.replica_id)),
                # Each launch is its own torch.distributed world: its own rendezvous port on loopback.
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}

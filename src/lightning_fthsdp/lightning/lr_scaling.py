@@ -32,9 +32,9 @@ def check_lr_scaling(lr_scaling: str, keep_global_batch: bool) -> None:
 class DegradedLR:
     """Scales the learning rates of one optimizer step by the share of groups that contributed to it."""
 
-    def __init__(self, lr_scaling: LRScaling, num_replica_groups: int) -> None:
+    def __init__(self, lr_scaling: LRScaling, replicas: int) -> None:
         self.lr_scaling = lr_scaling
-        self.num_replica_groups = num_replica_groups
+        self.replicas = replicas
         self._unscaled_lrs: list[float] | None = None  # the step's learning rates before the factor
 
     @contextmanager
@@ -54,7 +54,7 @@ class DegradedLR:
         """Multiply the learning rates by this step's factor (``healthy`` groups contributed)."""
         param_groups = _inner(optimizer).param_groups
         self._unscaled_lrs = [group["lr"] for group in param_groups]
-        ratio = min(healthy / self.num_replica_groups, 1.0)
+        ratio = min(healthy / self.replicas, 1.0)
         factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
         for group in param_groups:
             group["lr"] = group["lr"] * factor

@@ -17,17 +17,17 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_fthsdp.lightning.policy import apply_fully_shard
 
 
-def refuse_at_train_start(*, keep_global_batch: bool, optimizers: int, num_replica_groups: int) -> None:
+def refuse_at_train_start(*, keep_global_batch: bool, optimizers: int, replicas: int) -> None:
     """Refuse the settings manual optimization cannot keep in step across groups."""
     if keep_global_batch:
         raise ValueError(
             "FTHSDPStrategy(keep_global_batch=True) trains a degraded step's extra batches through training_step, "
             "which with manual optimization would step the optimizer itself: use automatic optimization, or "
             "keep_global_batch=False (with lr_scaling for degraded steps)")
-    if optimizers > 1 and num_replica_groups > 1:
+    if optimizers > 1 and replicas > 1:
         raise ValueError(
             f"FTHSDPStrategy cannot keep {optimizers} optimizers of manual optimization in step across "
-            f"{num_replica_groups} replica groups: which one steps would depend on each group's own batch "
+            f"{replicas} replica groups: which one steps would depend on each group's own batch "
             "index, and a restarted group joins at another. Put every model in one optimizer (a param group each, "
             "e.g. torch.optim.Adam([{'params': g.parameters()}, {'params': d.parameters(), 'lr': 1e-4}])) and "
             "step it once per training_step")

@@ -5,9 +5,9 @@ a group holds the same values):
 
 - ``fthsdp/quorum_size``: groups in the quorum of the last step (progress bar);
 - ``fthsdp/participants``: groups whose gradients went into it (progress bar; below ``quorum_size`` while a group
-  catches up, below ``num_replica_groups`` while degraded);
+  catches up, below ``replicas`` while degraded);
 - ``fthsdp/discarded_steps``: attempts whose commit vote failed so far (each was retried on the same batch);
-- ``fthsdp/recoveries``: catch-ups this group performed;
+- ``fthsdp/catch_ups``: catch-ups this group performed;
 - ``fthsdp/stall_s``: seconds the last step spent in attempts that were discarded (0 when fault-free).
 """
 
@@ -32,14 +32,14 @@ class FTMetrics:
     quorum_size: int = 0
     participants: int = 0
     discarded_steps: int = 0
-    recoveries: int = 0
+    catch_ups: int = 0
     stall_s: float = 0.0
 
     def record_commit(self, manager: FTManager, *, caught_up: bool, stall_s: float) -> None:
         """Take the values of the step ``manager`` just committed (``caught_up``: that commit loaded a peer's state;
         ``stall_s``: the time the step spent in discarded attempts)."""
         if caught_up:
-            self.recoveries += 1
+            self.catch_ups += 1
         self.quorum_size = len(manager.quorum.members) if manager.quorum is not None else 0
         self.participants = len(manager.participants)
         self.discarded_steps = manager.discarded_steps

@@ -45,7 +45,7 @@ def refuse_loss_scaling(precision: Any) -> None:
                          "precision='16-mixed'): use precision='bf16-mixed', which needs no loss scaling")
 
 
-def refuse_at_train_start(trainer: pl.Trainer, *, batches_per_epoch: int, num_replica_groups: int,
+def refuse_at_train_start(trainer: pl.Trainer, *, batches_per_epoch: int, replicas: int,
                           validate_every_n_steps: int | None) -> None:
     """Refuse the Trainer settings whose meaning would differ between replica groups."""
     if batches_per_epoch % trainer.accumulate_grad_batches:
@@ -55,10 +55,10 @@ def refuse_at_train_start(trainer: pl.Trainer, *, batches_per_epoch: int, num_re
             "accumulate_grad_batches. Change the batch size, the dataset size or the accumulation"
         )
     plateau = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau]
-    if plateau and num_replica_groups > 1:
+    if plateau and replicas > 1:
         raise ValueError(
             f"FTHSDPStrategy cannot keep {type(plateau[0].scheduler).__name__} identical across "
-            f"{num_replica_groups} replica groups: it steps on a metric each group monitors at its own epoch "
+            f"{replicas} replica groups: it steps on a metric each group monitors at its own epoch "
             "ends. Use a schedule of steps or epochs (e.g. CosineAnnealingLR, StepLR), or one replica group")
     if validate_every_n_steps == 0 and trainer.max_steps < 0:
         raise ValueError("FTHSDPStrategy(validate_every_n_steps=0) validates only after max_steps, and the Trainer "

@@ -1,7 +1,7 @@
 """The training sampler of fault-tolerant HSDP: one fixed data shard per (replica group, shard rank).
 
 Every replica group trains its own stream: shard ``replica_index * shard_count + shard_rank`` of the dataset,
-split exactly as ``DistributedSampler(num_replicas=num_replica_groups * shard_count)`` splits it (the same seed
+split exactly as ``DistributedSampler(num_replicas=replicas * shard_count)`` splits it (the same seed
 and shuffle in every group, so the shards are disjoint and together cover the dataset once per epoch).
 
 The stream is addressed by a position in micro-batches counted from the start of training (epoch ``e`` holds
@@ -12,33 +12,37 @@ how every batch of it is trained exactly once. ``set_epoch`` is ignored: the epo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sized
 
 from torch.utils.data import DistributedSampler
 
 
 class ReplicaStreamSampler(DistributedSampler):
-    """``DistributedSampler`` over ``num_replica_groups * shard_count`` shards that starts at a stream position.
+    """``DistributedSampler`` over ``replicas * shard_count`` shards that starts at a stream position.
 
     Args:
         dataset: the (sized) training dataset.
-        num_replica_groups: replica groups in the job (healthy or not): the data is split over all of them.
-        replica_index: this group's index in ``[0, num_replica_groups)``: which shard of the data it trains.
+        replicas: replica groups in the job (healthy or not): the data is split over all of them.
+        replica_index: this group's index in ``[0, replicas)``: which shard of the data it trains.
         shard_count: ranks per replica group; ``shard_rank``: this process's rank inside its group.
         batch_size: samples per micro-batch, to turn a position in micro-batches into a sample offset.
         position: returns the micro-batch position to start at, read at every ``__iter__``.
         shuffle, seed, drop_last: as for ``DistributedSampler``; ``seed`` must be the same in every group.
+        num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``: a FutureWarning; giving both
+            with different values is a ValueError.
     """
 
-    def __init__(self, dataset: Sized, *, num_replica_groups: int, replica_index: int, shard_count: int,
+    def __init__(self, dataset: Sized, *, replicas: int | None = None, replica_index: int, shard_count: int,
                  shard_rank: int, batch_size: int, position: Callable[[], int], shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
-        if not 0 <= replica_index < num_replica_groups:
-            raise ValueError(f"ReplicaStreamSampler needs 0 <= replica_index < num_replica_groups, got "
-                             f"replica_index={replica_index} and num_replica_groups={num_replica_groups}")
+                 drop_last: bool = False, num_replica_groups: int | None = None) -> None:
+        replicas = _replicas_or_old_name(replicas, num_replica_groups)
+        if not 0 <= replica_index < replicas:
+            raise ValueError(f"ReplicaStreamSampler needs 0 <= replica_index < replicas, got "
+                             f"replica_index={replica_index} and replicas={replicas}")
         if batch_size < 1:
             raise ValueError(f"ReplicaStreamSampler needs a positive batch_size, got {batch_size}")
-        super().__init__(dataset, num_replicas=num_replica_groups * shard_count,  # type: ignore[arg-type]
+        super().__init__(dataset, num_replicas=replicas * shard_count,  # type: ignore[arg-type]
                          rank=replica_index * shard_count + shard_rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.batch_size = batch_size
@@ -72,3 +76,17 @@ class ReplicaStreamSampler(DistributedSampler):
 
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the epoch is a function of the stream position (see the module docstring)."""
+
+
+def _replicas_or_old_name(replicas: int | None, num_replica_groups: int | None) -> int:
+    """``replicas``, or its deprecated old name ``num_replica_groups`` (accepted until 0.3)."""
+    if num_replica_groups is not None:
+        warnings.warn("ReplicaStreamSampler(num_replica_groups=) is deprecated, use replicas= (the old name goes in "
+                      "0.3)", FutureWarning, stacklevel=3)
+        if replicas is not None and replicas != num_replica_groups:
+            raise ValueError(f"ReplicaStreamSampler got replicas={replicas} and num_replica_groups="
+                             f"{num_replica_groups} (its deprecated old name): pass only replicas")
+        replicas = num_replica_groups
+    if replicas is None:
+        raise TypeError("ReplicaStreamSampler needs replicas= (the replica groups in the job)")
+    return replicas

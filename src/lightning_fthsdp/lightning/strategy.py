@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_deprecation
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
@@ -51,15 +52,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
         replica_id: this group's stable id (survives restarts); default ``$FTHSDP_REPLICA_ID``.
         lighthouse: ``http://HOST:PORT`` of the job's lighthouse; default ``$FTHSDP_LIGHTHOUSE``.
         token: the job's shared secret; default ``$FTHSDP_TOKEN``.
-        num_replica_groups: replica groups in the job (the data is split over all of them, healthy or not);
-            default ``len(replica_ids)``, else ``$FTHSDP_NUM_REPLICA_GROUPS``, else 1.
+        replicas: replica groups in the job (the data is split over all of them, healthy or not); default
+            ``len(replica_ids)``, else ``$FTHSDP_REPLICAS`` (or, deprecated, ``$FTHSDP_NUM_REPLICA_GROUPS``), else 1.
         replica_ids: every group's id in data-shard order; this group's index is the position of ``replica_id``.
-        replica_index: this group's data shard in ``[0, num_replica_groups)`` (instead of ``replica_ids``);
+        replica_index: this group's data shard in ``[0, replicas)`` (instead of ``replica_ids``);
             default ``$FTHSDP_REPLICA_INDEX``, else 0 when there is one group.
-        lr_scaling: while fewer than ``num_replica_groups`` groups contribute, multiply the learning rate of the
+        lr_scaling: while fewer than ``replicas`` groups contribute, multiply the learning rate of the
             optimizer step by ``1`` ("none"), ``healthy/total`` ("linear") or ``sqrt(healthy/total)`` ("sqrt",
             which the FT-HSDP paper found best); the scheduler's own values are untouched.
-        keep_global_batch: while fewer than ``num_replica_groups`` groups contribute, the healthy ones train extra
+        keep_global_batch: while fewer than ``replicas`` groups contribute, the healthy ones train extra
             batches of their own streams (their share of the missing groups', e.g. 2 instead of 1 when 2 of 3 are
             healthy) so every optimizer step sees the global batch of a healthy job; steps take longer instead of
             the batch shrinking. Excludes ``lr_scaling`` (the batch no longer shrinks).
@@ -72,6 +73,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
             (``val_check_interval``, epoch ends), which counts this group's own batches and epochs.
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``; giving both with different
+            values is a ValueError.
 
     Raises ValueError/TypeError at construction for missing or inconsistent settings and for arguments of other
     strategies; see docs/lightning.md for the failure semantics during training.
@@ -84,7 +87,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         replica_id: str | None = None,
         lighthouse: str | None = None,
         token: str | None = None,
-        num_replica_groups: int | None = None,
+        replicas: int | None = None,
         replica_ids: list[str] | None = None,
         replica_index: int | None = None,
         lr_scaling: LRScaling = "none",
@@ -96,9 +99,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = private.DEFAULT_PG_TIMEOUT,
+        num_replica_groups: int | None = None,
         **kwargs: Any,
     ) -> None:
         refusals.refuse_foreign_arguments(kwargs)
+        replicas = _replicas_or_old_name(replicas, num_replica_groups)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.replica_id = resolve(replica_id, ENV_REPLICA_ID, "FTHSDPStrategy replica_id",
@@ -106,7 +111,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.lighthouse = resolve(lighthouse, ENV_LIGHTHOUSE, "FTHSDPStrategy lighthouse",
                                   "the URL `fthsdp lighthouse` prints, e.g. http://127.0.0.1:29510")
         self._token = token
-        self.topology = DataTopology.resolve(self.replica_id, num_replica_groups, replica_ids, replica_index)
+        self.topology = DataTopology.resolve(self.replica_id, replicas, replica_ids, replica_index)
         check_lr_scaling(lr_scaling, keep_global_batch)
         self.lr_scaling = lr_scaling
         self.keep_global_batch = keep_global_batch
@@ -121,7 +126,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._module_state: ModuleState | None = None
         self._stream = TrainingStream(self.topology)
         self._sharding = PolicySharding(auto_shard_min_params)
-        self._degraded_lr = DegradedLR(lr_scaling, self.topology.num_replica_groups)
+        self._degraded_lr = DegradedLR(lr_scaling, self.topology.replicas)
         self._schedulers = JobSchedulers()
         self._steps_per_batch = manual.OneStepPerBatch()
         self._logs = DeferredLogs()  # a training step's self.log calls, logged once it commits as trained
@@ -135,9 +140,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         return self._manager
 
     @property
-    def num_replica_groups(self) -> int:
+    def replicas(self) -> int:
         """Replica groups in the job (see ``topology``)."""
-        return self.topology.num_replica_groups
+        return self.topology.replicas
 
     @property
     def replica_index(self) -> int:
@@ -172,12 +177,13 @@ class FTHSDPStrategy(ModelParallelStrategy):
         refusals.refuse_loss_scaling(self.precision_plugin)
         super().setup(trainer)
         assert self.model is not None
-        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         manager = self._manager = FTManager(
             replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
-            group=group if self.world_size > 1 else None, backend="gloo" if self.root_device.type == "cpu" else "nccl",
+            process_group=process_group if self.world_size > 1 else None,
+            backend="gloo" if self.root_device.type == "cpu" else "nccl",
             device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
-            global_batches=self.num_replica_groups if self.keep_global_batch else None)
+            global_batches=self.replicas if self.keep_global_batch else None)
         self._commit = StepCommit(manager, self.topology, self.root_device, self._logs, self._fire_fault)
         self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
                                                     on_counters_loaded=self._commit.mark_caught_up)
@@ -201,7 +207,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer
         refusals.refuse_at_train_start(trainer, batches_per_epoch=self._stream.batches_per_epoch,
-                                       num_replica_groups=self.num_replica_groups,
+                                       replicas=self.replicas,
                                        validate_every_n_steps=self.validate_every_n_steps)
         if self.validate_every_n_steps is not None:
             loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
@@ -211,7 +217,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._schedulers.take_over(trainer)
         else:
             manual.refuse_at_train_start(keep_global_batch=self.keep_global_batch, optimizers=len(self.optimizers),
-                                         num_replica_groups=self.num_replica_groups)
+                                         replicas=self.replicas)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -392,3 +398,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _fire_fault(self, phase: str) -> None:
         if self._fault is not None and self._manager is not None:
             self._fault.fire_if(self._manager.step, phase, self._manager.rank)
+
+
+def _replicas_or_old_name(replicas: int | None, num_replica_groups: int | None) -> int | None:
+    """``replicas``, or its deprecated old name ``num_replica_groups`` (accepted until 0.3)."""
+    if num_replica_groups is None:
+        return replicas
+    rank_zero_deprecation("FTHSDPStrategy(num_replica_groups=) is deprecated, use replicas= (the old name goes in 0.3)")
+    if replicas is not None and replicas != num_replica_groups:
+        raise ValueError(f"FTHSDPStrategy got replicas={replicas} and num_replica_groups={num_replica_groups} (its "
+                         f"deprecated old name): pass only replicas")
+    return num_replica_groups

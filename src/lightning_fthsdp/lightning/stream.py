@@ -41,7 +41,7 @@ class TrainingStream:
         injected = dataloader.sampler
         self.sampler = ReplicaStreamSampler(
             dataloader.dataset,  # type: ignore[arg-type]
-            num_replica_groups=self.topology.num_replica_groups, replica_index=self.topology.replica_index,
+            replicas=self.topology.replicas, replica_index=self.topology.replica_index,
             shard_count=shard_count, shard_rank=shard_rank, batch_size=dataloader.batch_size or 1, position=start,
             shuffle=injected.shuffle, seed=injected.seed, drop_last=injected.drop_last)
         self._collate = dataloader.collate_fn

@@ -6,41 +6,39 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_fthsdp.config.env import ENV_NUM_REPLICA_GROUPS, ENV_REPLICA_INDEX
+from lightning_fthsdp.config.env import ENV_REPLICA_INDEX, ENV_REPLICAS, from_env
 
 
 @dataclass(frozen=True)
 class DataTopology:
     """The data is split into one stream per replica group, healthy or not; this group trains stream
-    ``replica_index`` of ``num_replica_groups`` (each stream again split over the group's shard ranks)."""
+    ``replica_index`` of ``replicas`` (each stream again split over the group's shard ranks)."""
 
-    num_replica_groups: int
+    replicas: int
     """Replica groups in the job: the streams, and the quorum size no quorum may exceed."""
     replica_index: int
-    """This group's stream, in ``[0, num_replica_groups)``."""
+    """This group's stream, in ``[0, replicas)``."""
 
     def __post_init__(self) -> None:
-        _check_group_count(self.num_replica_groups)
-        if not 0 <= self.replica_index < self.num_replica_groups:
-            raise ValueError(f"FTHSDPStrategy needs 0 <= replica_index < num_replica_groups, got replica_index="
-                             f"{self.replica_index} and num_replica_groups={self.num_replica_groups}")
+        _check_replicas(self.replicas)
+        if not 0 <= self.replica_index < self.replicas:
+            raise ValueError(f"FTHSDPStrategy needs 0 <= replica_index < replicas, got replica_index="
+                             f"{self.replica_index} and replicas={self.replicas}")
 
     @classmethod
-    def resolve(cls, replica_id: str, num_replica_groups: int | None, replica_ids: list[str] | None,
+    def resolve(cls, replica_id: str, replicas: int | None, replica_ids: list[str] | None,
                 replica_index: int | None) -> DataTopology:
-        """From ``FTHSDPStrategy``'s arguments, then ``$FTHSDP_NUM_REPLICA_GROUPS`` and ``$FTHSDP_REPLICA_INDEX``:
-        the group count defaults to ``len(replica_ids)``, else 1; the index to ``replica_id``'s position in
-        ``replica_ids``, else 0 when there is one group. Raises ValueError on values that contradict each other."""
-        if num_replica_groups is None:
-            if replica_ids is not None:
-                num_replica_groups = len(replica_ids)
-            else:
-                num_replica_groups = int(os.environ.get(ENV_NUM_REPLICA_GROUPS, "1"))
-        _check_group_count(num_replica_groups)
+        """From ``FTHSDPStrategy``'s arguments, then ``$FTHSDP_REPLICAS`` (or, deprecated, its old name
+        ``$FTHSDP_NUM_REPLICA_GROUPS``) and ``$FTHSDP_REPLICA_INDEX``: the group count defaults to
+        ``len(replica_ids)``, else 1; the index to ``replica_id``'s position in ``replica_ids``, else 0 when there is
+        one group. Raises ValueError on values that contradict each other."""
+        if replicas is None:
+            replicas = len(replica_ids) if replica_ids is not None else int(from_env(None, ENV_REPLICAS) or "1")
+        _check_replicas(replicas)
         if replica_ids is not None:
-            if len(replica_ids) != num_replica_groups:
+            if len(replica_ids) != replicas:
                 raise ValueError(f"FTHSDPStrategy got {len(replica_ids)} replica_ids {replica_ids} but "
-                                 f"num_replica_groups={num_replica_groups}: list every group once")
+                                 f"replicas={replicas}: list every group once")
             if replica_id not in replica_ids:
                 raise ValueError(f"FTHSDPStrategy replica_id={replica_id!r} is not in replica_ids={replica_ids}")
             index_from_ids = replica_ids.index(replica_id)
@@ -49,27 +47,27 @@ class DataTopology:
                                  f"at position {index_from_ids} of replica_ids: pass one of them")
             replica_index = index_from_ids
         if replica_index is None:
-            from_env = os.environ.get(ENV_REPLICA_INDEX)
-            if from_env is not None:
-                replica_index = int(from_env)
-            elif num_replica_groups == 1:
+            index_env = os.environ.get(ENV_REPLICA_INDEX)
+            if index_env is not None:
+                replica_index = int(index_env)
+            elif replicas == 1:
                 replica_index = 0
             else:
                 raise ValueError(
-                    f"FTHSDPStrategy needs this group's data shard with num_replica_groups={num_replica_groups}: pass "
+                    f"FTHSDPStrategy needs this group's data shard with replicas={replicas}: pass "
                     f"replica_ids=[...] (every group's id, in order) or replica_index (or set ${ENV_REPLICA_INDEX})")
-        return cls(num_replica_groups, replica_index)
+        return cls(replicas, replica_index)
 
     def check_quorum(self, member_ids: Sequence[str], replica_id: str) -> None:
         """Refuse a quorum of more groups than there are streams: some groups' data would overlap."""
-        if len(member_ids) > self.num_replica_groups:
+        if len(member_ids) > self.replicas:
             raise ValueError(
-                f"FTHSDPStrategy (group {replica_id}) has num_replica_groups={self.num_replica_groups} but the "
+                f"FTHSDPStrategy (group {replica_id}) has replicas={self.replicas} but the "
                 f"quorum holds {len(member_ids)} groups ({','.join(member_ids)}): their data shards "
-                f"would overlap. Set num_replica_groups (or ${ENV_NUM_REPLICA_GROUPS}) to the job's group count"
+                f"would overlap. Set replicas (or ${ENV_REPLICAS}) to the job's group count"
             )
 
 
-def _check_group_count(num_replica_groups: int) -> None:
-    if num_replica_groups < 1:
-        raise ValueError(f"FTHSDPStrategy needs num_replica_groups >= 1, got {num_replica_groups}")
+def _check_replicas(replicas: int) -> None:
+    if replicas < 1:
+        raise ValueError(f"FTHSDPStrategy needs replicas >= 1, got {replicas}")
