@@ -19,7 +19,7 @@ class Timeouts:
     """Every bounded wait of the fault-tolerant path, in milliseconds."""
 
     heartbeat_interval_ms: int = 100
-    """How often a replica group's leader heartbeats. Default 100 ms. Lower detects lighthouse pushes no faster
+    """How often every rank heartbeats to the lighthouse. Default 100 ms. Lower detects lighthouse pushes no faster
     (heartbeats are long-polls answered at once on a membership change) but costs more requests."""
 
     heartbeat_timeout_ms: int = 2_000

@@ -56,8 +56,8 @@ def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
 class _StorePool:
     """Connections to the lighthouse's store, one per rendezvous in flight. A store client serialises its requests,
     so a rendezvous that never completes (a member died) would hold a shared one until connect_timeout, and the next
-    quorum's rendezvous with it; and opening a connection sometimes takes seconds (torch's client, measured here:
-    about one connect in ten waits 5 s), so idle ones are kept."""
+    quorum's rendezvous with it; and opening a connection with torch's client occasionally stalls for seconds, so idle
+    ones are kept."""
 
     def __init__(self, timeout_ms: int) -> None:
         self._timeout_ms = timeout_ms
@@ -83,9 +83,9 @@ class _StorePool:
 
 
 class _Reaper:
-    """Destroys retired process groups on one thread per process. Destroying a gloo group takes 10-20 ms here (it
-    joins its threads; the GIL is released), which a membership change must not add to the step; and the thread
-    exists before it is needed: under load a newly started thread can take as long to get scheduled."""
+    """Destroys retired process groups on one thread per process. Destroying a gloo group joins its threads (the GIL
+    is released), time a membership change must not add to the step; and the thread exists before it is needed:
+    under load a newly started thread can take as long to get scheduled."""
 
     def __init__(self) -> None:
         self._doomed: queue.Queue[list[object]] = queue.Queue()
@@ -211,7 +211,7 @@ class CrossGroupComm:
         if self._quorum_id == quorum_id and (self._backend is not None or size == 1):
             return
         # The group just retired is destroyed at the next reconfiguration, not now: destroying a gloo group before
-        # its successor's first collective makes that collective take ~45 ms longer (measured here, 3 members).
+        # its successor's first collective makes that collective slower (their threads compete).
         self._reap()
         self._retire(None)
         key = (quorum_id, rank, size, store_address)
