@@ -398,3 +398,22 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
         for beat in beats:
             if beat.started:
                 beat.leave()
+
+
+def test_importing_the_lighthouse_imports_no_torch() -> None:
+    """Every lighthouse module imports, in a fresh interpreter, without torch (only a starting lighthouse loads it, for
+    its TCPStore) and without any package of ours but config."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import lightning_fthsdp.lighthouse as package\n"
+        "for module in pkgutil.iter_modules(package.__path__):\n"
+        "    importlib.import_module(f'lightning_fthsdp.lighthouse.{module.name}')\n"
+        "print(' '.join(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'lightning_fthsdp'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    assert "lightning_fthsdp.lighthouse.server" in loaded and "lightning_fthsdp.lighthouse.readiness" in loaded
+    allowed = {"lightning_fthsdp", "lightning_fthsdp.config", "lightning_fthsdp.lighthouse"}
+    unexpected = [name for name in loaded if ".".join(name.split(".")[:2]) not in allowed]
+    assert not unexpected, unexpected

@@ -1,4 +1,4 @@
-"""The pure quorum rules of ``core/quorum.py``: each rule by example, then properties over random histories."""
+"""The pure quorum rules of ``lighthouse/quorum.py``: each rule by example, then properties over random histories."""
 
 from __future__ import annotations
 

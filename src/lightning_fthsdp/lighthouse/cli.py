@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await lighthouse.start()
-        # GC tuning for a burst of 10,000 requests (measured in bench/bench_lighthouse.py: GC went from ~1.5 s to
-        # ~0.03 s of the burst): freeze torch's ~10^6 import-time objects out of full collections, and collect
+        # GC tuning for a burst of requests from every group at once (bench/bench_lighthouse.py measures it): freeze
+        # the import-time objects (torch's, for the TCPStore, are most of them) out of full collections, and collect
         # the young generation less often so in-flight requests are not promoted and rescanned.
         gc.freeze()
         gc.set_threshold(100_000, 20, 100)

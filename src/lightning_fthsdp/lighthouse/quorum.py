@@ -80,7 +80,7 @@ class Quorum:
 
     @cached_property
     def _index(self) -> dict[str, int]:
-        # O(1) lookups: the lighthouse checks every request of a 10,000-group job against the current quorum.
+        # O(1) lookups: the lighthouse checks every request of a job of thousands of groups against the quorum.
         return {m.replica_id: i for i, m in enumerate(self.members)}
 
     def __contains__(self, replica_id: object) -> bool:
@@ -210,6 +210,21 @@ def is_ready(
     return now - first >= rules.join_timeout_s
 
 
+def reference(
+    previous: Quorum | None, pending: Mapping[str, QuorumRequest], alive: frozenset[str]
+) -> tuple[int, frozenset[str], frozenset[str]]:
+    """What the next quorum is decided against: (the reference quorum's id, its members, the groups expected to ask).
+
+    The reference is the previous quorum, and the heartbeating groups are expected. A lighthouse without one (fresh
+    or restarted) takes the newest quorum the requests hold and expects its members back too (they may not have
+    heartbeated yet), so one early group does not form a quorum alone and force a reconfiguration.
+    """
+    if previous is not None:
+        return previous.quorum_id, frozenset(previous.member_ids), alive
+    previous_id, previous_members = previous_from_requests(pending)
+    return previous_id, previous_members, alive | previous_members
+
+
 def reference_branch(at_max_step: list[QuorumRequest]) -> int:
     """Which of the states at the highest step every member must hold, named by the quorum it was committed in.
 
@@ -236,14 +251,7 @@ def decide(
     member set changes, a member reports a failed commit, or a member does not hold the previous quorum (a new
     incarnation of a group: it has none of that quorum's process groups, whose rendezvous keys are spent).
     """
-    if previous is not None:
-        previous_id, previous_members = previous.quorum_id, frozenset(previous.member_ids)
-        expected = alive
-    else:
-        # A restarted lighthouse: the members the groups still hold are expected back (they may not have
-        # heartbeated yet), so one early group does not form a quorum alone and force a reconfiguration.
-        previous_id, previous_members = previous_from_requests(pending)
-        expected = alive | previous_members
+    previous_id, previous_members, expected = reference(previous, pending, alive)
     if not is_ready(rules, previous_members, pending, alive, now, expected):
         return None
     requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)

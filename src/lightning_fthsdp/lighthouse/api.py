@@ -1,0 +1,117 @@
+"""The lighthouse API at its edge: the token check, each endpoint's request body parsed and validated, and the
+encoded quorum answer.
+
+Every check raises :class:`~lightning_fthsdp.lighthouse.http.HttpError` naming the field, the value and the fix, and
+runs before the server changes any state, so a rejected request leaves the lighthouse as it was.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, require, require_int
+from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, check_replica_id
+
+MAX_QUORUM_TIMEOUT_MS = 3_600_000
+GZIP_OVER_BYTES = 16384
+"""Quorum answers larger than this are also sent gzip-compressed to clients that accept it."""
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest:
+    """``POST /v1/heartbeat``: one rank's sign of life, and a long-poll on the lighthouse's epoch."""
+
+    replica_id: str
+    rank: int
+    step: int
+    shard_count: int
+    known_epoch: int
+    """The epoch the rank last saw: while it is still the lighthouse's, the answer is held up to ``wait_ms``."""
+    wait_ms: int
+
+
+def authorize(request: Request, token: bytes | None) -> None:
+    """Refuse (401) a request without the lighthouse's token, when it has one."""
+    if token is None:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[len("Bearer "):] if header.startswith("Bearer ") else request.query.get("token", "")
+    if not hmac.compare_digest(given.encode(), token):
+        what = "a wrong token" if given else "no token"
+        raise HttpError(401, f"request has {what}: send 'Authorization: Bearer TOKEN' with the lighthouse's token")
+
+
+def parse_heartbeat(request: Request) -> HeartbeatRequest:
+    body = request.json_object()
+    replica_id = _replica_id(body)
+    step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
+    known_epoch, wait_ms = require_int(body, "known_epoch", None), require_int(body, "wait_ms", 0)
+    return HeartbeatRequest(replica_id, _rank(body), step, shard_count, known_epoch, wait_ms)
+
+
+def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, int]:
+    """``POST /v1/quorum``: the quorum request, and how long (ms) the client waits for the answer."""
+    body = request.json_object()
+    replica_id = _replica_id(body)
+    step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
+    address = require(body, "address", str, "a string (may be empty)")
+    commit_failed = require(body, "commit_failed", bool, "true or false")
+    quorum_id, timeout_ms = require_int(body, "quorum_id", -1), require_int(body, "timeout_ms", 1)
+    committed_in = require_int(body, "committed_in", -1)
+    catching_up = require(body, "catching_up", bool, "true or false")
+    if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
+        raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
+                             f"{timeout_ms}: a quorum request is bounded")
+    members = require(body, "members", list, "a list of replica ids")
+    for member in members:
+        try:
+            check_replica_id(member)
+        except ValueError as e:
+            raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
+    return QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id, tuple(members),
+                         committed_in, catching_up), timeout_ms
+
+
+def parse_leave(request: Request) -> tuple[str, int]:
+    """``POST /v1/leave``: (replica_id, rank) of a rank finishing."""
+    body = request.json_object()
+    return _replica_id(body), _rank(body)
+
+
+def check_shard_count(replica_id: str, shard_count: int, previous: Quorum | None,
+                      pending: Mapping[str, QuorumRequest]) -> None:
+    """Refuse (409) a group whose shard count differs from the current quorum's, or before one is formed, from a
+    pending request's: the cross-group process groups pair shard rank s of every group."""
+    if previous is not None:
+        expected, source = previous.shard_count, f"the current quorum {previous.quorum_id}"
+    else:
+        other = next((r for rid, r in pending.items() if rid != replica_id), None)
+        if other is None:
+            return
+        expected, source = other.shard_count, f"the pending request of {other.replica_id!r}"
+    if shard_count != expected:
+        raise HttpError(409, f"shard_count {shard_count} of {replica_id!r} differs from shard_count {expected} of "
+                             f"{source}: every replica group must use the same number of shard ranks")
+
+
+def quorum_answer(quorum: Quorum, store_address: str) -> Response:
+    """The answer every member of ``quorum`` gets: one encoding shared by all of them, compressed once when large
+    (the members list makes a quorum's answers O(members^2) bytes in all)."""
+    body = json.dumps({**quorum.to_json(), "store": store_address}, separators=(",", ":")).encode()
+    return Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > GZIP_OVER_BYTES else None)
+
+
+def _replica_id(body: dict[str, object]) -> str:
+    try:
+        return check_replica_id(require(body, "replica_id", str, "a replica id string"))
+    except ValueError as e:
+        raise HttpError(400, f"field 'replica_id': {e}") from None
+
+
+def _rank(body: dict[str, object]) -> int:
+    """The rank inside the replica group (0, the leader, when not sent)."""
+    return require_int(body, "rank", 0) if "rank" in body else 0

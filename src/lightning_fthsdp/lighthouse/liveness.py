@@ -1,0 +1,48 @@
+"""Which open connection carries each rank's heartbeats: the close of one is how the lighthouse learns at once that
+a process of that replica group died (crash detection; hangs are left to the heartbeat timeout)."""
+
+from __future__ import annotations
+
+from lightning_fthsdp.lighthouse.http import Connection
+
+RankKey = tuple[str, int]
+"""(replica_id, rank inside the group)."""
+
+
+class HeartbeatConnections:
+    """One connection per (replica_id, rank), and back: every rank of a group heartbeats on its own connection, and
+    a group dies whole when any of its processes does. Only the newest connection of a rank counts: an older one
+    replaced by a reconnect, or released by a rank that finished, closes without declaring anything."""
+
+    def __init__(self) -> None:
+        self._connection: dict[RankKey, Connection] = {}
+        self._key: dict[Connection, RankKey] = {}
+
+    def bind(self, key: RankKey, connection: Connection) -> None:
+        """``connection`` carries the heartbeats of ``key`` from now on."""
+        old = self._connection.get(key)
+        if old is connection:
+            return
+        if old is not None:
+            self._key.pop(old, None)
+        self._connection[key] = connection
+        self._key[connection] = key
+
+    def release(self, key: RankKey) -> None:
+        """The rank finished: its connection's close means nothing any more."""
+        connection = self._connection.pop(key, None)
+        if connection is not None:
+            self._key.pop(connection, None)
+
+    def release_group(self, replica_id: str) -> None:
+        """The group left: release every one of its ranks."""
+        for key in [key for key in self._connection if key[0] == replica_id]:
+            self.release(key)
+
+    def closed(self, connection: Connection) -> RankKey | None:
+        """``connection`` closed: the rank whose process died with it, or None when it carried no live heartbeats."""
+        key = self._key.pop(connection, None)
+        if key is None or self._connection.get(key) is not connection:
+            return None
+        del self._connection[key]
+        return key
