@@ -77,7 +77,7 @@ async def quorum_round(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWri
     requests = [post("/v1/quorum", {"replica_id": f"g{i:05d}", "step": round_no, "shard_count": 8, "address": "",
                                     "commit_failed": False, "quorum_id": round_no - 1 if round_no else -1,
                                     "members": [], "committed_in": round_no - 1 if round_no else -1,
-                                    "catching_up": False,
+                                    "following": False,
                                     "timeout_ms": 60_000}) for i in range(n)]
     readers = [asyncio.ensure_future(read_response(r, keep=i == 0)) for i, (r, _) in enumerate(conns)]
     # The client process stands in for 10,000 processes: keep its own GC pauses out of the lighthouse's numbers.

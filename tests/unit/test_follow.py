@@ -15,7 +15,7 @@ from lightning_fthsdp.manager.step import Progress
 from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.torch_state import StateTree
 
-QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, recover_src={"b": "a"})
+QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, catch_up_from={"b": "a"})
 TREE: StateTree = {"model": {"w": torch.ones(2)}}
 
 

@@ -77,11 +77,11 @@ def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = 
        timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1) -> dict[str, Any]:
     return {"replica_id": rid, "step": step, "shard_count": shard_count, "address": f"{rid}:1",
             "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
-            "committed_in": committed_in, "catching_up": False, "timeout_ms": timeout_ms}
+            "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms}
 
 
 def replica(status: dict[str, Any], rid: str) -> dict[str, Any]:
-    return next(r for r in status["replicas"] if r["replica_id"] == rid)
+    return next(r for r in status["groups"] if r["replica_id"] == rid)
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_member_holding_another_state_of_the_same_step_recovers_from_the_other
         client.send("POST", "/v1/quorum", qr(rid, 5, committed_in=3 if rid == "b" else 4))
     answers = [client.recv() for client in clients.values()]
     assert all(code == 200 and answer == answers[0][1] for code, answer in answers), answers
-    assert answers[0][1]["recover_src"] == {"b": "a"} and answers[0][1]["max_step"] == 5
+    assert answers[0][1]["catch_up_from"] == {"b": "a"} and answers[0][1]["max_step"] == 5
 
 
 def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., str]) -> None:
@@ -132,9 +132,9 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     a, b = form(url, "a", "b", step=1)
     code, c = qc.recv()
     assert code == 200 and c == a == b
-    assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["recover_src"] == {"c": "a"}
+    assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["catch_up_from"] == {"c": "a"}
     status = obs.status()
-    assert status["members"] == ["a", "b", "c"] and status["recoveries"] == [{"replica_id": "c", "source": "a"}]
+    assert status["members"] == ["a", "b", "c"] and status["catch_up_from"] == [{"replica_id": "c", "source": "a"}]
     # Heartbeats tell every rank of a member its place in the newest quorum (to start its rendezvous early), and
     # tell a non-member none.
     code, beat = hc.call("POST", "/v1/heartbeat", hb("c"))
@@ -212,7 +212,7 @@ def test_leave_forgets_the_replica_and_lets_the_rest_decide(lighthouse: Callable
     code, answer = qb.recv()
     assert code == 200 and [m["replica_id"] for m in answer["members"]] == ["b"]
     status = obs.status()
-    assert [r["replica_id"] for r in status["replicas"]] == ["b"] and status["epoch"] == epoch + 2  # leave, quorum
+    assert [r["replica_id"] for r in status["groups"]] == ["b"] and status["epoch"] == epoch + 2  # leave, quorum
     code, answer = obs.call("POST", "/v1/leave", {"replica_id": "a"})
     assert code == 404 and "'a'" in answer["error"]
 
@@ -249,7 +249,7 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     obs = Client(url, token="s3cret")
     obs.call("POST", "/v1/heartbeat", hb("a", step=4))
     status = obs.status()
-    assert set(status) == {"quorum_id", "epoch", "max_step", "min_replicas", "members", "replicas", "recoveries",
+    assert set(status) == {"quorum_id", "epoch", "max_step", "min_replicas", "members", "groups", "catch_up_from",
                            "store", "uptime_s"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert replica(status, "a") | {"heartbeat_age_s": 0} == {
@@ -263,7 +263,7 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
 
 def snapshot(client: Client) -> dict[str, Any]:
     status = client.status()
-    for r in status["replicas"]:
+    for r in status["groups"]:
         del r["heartbeat_age_s"]
     del status["uptime_s"]
     return status
@@ -283,7 +283,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/quorum", qr("a", members=("ok", "no way")), 400, "'members'"),
     ("POST", "/v1/quorum", qr("a") | {"commit_failed": 1}, 400, "'commit_failed'"),
     ("POST", "/v1/quorum", qr("a", committed_in=-2), 400, "'committed_in'"),
-    ("POST", "/v1/quorum", qr("a") | {"catching_up": "no"}, 400, "'catching_up'"),
+    ("POST", "/v1/quorum", qr("a") | {"following": "no"}, 400, "'following'"),
     ("POST", "/v1/quorum", qr("a", shard_count=4), 409, "shard_count 2 of the current quorum 0"),
     ("POST", "/v1/leave", {"replica_id": "zz"}, 404, "'zz'"),
     ("POST", "/v1/leave", {}, 400, "'replica_id'"),

@@ -96,7 +96,7 @@ def test_recovery_sources_round_robin_among_up_to_date_members() -> None:
     requests = pending(req("a", 5), req("b", 5), req("c", 3), req("d", 0), req("e", 4))
     q = decide(RULES, None, requests, frozenset("abcde"), 0.0)
     assert q is not None and q.max_step == 5
-    assert dict(q.recover_src) == {"c": "a", "d": "b", "e": "a"}
+    assert dict(q.catch_up_from) == {"c": "a", "d": "b", "e": "a"}
     assert q.participants == ("a", "b")
 
 
@@ -104,25 +104,25 @@ def test_members_at_the_top_step_holding_another_state_recover_from_the_majority
     """b committed step 5 in quorum 3 whose exchange a and c abandoned; they trained step 5 again in quorum 4."""
     q = decide(RULES, None, pending(req("a", 5, committed_in=4), req("b", 5, committed_in=3),
                                     req("c", 5, committed_in=4)), frozenset("abc"), 0.0)
-    assert q is not None and dict(q.recover_src) == {"b": "a"} and q.participants == ("a", "c")
+    assert q is not None and dict(q.catch_up_from) == {"b": "a"} and q.participants == ("a", "c")
     # Two states held by one group each: the one committed last is kept.
     q = decide(RULES, None, pending(req("a", 5, committed_in=3), req("b", 5, committed_in=4)), frozenset("ab"), 0.0)
-    assert q is not None and dict(q.recover_src) == {"a": "b"}
+    assert q is not None and dict(q.catch_up_from) == {"a": "b"}
 
 
 def test_a_group_following_while_its_state_transfers_contributes_zeros_and_serves_nobody() -> None:
     """b follows the job at its step (its transfer runs on); c follows but missed a step: c starts over."""
-    q = decide(RULES, None, pending(req("a", 7, committed_in=3), req("b", 7, committed_in=3, catching_up=True),
-                                    req("c", 6, committed_in=2, catching_up=True), req("d", 7, committed_in=3)),
+    q = decide(RULES, None, pending(req("a", 7, committed_in=3), req("b", 7, committed_in=3, following=True),
+                                    req("c", 6, committed_in=2, following=True), req("d", 7, committed_in=3)),
                frozenset("abcd"), 0.0)
-    assert q is not None and q.catching_up == frozenset("b") and q.participants == ("a", "d")
-    assert dict(q.recover_src) == {"c": "a"} and q.max_step == 7
+    assert q is not None and q.following == frozenset("b") and q.participants == ("a", "d")
+    assert dict(q.catch_up_from) == {"c": "a"} and q.max_step == 7
     assert Quorum.from_json(q.to_json()) == q
     # Only groups whose state is in transfer: no quorum (their sources are gone).
-    assert decide(RULES, None, pending(req("b", 7, catching_up=True)), frozenset("b"), 100.0) is None
+    assert decide(RULES, None, pending(req("b", 7, following=True)), frozenset("b"), 100.0) is None
     # A follower ahead of every group that holds its state (they discarded a step it held): it starts over.
-    q = decide(RULES, None, pending(req("a", 7), req("b", 8, catching_up=True)), frozenset("ab"), 0.0)
-    assert q is not None and dict(q.recover_src) == {"b": "a"} and q.max_step == 7
+    q = decide(RULES, None, pending(req("a", 7), req("b", 8, following=True)), frozenset("ab"), 0.0)
+    assert q is not None and dict(q.catch_up_from) == {"b": "a"} and q.max_step == 7
 
 
 def test_restarted_lighthouse_continues_numbering_from_requests() -> None:
@@ -171,7 +171,7 @@ round_strategy = st.fixed_dictionaries({
     "steps": st.dictionaries(st.sampled_from(IDS), st.integers(0, 4)),
     "failed": st.sets(st.sampled_from(IDS), max_size=1),
     "committed_in": st.dictionaries(st.sampled_from(IDS), st.integers(-1, 2)),
-    "catching_up": st.sets(st.sampled_from(IDS), max_size=3),
+    "following": st.sets(st.sampled_from(IDS), max_size=3),
     "restarted": st.sets(st.sampled_from(IDS), max_size=2),
     "elapsed": st.floats(0, 20),
 })
@@ -187,7 +187,7 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         held = previous.quorum_id if previous is not None else -1
         requests = pending(*(
             req(rid, rnd["steps"].get(rid, 0), float(now), commit_failed=rid in rnd["failed"],
-                committed_in=rnd["committed_in"].get(rid, -1), catching_up=rid in rnd["catching_up"],
+                committed_in=rnd["committed_in"].get(rid, -1), following=rid in rnd["following"],
                 quorum_id=-1 if rid in rnd["restarted"] else held)
             for rid in sorted(rnd["asking"])
         ))
@@ -198,19 +198,19 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
         assert members <= alive & set(requests), "members are alive requesters"
         assert len(members) >= min_replicas and 2 * len(members) > len(alive), "min_replicas and a majority"
         assert list(q.member_ids) == sorted(members)
-        holding = members - rnd["catching_up"]
+        holding = members - rnd["following"]
         assert q.max_step == max(requests[m].step for m in holding), "the top step is one some member holds"
-        assert q.catching_up <= rnd["catching_up"] and not q.catching_up & set(q.recover_src)
+        assert q.following <= rnd["following"] and not q.following & set(q.catch_up_from)
         at_max = [requests[m] for m in sorted(holding) if requests[m].step == q.max_step]
-        states = {r.committed_in for r in at_max if r.replica_id not in q.recover_src}
+        states = {r.committed_in for r in at_max if r.replica_id not in q.catch_up_from}
         assert len(states) == 1, "the members that keep their state all hold the same one"
         held = states.pop()
         holders = {r.replica_id for r in at_max if r.committed_in == held}
         assert all(len(holders) >= sum(r.committed_in == other for r in at_max) for other in (-1, 0, 1, 2)), \
             "the state most up-to-date members hold is kept"
-        assert set(q.recover_src.values()) <= holders, "sources are up to date"
-        assert set(q.recover_src) == members - holders - q.catching_up, "every lagging or diverged member recovers"
-        assert all(requests[m].step == q.max_step for m in q.catching_up), "followers are at the top step"
+        assert set(q.catch_up_from.values()) <= holders, "sources are up to date"
+        assert set(q.catch_up_from) == members - holders - q.following, "every lagging or diverged member recovers"
+        assert all(requests[m].step == q.max_step for m in q.following), "followers are at the top step"
         assert set(q.participants) == holders
         if previous is not None:
             assert q.quorum_id >= previous.quorum_id, "quorum_id never decreases"
@@ -231,7 +231,7 @@ def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
     assert adopted is not None
     quorum, receivers = adopted
     assert quorum.quorum_id == 4 and quorum.member_ids == members and quorum.max_step == 9
-    assert receivers == frozenset("ab") and not quorum.recover_src
+    assert receivers == frozenset("ab") and not quorum.catch_up_from
     assert quorum.member("a").address == "h:1"
     assert adopt(pending(req("a"), req("b"))) is None  # a fresh job holds no quorum
     # Same quorum and step but another state (a commit the others trained again): not a receiver.

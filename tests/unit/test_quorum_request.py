@@ -17,7 +17,7 @@ from lightning_fthsdp.manager.request import QuorumRequester, QuorumUnavailable
 TIMEOUTS = Timeouts(heartbeat_interval_ms=10, heartbeat_timeout_ms=50, collective_timeout_ms=100,
                     quorum_timeout_ms=200, connect_timeout_ms=300, join_timeout_ms=100)
 QUORUM = Quorum(7, (Member("a", 4, "a0"), Member("b", 4, "b0"), Member("c", 2, "c0")), 4, 1,
-                recover_src={"c": "a"}, catching_up=frozenset({"b"}))
+                catch_up_from={"c": "a"}, following=frozenset({"b"}))
 
 
 class Client:
@@ -110,7 +110,7 @@ def test_an_unreachable_lighthouse_keeps_the_quorum_of_a_group_that_committed_it
             assert store == "store:1"
             assert (kept.quorum_id, kept.max_step, kept.member_ids) == (7, 5, ("a", "b", "c"))
             assert all(m.step == 5 for m in kept.members)
-            assert dict(kept.recover_src) == {} and kept.catching_up == {"b"}
+            assert dict(kept.catch_up_from) == {} and kept.following == {"b"}
             request.start(6, False, kept, store, 7, False)
             assert request.answer() == (QUORUM, "store:2")
         assert "keeping quorum 7" in caplog.text and "lighthouse is back" in caplog.text

@@ -62,7 +62,7 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, int
     commit_failed = require(body, "commit_failed", bool, "true or false")
     quorum_id, timeout_ms = require_int(body, "quorum_id", -1), require_int(body, "timeout_ms", 1)
     committed_in = require_int(body, "committed_in", -1)
-    catching_up = require(body, "catching_up", bool, "true or false")
+    following = require(body, "following", bool, "true or false")
     if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
         raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
                              f"{timeout_ms}: a quorum request is bounded")
@@ -73,7 +73,7 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, int
         except ValueError as e:
             raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
     return QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id, tuple(members),
-                         committed_in, catching_up), timeout_ms
+                         committed_in, following), timeout_ms
 
 
 def parse_leave(request: Request) -> tuple[str, int]:

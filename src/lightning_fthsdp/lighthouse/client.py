@@ -230,7 +230,7 @@ class QuorumClient:
         commit_failed: bool,
         current: Quorum | None,
         committed_in: int,
-        catching_up: bool,
+        following: bool,
     ) -> tuple[Quorum, str]:
         """Return the next quorum and the rendezvous store address ``HOST:PORT``.
 
@@ -246,7 +246,7 @@ class QuorumClient:
             "quorum_id": current.quorum_id if current else -1,
             "members": list(current.member_ids) if current else [],
             "committed_in": committed_in,
-            "catching_up": catching_up,
+            "following": following,
             "timeout_ms": timeout_ms,
         }
         answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)

@@ -17,15 +17,15 @@ def render(status: dict[str, Any]) -> str:
     members = escape(", ".join(status["members"])) or "(none)"
     head = "".join(f"<th>{escape(c)}</th>" for c in _COLUMNS)
     rows = "".join(
-        "<tr>" + "".join(f"<td>{escape(str(r[c]))}</td>" for c in _COLUMNS) + "</tr>" for r in status["replicas"]
+        "<tr>" + "".join(f"<td>{escape(str(r[c]))}</td>" for c in _COLUMNS) + "</tr>" for r in status["groups"]
     )
-    recoveries = "".join(
-        f"<li>{escape(r['replica_id'])} &larr; {escape(r['source'])}</li>" for r in status["recoveries"]
+    catch_ups = "".join(
+        f"<li>{escape(r['replica_id'])} &larr; {escape(r['source'])}</li>" for r in status["catch_up_from"]
     ) or "<li>(none)</li>"
     return (
         "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
         "<title>fthsdp lighthouse</title></head><body><h1>fthsdp lighthouse</h1>"
         f"<table>{summary}</table><h2>Quorum members</h2><p>{members}</p>"
         f"<h2>Replica groups</h2><table><tr>{head}</tr>{rows}</table>"
-        f"<h2>Recoveries</h2><ul>{recoveries}</ul></body></html>"
+        f"<h2>Catching up from</h2><ul>{catch_ups}</ul></body></html>"
     )

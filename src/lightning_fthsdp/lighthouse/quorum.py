@@ -48,7 +48,7 @@ class QuorumRequest:
     """The quorum in which the requester committed its latest step (-1: none since its process started). The
     step count alone does not identify a state: a group may commit a step that the others discarded and then
     trained again in a later quorum (the commit vote is per group), so two groups at the same step may differ."""
-    catching_up: bool = False
+    following: bool = False
     """The requester follows the job while its state is still in transfer: ``step`` counts the steps it holds the
     averaged gradients of, to replay once the state arrives. It contributes zeros and serves nobody."""
 
@@ -69,9 +69,9 @@ class Quorum:
     """Sorted by replica_id; a member's index is its rank in every cross-group process group of this quorum."""
     max_step: int
     shard_count: int
-    recover_src: Mapping[str, str] = field(default_factory=dict)
+    catch_up_from: Mapping[str, str] = field(default_factory=dict)
     """Members behind ``max_step`` -> the up-to-date member they recover from (shard rank to shard rank)."""
-    catching_up: frozenset[str] = frozenset()
+    following: frozenset[str] = frozenset()
     """Members following the job while their state transfer runs on (they contribute zeros)."""
 
     @cached_property
@@ -90,7 +90,7 @@ class Quorum:
     def participants(self) -> tuple[str, ...]:
         """Members that contribute real gradients this step (recovering members send zeros)."""
         return tuple(m.replica_id for m in self.members
-                     if m.replica_id not in self.recover_src and m.replica_id not in self.catching_up)
+                     if m.replica_id not in self.catch_up_from and m.replica_id not in self.following)
 
     def rank_of(self, replica_id: str) -> int:
         return self._index[replica_id]
@@ -104,8 +104,8 @@ class Quorum:
             "members": [{"replica_id": m.replica_id, "step": m.step, "address": m.address} for m in self.members],
             "max_step": self.max_step,
             "shard_count": self.shard_count,
-            "recover_src": dict(self.recover_src),
-            "catching_up": sorted(self.catching_up),
+            "catch_up_from": dict(self.catch_up_from),
+            "following": sorted(self.following),
         }
 
     @classmethod
@@ -119,8 +119,8 @@ class Quorum:
             members=members,
             max_step=int(data["max_step"]),  # type: ignore[arg-type]
             shard_count=int(data["shard_count"]),  # type: ignore[arg-type]
-            recover_src={str(k): str(v) for k, v in dict(data.get("recover_src", {})).items()},  # type: ignore[call-overload]
-            catching_up=frozenset(str(r) for r in data.get("catching_up", ())),  # type: ignore[union-attr]
+            catch_up_from={str(k): str(v) for k, v in dict(data.get("catch_up_from", {})).items()},  # type: ignore[call-overload]
+            following=frozenset(str(r) for r in data.get("following", ())),  # type: ignore[union-attr]
         )
 
 
@@ -157,7 +157,7 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     (no failed commit) and at the same step as the group it is taken from. None when no request qualifies.
     """
     holders = [r for r in pending.values()
-               if r.quorum_id >= 0 and not r.commit_failed and not r.catching_up and r.replica_id in r.members]
+               if r.quorum_id >= 0 and not r.commit_failed and not r.following and r.replica_id in r.members]
     if not holders:
         return None
     source = max(holders, key=lambda r: (r.quorum_id, r.step))
@@ -255,7 +255,7 @@ def decide(
     if not is_ready(rules, previous_members, pending, alive, now, expected):
         return None
     requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)
-    holding = [r for r in requests if not r.catching_up]
+    holding = [r for r in requests if not r.following]
     if not holding:
         return None  # only groups whose state is still in transfer: their sources are gone, their fetches will fail
     member_ids = frozenset(r.replica_id for r in requests)
@@ -268,15 +268,15 @@ def decide(
     def on_track(r: QuorumRequest) -> bool:
         return r.step == max_step and r.committed_in == branch
 
-    up_to_date = [r.replica_id for r in requests if on_track(r) and not r.catching_up]
-    following = frozenset(r.replica_id for r in requests if on_track(r) and r.catching_up)
+    up_to_date = [r.replica_id for r in requests if on_track(r) and not r.following]
+    following = frozenset(r.replica_id for r in requests if on_track(r) and r.following)
     behind = [r.replica_id for r in requests if not on_track(r)]
-    recover_src = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
+    catch_up_from = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
     return Quorum(
         quorum_id=quorum_id,
         members=tuple(Member(r.replica_id, r.step, r.address) for r in requests),
         max_step=max_step,
         shard_count=requests[0].shard_count,
-        recover_src=recover_src,
-        catching_up=following,
+        catch_up_from=catch_up_from,
+        following=following,
     )

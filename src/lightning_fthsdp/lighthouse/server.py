@@ -261,20 +261,20 @@ class Lighthouse:
         """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
-        recover_src = quorum.recover_src if quorum else {}
+        catch_up_from = quorum.catch_up_from if quorum else {}
         return {
             "quorum_id": quorum.quorum_id if quorum else -1,
             "epoch": self._epoch,
             "max_step": max((r.step for r in self._replicas.values()), default=-1),
             "min_replicas": self.rules.min_replicas,
             "members": list(quorum.member_ids) if quorum else [],
-            "replicas": [
+            "groups": [
                 {"replica_id": rid, "step": r.step, "alive": rid in self._readiness.alive, "dead": r.dead,
                  "heartbeat_age_s": round(now - r.last_seen, 3), "in_quorum": rid in members,
                  "pending": rid in self._readiness.pending}
                 for rid, r in sorted(self._replicas.items())
             ],
-            "recoveries": [{"replica_id": k, "source": v} for k, v in sorted(recover_src.items())],
+            "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
         }
@@ -365,7 +365,7 @@ class Lighthouse:
             # A new membership is news; the same quorum answered again each step is not.
             log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
                     ",".join(quorum.member_ids), quorum.max_step,
-                    f" recover {dict(quorum.recover_src)}" if quorum.recover_src else "")
+                    f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
             answer = self._answer = quorum_answer(quorum, self.store_address)
             self._answered = set(quorum.member_ids if receivers is None else receivers)
             for replica_id in self._answered:

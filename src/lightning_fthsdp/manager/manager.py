@@ -267,7 +267,7 @@ class FTManager:
         if quorum is None:
             return False
         state.tensors = tensors
-        source = quorum.recover_src.get(self.replica_id)
+        source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
             self._follower.start(quorum, source)
         try:
@@ -353,9 +353,9 @@ class FTManager:
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, store_address
         self._deaths_at_quorum = self._heartbeat.deaths
-        if self.replica_id in quorum.recover_src.values():
+        if self.replica_id in quorum.catch_up_from.values():
             self._catchup.serve(self.step)
-        elif not quorum.catching_up:
+        elif not quorum.following:
             # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.
             self._catchup.stop_serving(unless_read=True)
         self._comm.expect(quorum.quorum_id)

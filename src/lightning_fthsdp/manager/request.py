@@ -50,13 +50,13 @@ class QuorumRequester:
         self._lighthouse_away = False
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-              catching_up: bool) -> None:
+              following: bool) -> None:
         """Ask for the quorum of ``step`` in the background, unless a request is in flight already. ``current``
         (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it may be."""
         if self._pending is not None:
             return
         self._pending = self._executor.submit(self._request, step, commit_failed, current, store, committed_in,
-                                              catching_up)
+                                              following)
         self._pending.add_done_callback(lambda future: self._serve_early(future, step))
 
     def answer(self) -> tuple[Quorum, str]:
@@ -78,14 +78,14 @@ class QuorumRequester:
         self._client.close()
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-                 catching_up: bool) -> tuple[Quorum, str]:
+                 following: bool) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000
         backoff_s = self._timeouts.heartbeat_interval_ms / 1000
         while True:
             try:
                 answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
-                                              commit_failed, current, committed_in, catching_up)
+                                              commit_failed, current, committed_in, following)
             except LighthouseUnavailable as exc:
                 # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
                 # up-to-date members: last step's recovery assignments must not be replayed.
@@ -98,7 +98,7 @@ class QuorumRequester:
                     # zeros for a step: the members must agree on who contributes).
                     kept = Quorum(current.quorum_id, tuple(Member(m.replica_id, step, m.address)
                                                            for m in current.members), step, current.shard_count,
-                                  catching_up=current.catching_up)
+                                  following=current.following)
                     return kept, store
                 if time.monotonic() >= deadline:
                     raise QuorumUnavailable(
@@ -117,5 +117,5 @@ class QuorumRequester:
         """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""
         if not future.cancelled() and future.exception() is None:
             quorum, _ = future.result()
-            if self._replica_id in quorum.recover_src.values() and self._step() == step:
+            if self._replica_id in quorum.catch_up_from.values() and self._step() == step:
                 self._serve(step)
