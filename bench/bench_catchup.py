@@ -65,12 +65,12 @@ def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> 
     durations = {s: (t, commits[s] - commits[s - 1]) for s, t in commits.items() if s - 1 in commits}
     rows = []
     for admission, (spawned, ready, first) in enumerate(joins, 1):
-        recovery = first["catch_up"]
-        admit = recovery["step"] + 1  # a's step that b joined in, contributing zeros as its transfer began
+        catch_up = first["catch_up"]
+        admit = catch_up["step"] + 1  # a's step that b joined in, contributing zeros as its transfer began
         before = sorted((t, d) for t, d in durations.values() if t <= spawned)[-STEADY_STEPS:]
         steady = statistics.median(d for _, d in before)
         full = statistics.median(durations[s][1] for s in range(first["step"] + 3, first["step"] + 15))
-        fetch_s = float(recovery["fetch_s"])
+        fetch_s = float(catch_up["fetch_s"])
         rows.append({
             "state_mib": mib,
             "admission": admission,
@@ -79,7 +79,7 @@ def measure(mib: int, step_time_ms: int, admissions: int, keep: Path | None) -> 
             "admit_ratio": durations[admit][1] / steady,
             "admit_vs_full": durations[admit][1] / full,
             "worst_ratio": max(durations[s][1] for s in range(admit, first["step"] + 2)) / steady,
-            "replayed_steps": int(recovery["replayed"]),
+            "replayed_steps": int(catch_up["replayed"]),
             "process_start_s": ready["imports_done"] - spawned,
             "model_build_s": ready["t"] - ready["imports_done"],
             "fetch_s": fetch_s,

@@ -3,8 +3,9 @@
     python scripts/check_layers.py [SRC]          # SRC defaults to src/ of this checkout
 
 Planes, lowest first; a module may import its own package and any package of a lower plane, nothing else.
-Imports inside functions count for the planes (a lazy import is still a dependency) but not for cycles (Python
-resolves them at call time); module-level imports must form no cycle, also inside one package.
+Imports inside functions or under ``if TYPE_CHECKING:`` count for the planes (a lazy import is still a dependency)
+but not for cycles (they do not run at import time); the rest must form no cycle, also inside one package. The root
+package (``lightning_fthsdp/__init__.py``, which registers the Lightning strategy) is the top plane.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ PLANES: tuple[frozenset[str], ...] = (
     frozenset({"lightning", "models", "recipes", "sim"}),
     frozenset({"launch"}),
     frozenset({"demo"}),
-    frozenset({"cli", "__init__"}),
+    frozenset({"cli", "__init__", "core"}),  # core: the 0.1 import paths, re-exported until 0.3
 )
 
 
@@ -40,10 +41,9 @@ def module_name(path: Path, src: Path) -> str:
 
 def imports(tree: ast.Module, module: str, is_package: bool,
             known: set[str]) -> Iterator[tuple[str, int, bool]]:
-    """(imported module, line, at module level) for every import of our package, relative ones resolved; for
-    ``from pkg import name`` the submodule ``pkg.name`` where one exists, else ``pkg``."""
-    top_level = {id(node) for node in tree.body}
-    for node in ast.walk(tree):
+    """(imported module, line, runs at import time) for every import of our package, relative ones resolved; for
+    ``from pkg import name`` the submodule ``pkg.name`` where one exists, else ``pkg`` (its ``__init__``)."""
+    for node, at_import in _statements(tree, True):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -57,7 +57,25 @@ def imports(tree: ast.Module, module: str, is_package: bool,
             continue
         for name in names:
             if name == PACKAGE or name.startswith(PACKAGE + "."):
-                yield name, node.lineno, id(node) in top_level
+                yield name, node.lineno, at_import
+
+
+def _statements(node: ast.AST, at_import: bool) -> Iterator[tuple[ast.AST, bool]]:
+    """Every node under ``node``, with whether it runs when the module is imported: not inside a function or
+    lambda, not under ``if TYPE_CHECKING:`` (module-level ``try``, ``if`` and class bodies do run)."""
+    for child in ast.iter_child_nodes(node):
+        yield child, at_import
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from _statements(child, False)
+        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for statement in child.body:
+                yield statement, False
+                yield from _statements(statement, False)
+            for statement in child.orelse:
+                yield statement, at_import
+                yield from _statements(statement, at_import)
+        else:
+            yield from _statements(child, at_import)
 
 
 def check(src: Path) -> list[str]:
@@ -73,8 +91,8 @@ def check(src: Path) -> list[str]:
             problems.append(f"{path}: {PACKAGE}.{own} is in no plane: add it to PLANES in {__file__}")
             continue
         for target, line, module_level in imports(tree, module, path.name == "__init__.py", set(known)):
-            if target not in known or module.startswith(target + "."):
-                continue  # not ours, or an ancestor package, which Python always imports first
+            if target not in known:
+                continue
             target_parts = target.split(".")
             theirs = target_parts[1] if len(target_parts) > 1 else "__init__"
             theirs_plane = plane_of(theirs)

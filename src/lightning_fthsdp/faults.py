@@ -9,8 +9,8 @@ over step N itself).
     SIGNAL  sigkill | sigstop
     PHASE   before   (default) just before this rank enters the cross-group exchange of step N
             allreduce          while this rank's cross-group allreduce of step N is in flight
-            serve              as this rank starts streaming its state to a recovering group
-            fetch              as this rank, recovering, starts fetching state
+            serve              as this rank starts streaming its state to a catching-up group
+            fetch              as this rank, catching up, starts fetching state
     rank    only this shard rank of the group fires (default 0)
 
 A process that stops itself (SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.

@@ -90,3 +90,6 @@ def test_a_renamed_key_set_twice_differently_is_refused(tmp_path: Path) -> None:
     (tmp_path / "both.yaml").write_text("launch: {devices_per_replica: 3, shard_count: 2}\n")
     with pytest.warns(FutureWarning), pytest.raises(RecipeError, match=r"sets both launch\.devices_per_replica"):
         load_recipe(tmp_path / "both.yaml")
+    (tmp_path / "plain.yaml").write_text("launch: {replicas: 2}\n")
+    with pytest.raises(RecipeError, match=r"overrides set both launch\.devices_per_replica=3"):
+        load_recipe(tmp_path / "plain.yaml", ["launch.devices_per_replica=3", "launch.shard_count=2"])

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.utilities.rank_zero import LightningDeprecationWarning
 from torch import nn
 
 import lightning_fthsdp
@@ -69,7 +68,7 @@ def test_clear_errors(kwargs: dict[str, object], error: type[Exception], match: 
 
 
 def test_old_keyword_num_replica_groups_still_works_with_a_deprecation() -> None:
-    with pytest.warns(LightningDeprecationWarning, match=r"FTHSDPStrategy\(num_replica_groups=\) is deprecated, "
+    with pytest.warns(FutureWarning, match=r"FTHSDPStrategy\(num_replica_groups=\) is deprecated, "
                       r"use replicas= \(the old name goes in 0.3\)"):
         strategy = FTHSDPStrategy(num_replica_groups=3, replica_index=2)
     assert (strategy.replicas, strategy.replica_index) == (3, 2)
@@ -80,7 +79,7 @@ def test_old_keyword_num_replica_groups_still_works_with_a_deprecation() -> None
 
 
 def test_old_and_new_keyword_with_different_values_are_refused() -> None:
-    with pytest.warns(LightningDeprecationWarning), pytest.raises(
+    with pytest.warns(FutureWarning), pytest.raises(
             ValueError, match="FTHSDPStrategy got replicas=2 and num_replica_groups=3"):
         FTHSDPStrategy(replicas=2, num_replica_groups=3, replica_index=0)
     with pytest.warns(FutureWarning), pytest.raises(

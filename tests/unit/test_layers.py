@@ -73,3 +73,38 @@ def test_a_package_in_no_plane_is_named(tmp_path: Path) -> None:
     done = run_check(tmp_path)
     assert done.returncode == 1
     assert "lightning_fthsdp.extras is in no plane" in done.stdout
+
+
+def test_importing_the_root_package_from_below_fails(tmp_path: Path) -> None:
+    write(tmp_path, {"__init__.py": "", "manager/__init__.py": "",
+                     "manager/manager.py": "from lightning_fthsdp import FTHSDPStrategy\n"})
+    done = run_check(tmp_path)
+    assert done.returncode == 1
+    assert "lightning_fthsdp.manager.manager imports lightning_fthsdp:" in done.stdout
+
+
+def test_a_cycle_through_a_packages_own_init_fails(tmp_path: Path) -> None:
+    write(tmp_path, {
+        "__init__.py": "",
+        "manager/__init__.py": "from lightning_fthsdp.manager.manager import FTManager\n",
+        "manager/manager.py": "from lightning_fthsdp.manager.step import StepState\nFTManager = None\n",
+        "manager/step.py": "from lightning_fthsdp.manager import FTManager\nStepState = None\n",
+    })
+    done = run_check(tmp_path)
+    assert done.returncode == 1
+    assert ("import cycle among: lightning_fthsdp.manager, lightning_fthsdp.manager.manager, "
+            "lightning_fthsdp.manager.step") in done.stdout
+
+
+def test_an_import_in_a_module_level_try_counts_for_cycles_one_under_type_checking_does_not(tmp_path: Path) -> None:
+    write(tmp_path, {
+        "__init__.py": "",
+        "exchange/__init__.py": "",
+        "exchange/a.py": "try:\n    from lightning_fthsdp.exchange.b import y\nexcept ImportError:\n    y = None\n",
+        "exchange/b.py": "from lightning_fthsdp.exchange import a\ny = 1\n",
+    })
+    done = run_check(tmp_path)
+    assert done.returncode == 1 and "import cycle among: lightning_fthsdp.exchange.a" in done.stdout
+    write(tmp_path, {"exchange/a.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                      "    from lightning_fthsdp.exchange.b import y\n"})
+    assert run_check(tmp_path).returncode == 0

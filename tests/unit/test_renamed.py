@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -31,7 +33,8 @@ def test_ftmanager_group_is_read_as_process_group(one_rank_group: dist.ProcessGr
 
 def test_ftmanager_refuses_two_different_process_groups(one_rank_group: dist.ProcessGroup) -> None:
     other = dist.new_group([0], backend="gloo")
-    with pytest.raises(ValueError, match="both process_group and its deprecated name group"):
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match=r"FTManager got process_group=.* and group=.* "
+                                                                     r"\(its deprecated old name\): pass only"):
         FTManager(replica_id="a", lighthouse=UNREACHABLE, process_group=one_rank_group, group=other)
 
 
@@ -40,3 +43,17 @@ def test_ftmanager_recoveries_is_the_catch_up_log() -> None:
     manager.catch_up_log.append({"source": "b", "step": 3})
     with pytest.warns(FutureWarning, match="FTManager.recoveries is deprecated, use catch_up_log"):
         assert manager.recoveries == [{"source": "b", "step": 3}]
+
+
+def test_the_old_core_import_paths_still_work_with_a_deprecation() -> None:
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from lightning_fthsdp.core.manager import FTManager\n"
+            "from lightning_fthsdp.core.torch_state import ModuleState\n"
+            "from lightning_fthsdp.core.config import Timeouts\n"
+            "from lightning_fthsdp import manager, recovery, config\n"
+            "import lightning_fthsdp.recovery.torch_state, lightning_fthsdp.config.timeouts\n"
+            "assert FTManager is manager.FTManager and ModuleState is recovery.torch_state.ModuleState\n"
+            "assert Timeouts is config.timeouts.Timeouts\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "lightning_fthsdp.core is deprecated" in done.stderr

@@ -88,7 +88,7 @@ class Quorum:
 
     @property
     def participants(self) -> tuple[str, ...]:
-        """Members that contribute real gradients this step (recovering members send zeros)."""
+        """Members that contribute real gradients this step (catching-up members send zeros)."""
         return tuple(m.replica_id for m in self.members
                      if m.replica_id not in self.catch_up_from and m.replica_id not in self.following)
 

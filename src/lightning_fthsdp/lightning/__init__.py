@@ -1,4 +1,4 @@
-"""The Lightning front end of FT-HSDP: ``Trainer(strategy="fthsdp")`` (imports Lightning; the core does not)."""
+"""The Lightning front end of FT-HSDP: ``Trainer(strategy="fthsdp")`` (imports Lightning; nothing below it does)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ how every batch of it is trained exactly once. ``set_epoch`` is ignored: the epo
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Sized
 
 from torch.utils.data import DistributedSampler
+
+from lightning_fthsdp.config.renamed import renamed_argument
 
 
 class ReplicaStreamSampler(DistributedSampler):
@@ -36,7 +37,10 @@ class ReplicaStreamSampler(DistributedSampler):
     def __init__(self, dataset: Sized, *, replicas: int | None = None, replica_index: int, shard_count: int,
                  shard_rank: int, batch_size: int, position: Callable[[], int], shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, num_replica_groups: int | None = None) -> None:
-        replicas = _replicas_or_old_name(replicas, num_replica_groups)
+        replicas = renamed_argument("ReplicaStreamSampler", "replicas", replicas, "num_replica_groups",
+                                    num_replica_groups)
+        if replicas is None:
+            raise TypeError("ReplicaStreamSampler needs replicas= (the replica groups in the job)")
         if not 0 <= replica_index < replicas:
             raise ValueError(f"ReplicaStreamSampler needs 0 <= replica_index < replicas, got "
                              f"replica_index={replica_index} and replicas={replicas}")
@@ -77,16 +81,3 @@ class ReplicaStreamSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         """Ignored: the epoch is a function of the stream position (see the module docstring)."""
 
-
-def _replicas_or_old_name(replicas: int | None, num_replica_groups: int | None) -> int:
-    """``replicas``, or its deprecated old name ``num_replica_groups`` (accepted until 0.3)."""
-    if num_replica_groups is not None:
-        warnings.warn("ReplicaStreamSampler(num_replica_groups=) is deprecated, use replicas= (the old name goes in "
-                      "0.3)", FutureWarning, stacklevel=3)
-        if replicas is not None and replicas != num_replica_groups:
-            raise ValueError(f"ReplicaStreamSampler got replicas={replicas} and num_replica_groups="
-                             f"{num_replica_groups} (its deprecated old name): pass only replicas")
-        replicas = num_replica_groups
-    if replicas is None:
-        raise TypeError("ReplicaStreamSampler needs replicas= (the replica groups in the job)")
-    return replicas

@@ -19,13 +19,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_deprecation
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, resolve
+from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import loops, manual, private, refusals
@@ -103,7 +103,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         refusals.refuse_foreign_arguments(kwargs)
-        replicas = _replicas_or_old_name(replicas, num_replica_groups)
+        replicas = renamed_argument("FTHSDPStrategy", "replicas", replicas, "num_replica_groups", num_replica_groups)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.replica_id = resolve(replica_id, ENV_REPLICA_ID, "FTHSDPStrategy replica_id",
@@ -188,7 +188,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
                                                     on_counters_loaded=self._commit.mark_caught_up)
         if trainer.lightning_module.automatic_optimization:
-            # Catch-up never holds the healthy groups up: a recovering group follows the job while its transfer
+            # Catch-up never holds the healthy groups up: a catching-up group follows the job while its transfer
             # runs, then replays the steps it followed through Lightning's optimizer step.
             manager.register_update(self._replay_step)
         if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
@@ -345,7 +345,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer))
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
-        # What a recovering group receives of this step's buffers: the next forward changes the live ones.
+        # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
         self._module_state.hold_buffers()
         if self.lightning_module.automatic_optimization:
             self._logs.flush(self.lightning_module, trained=participated)
@@ -399,13 +399,3 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self._fault is not None and self._manager is not None:
             self._fault.fire_if(self._manager.step, phase, self._manager.rank)
 
-
-def _replicas_or_old_name(replicas: int | None, num_replica_groups: int | None) -> int | None:
-    """``replicas``, or its deprecated old name ``num_replica_groups`` (accepted until 0.3)."""
-    if num_replica_groups is None:
-        return replicas
-    rank_zero_deprecation("FTHSDPStrategy(num_replica_groups=) is deprecated, use replicas= (the old name goes in 0.3)")
-    if replicas is not None and replicas != num_replica_groups:
-        raise ValueError(f"FTHSDPStrategy got replicas={replicas} and num_replica_groups={num_replica_groups} (its "
-                         f"deprecated old name): pass only replicas")
-    return num_replica_groups

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent import futures
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class GroupAgreement:
             try:
                 quorum, store = answer()
                 message = {"quorum": quorum.to_json(), "store": store}
-            except TimeoutError:
+            except (TimeoutError, futures.TimeoutError):  # distinct classes before Python 3.11
                 message = {"error": "the lighthouse client did not return within connect + quorum timeouts",
                            "fatal": True}
             except LighthouseRejected as exc:

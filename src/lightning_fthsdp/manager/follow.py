@@ -1,4 +1,4 @@
-"""The recovering side of catch-up: fetch the state in the background, follow the job while the transfer runs on
+"""The catching-up side of catch-up: fetch the state in the background, follow the job while the transfer runs on
 (contributing zeros, holding each step's averaged gradients), then load the state and replay the steps held."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Follower:
         self._keep_memory = keep_memory
         self._follow: _Follow | None = None
         self.catch_up_log: list[dict[str, object]] = []
-        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took)."""
+        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took), replayed."""
 
     @property
     def active(self) -> bool:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
+from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
@@ -61,14 +62,14 @@ class FTManager:
             cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
             rank, ``"fetch"`` when this rank starts fetching one.
         global_batches: keep every step at this many group batches (the job's ``replicas`` keeps a healthy job's
-            global batch): while fewer
-            groups participate, each trains several of its own batches (``step_batches()``), so the global batch
-            stays constant. None (default): one batch per participant, the global batch shrinks while degraded.
+            global batch): while fewer groups participate, each trains several of its own batches
+            (``step_batches()``), so the global batch stays constant. None (default): one batch per participant,
+            the global batch shrinks while degraded.
         replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a catching-up group
             may hold for replay while its state transfer runs on (then it waits for the transfer).
         reserve_snapshot_memory: after the first committed step (when the optimizer state exists), map host memory
             for a snapshot of the registered state in the background, so the first time this rank serves a
-            recovering group its snapshot copies at full speed (a group that caught up keeps, for that, the fetched
+            catching-up group its snapshot copies at full speed (a group that caught up keeps, for that, the fetched
             tensors its loaders copied). False: allocate it when first serving.
     """
 
@@ -89,13 +90,7 @@ class FTManager:
         reserve_snapshot_memory: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if group is not None:
-            if process_group is not None and process_group is not group:
-                raise ValueError("FTManager got both process_group and its deprecated name group, set to different "
-                                 "process groups: pass process_group only")
-            warnings.warn("FTManager(group=) is deprecated, use process_group= (the old name goes in 0.3)",
-                          FutureWarning, stacklevel=2)
-            process_group = group
+        process_group = renamed_argument("FTManager", "process_group", process_group, "group", group)
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
@@ -213,7 +208,7 @@ class FTManager:
         return self.batches_committed.get(self.replica_id, 0)
 
     def register_state(self, name: str, get: StateGetter, load: StateLoader) -> None:
-        """Add a piece of state that a recovering group must receive (model, optimizer, scheduler, your own).
+        """Add a piece of state that a catching-up group must receive (model, optimizer, scheduler, your own).
 
         ``get()`` returns a tree of tensors (DTensors travel as their local shard) and JSON scalars; ``load(tree)``
         receives the same structure with plain CPU tensors. ``get`` should be cheap and return the live tensors (no
@@ -227,9 +222,9 @@ class FTManager:
         """How this group applies a committed step once its averaged gradients are in the tensors given to
         ``sync_gradients`` (usually ``optimizer.step``, plus any scheduler step).
 
-        With it, catch-up never makes the healthy groups wait: a recovering group whose state transfer outlasts the
+        With it, catch-up never makes the healthy groups wait: a catching-up group whose state transfer outlasts the
         step keeps following the job (contributing zeros, holding each step's averaged gradients) and, once the
-        state arrives, loads it and replays the steps it held. Without it, the recovering group finishes the
+        state arrives, loads it and replays the steps it held. Without it, the catching-up group finishes the
         transfer at the end of the step it joined, and the next quorum waits for it. While ``update`` replays a
         step, ``step`` counts that step and ``participants`` and ``shares`` are that step's.
         """

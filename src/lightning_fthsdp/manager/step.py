@@ -14,7 +14,7 @@ from lightning_fthsdp.recovery.torch_state import StateTree
 @dataclass
 class Progress:
     """This group's committed position: reported to the lighthouse with every quorum request, and (``step`` and
-    ``batches_committed``) transferred to a recovering group."""
+    ``batches_committed``) transferred to a catching-up group."""
 
     step: int = 0
     """Committed optimizer steps."""

@@ -36,6 +36,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
     path = Path(path)
     merged = OmegaConf.structured(RecipeConfig)
     merged = _merge(merged, _compose(path, ()), f"recipe {path}")
+    _refuse_both_names(overrides)
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -103,6 +104,15 @@ def _rename_keys(raw: DictConfig, source: str) -> None:
 
 
 _MISSING = object()
+
+
+def _refuse_both_names(overrides: Sequence[str]) -> None:
+    """A renamed key given under both names with different values is a mistake, as in one recipe file."""
+    values = dict(override.partition("=")[::2] for override in overrides)
+    for old, new in RENAMED_KEYS.items():
+        if old in values and new in values and values[old] != values[new]:
+            raise RecipeError(f"overrides set both {old}={values[old]} (deprecated) and {new}={values[new]}: "
+                              f"keep {new}")
 
 
 def _warn_renamed(source: str, old: str) -> None:

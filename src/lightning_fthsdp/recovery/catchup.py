@@ -1,10 +1,10 @@
-"""Non-blocking catch-up for one rank: serve CPU snapshots to recovering groups, fetch one when behind.
+"""Non-blocking catch-up for one rank: serve CPU snapshots to catching-up groups, fetch one when behind.
 
 Source side: when the quorum names this group as a recovery source, the rank snapshots its state to CPU and digests
 it for the wire on a background thread as soon as it learns so (the leader: when its quorum answer arrives,
 overlapped with forward and backward) and publishes it at the commit vote (or once digested, if later); only the
 optimizer step waits for the copy to finish, never for the digests or the transfer.
-Recovering side: the fetch runs in the background during the step; the recovering group loads the state after
+Recovering side: the fetch runs in the background during the step; the catching-up group loads the state after
 the step's allreduce (to which it contributed zeros) and then applies the same averaged update.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -82,7 +83,7 @@ class CatchUp:
     def load(self, tree: StateTree, *, keep_memory: bool) -> None:
         """Hand ``tree`` to every registered loader. ``keep_memory``: the fetched tensors no loader adopted as live
         state become the memory of this rank's next snapshot (freeing it now and mapping as much again later would
-        cost the steps ahead tens of ms of CPU per 100 MiB)."""
+        cost the steps ahead CPU time)."""
         missing = set(self._entries) - set(tree)
         if missing:
             raise ValueError(f"fetched state lacks registered entries {sorted(missing)}: every group must register "
@@ -132,7 +133,7 @@ class CatchUp:
     def reserve_memory(self) -> Future[None]:
         """Map the memory of a first snapshot now, on a background thread: without it, the first snapshot this rank
         serves copies into fresh pages the kernel faults in one by one (several times slower, and the optimizer
-        step of the step that admits a recovering group waits for it). Costs host memory the size of the state; a
+        step of the step that admits a catching-up group waits for it). Costs host memory the size of the state; a
         rank that caught up may hold part of it already (the fetched tensors its loaders copied, see ``load``)."""
         def fill() -> None:
             spare = self._take_spare()
@@ -160,7 +161,7 @@ class CatchUp:
         digested, else as soon as it is.
 
         Published at the commit vote rather than as soon as ready: the transfer then runs while the next step
-        computes, not during the collective of the step that admits the recovering group."""
+        computes, not during the collective of the step that admits the catching-up group."""
         serving = self._serving
         if serving is None or serving.voted:
             return
@@ -188,7 +189,7 @@ class CatchUp:
                 self._server.withdraw(unless_read=True)
 
     def stop_serving(self, *, unless_read: bool = False) -> None:
-        """Withdraw the snapshot (``unless_read``: not while a recovering group is still fetching it)."""
+        """Withdraw the snapshot (``unless_read``: not while a catching-up group is still fetching it)."""
         with self._lock:
             serving = self._serving
             if unless_read and serving is not None and serving.voted and serving.prepared is None:
@@ -197,7 +198,7 @@ class CatchUp:
             self._serving = None
             self._server.withdraw(unless_read=unless_read)
 
-    # ------------------------------------------------------------------------------------------ recovering
+    # ------------------------------------------------------------------------------------------ catching up
 
     def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
         """Fetch ``step`` from ``address`` in the background; a fetch of the same state still running is kept."""
@@ -221,7 +222,7 @@ class CatchUp:
         (_, step), future, _ = self._fetch
         try:
             tree = future.result(timeout=timeout_s)
-        except TimeoutError:
+        except (TimeoutError, futures.TimeoutError):  # distinct classes before Python 3.11
             self._log.warning("state of step %d not fetched within this step; retrying next step", step)
             self.cancel_fetch()
             return None

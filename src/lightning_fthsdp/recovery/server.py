@@ -1,15 +1,15 @@
-"""Serves this rank's latest CPU snapshot to recovering peers over HTTP (``GET /v1/state?step=N``).
+"""Serves this rank's latest CPU snapshot to catching-up peers over HTTP (``GET /v1/state?step=N``).
 
 One snapshot is held at a time. ``prepare`` splits a snapshot for the wire and computes the chunk digests its
 manifest needs, on the caller's thread (a background one: xxhash releases the GIL); ``publish`` then makes it the
-one served, at once, so a recovering group's transfer can start the moment its source's step allows. Bytes are
+one served, at once, so a catching-up group's transfer can start the moment its source's step allows. Bytes are
 streamed from the snapshot tensors' own memory, chunk by chunk: no serialised copy of the payload ever exists.
 
 Answers: 200 and the stream (see :mod:`~lightning_fthsdp.recovery.wire`) when the held snapshot is for step N; 401
 without the right bearer token; 410 when a newer step is held (the caller should try the next step); 404 after
 ``wait_ms`` (default 0, at most 60000) when no snapshot of step N was published meanwhile, naming the step held;
 400 for a bad query; 503 once closing. A transfer in flight when its snapshot is replaced or withdrawn is cut off
-(the client sees a truncated payload): a late state is useless to the recovering group, and keeping it would hold
+(the client sees a truncated payload): a late state is useless to the catching-up group, and keeping it would hold
 two snapshots in memory.
 """
 
@@ -142,7 +142,7 @@ class StateServer:
     def withdraw(self, *, unless_read: bool = False) -> None:
         """Drop the held snapshot so its memory can be freed; transfers in flight are cut off at the next chunk.
 
-        ``unless_read``: keep it while a request for it is in progress (a recovering group that follows the job
+        ``unless_read``: keep it while a request for it is in progress (a catching-up group that follows the job
         while its transfer runs still needs it); a later call withdraws it.
         """
         with self._cond:

@@ -29,7 +29,7 @@ def snapshot(tree: StateTree, into: StateTree | None = None) -> StateTree:
 
     Every tensor is copied to a fresh dense, contiguous CPU tensor (detached, plain ``torch.Tensor``); a DTensor
     becomes a copy of its local shard (``.to_local()``), because each shard rank serves its own shard to the same
-    shard rank of the recovering group. Scalars are kept, dicts become plain dicts, lists and tuples are copied.
+    shard rank of the catching-up group. Scalars are kept, dicts become plain dicts, lists and tuples are copied.
     Two leaves that alias one tensor (tied weights) become two independent copies.
 
     Raises TypeError naming the path (e.g. ``'optimizer.state.0.exp_avg'``) for a leaf that is not a tensor or a JSON
