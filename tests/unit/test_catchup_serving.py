@@ -191,3 +191,20 @@ def test_tensors_an_optimizer_adopted_on_load_are_never_kept_for_a_snapshot() ->
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()  # changes every live state tensor in place (exp_avg, exp_avg_sq, step)
     assert all(torch.equal(t, copy) for t, copy in before)  # nothing kept is live state
+
+
+def test_any_failure_of_a_fetch_leaves_the_group_behind_and_alive(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def broken_fetch(*args: object, **kwargs: object) -> StateTree:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr("lightning_fthsdp.recovery.catchup.fetch_state", broken_fetch)
+    catchup = CatchUp(TOKEN, "127.0.0.1", LOG)
+    try:
+        catchup.start_fetch("http://127.0.0.1:1", 3, timeout_s=5)
+        with caplog.at_level(logging.ERROR, logger="test_catchup_serving"):
+            assert catchup.finish_fetch(timeout_s=5) is None
+        assert "fetching the state of step 3 failed unexpectedly" in caplog.text
+        assert not catchup.fetch_done()  # nothing in flight: the next step's quorum starts a fresh fetch
+    finally:
+        catchup.close()

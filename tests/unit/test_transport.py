@@ -415,6 +415,8 @@ def _tampered(edit: Callable[[dict[str, object]], None]) -> bytes:
     (lambda m: m.update(step=2), "for step 2"),
     (lambda m: m.update(tree={"a": {"__tensor__": 0}, "b": {"__tensor__": 0}}), "repeated tensor placeholder"),
     (lambda m: m.update(tree={}), "referencing every tensor"),
+    (lambda m: m["tensors"][0].update(shape=[100] + [1] * 69_999), "70000 dimensions, over 64"),
+    (lambda m: m.update(tree=_nested({"a": {"__tensor__": 0}}, 100)), "nested deeper than 64 levels"),
 ])
 def test_bad_manifest_is_refused_before_allocation(monkeypatch: pytest.MonkeyPatch, edit: Callable[..., None],
                                                    message: str) -> None:
@@ -425,6 +427,30 @@ def test_bad_manifest_is_refused_before_allocation(monkeypatch: pytest.MonkeyPat
 
     with fake_server(sending(http_200(payload))) as address, pytest.raises(StateFetchError, match=message):
         monkeypatch.setattr(torch, "empty", no_allocation)
+        fetch(address)
+
+
+def _nested(leaf: dict[str, object], depth: int) -> dict[str, object]:
+    for _ in range(depth):
+        leaf = {"x": leaf}
+    return leaf
+
+
+@pytest.mark.parametrize("address", ["not-a-url", "http://127.0.0.1:99999", "ftp://127.0.0.1:1", "http://:80"])
+def test_a_malformed_peer_address_is_a_fetch_error(address: str) -> None:
+    with pytest.raises(StateFetchError, match="refused the state server address"):
+        fetch(address)
+
+
+def test_a_state_the_host_cannot_allocate_is_a_fetch_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, data = encode(1, {"a": torch.ones(100)}, chunk_bytes=1024)
+
+    def out_of_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("can't allocate memory")
+
+    with fake_server(sending(http_200(body(manifest, data)))) as address, pytest.raises(
+            StateFetchError, match=r"allocating its 400 bytes failed \(can't allocate memory\)"):
+        monkeypatch.setattr(torch, "empty", out_of_memory)
         fetch(address)
 
 

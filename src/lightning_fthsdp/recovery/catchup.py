@@ -230,6 +230,10 @@ class CatchUp:
             self._log.warning("fetching the state of step %d failed: %s", step, exc)
             self._fetch = None
             return None
+        except Exception:  # a fetch must never end the training process: the group stays behind and retries
+            self._log.exception("fetching the state of step %d failed unexpectedly", step)
+            self._fetch = None
+            return None
         self._fetch = None
         return tree
 

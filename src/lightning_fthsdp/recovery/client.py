@@ -44,15 +44,20 @@ def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
     with StateFetchError once ``abort`` is set (checked at least every POLL_S and between chunks). The manifest is
     validated before anything is allocated; then each tensor is preallocated and received in place, and every
     chunk's digest is verified. Returns plain contiguous CPU tensors (tuples come back as lists) only if every
-    chunk verified; otherwise raises StateFetchError and nothing is returned. ValueError for bad arguments.
+    chunk verified; otherwise raises StateFetchError and nothing is returned. ``address`` comes from a peer, so a
+    malformed one is a StateFetchError too; ValueError for the caller's own bad arguments.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"fetch_state needs a step >= 0, got {step!r}")
     if not timeout_s > 0:
         raise ValueError(f"fetch_state needs timeout_s > 0, got {timeout_s!r}")
-    parts = urlsplit(address)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
-        raise ValueError(f"fetch_state needs an address like http://127.0.0.1:PORT, got {address!r}")
+    try:
+        parts = urlsplit(address)
+        valid = parts.scheme == "http" and bool(parts.hostname) and parts.port is not None
+    except ValueError:  # urlsplit's own refusals, and a port out of range
+        valid = False
+    if not valid:
+        raise StateFetchError(f"refused the state server address {address!r}: not http://HOST:PORT")
     if token is not None and not token.isprintable():
         raise ValueError("fetch_state needs a printable token (it travels in an HTTP header)")
     deadline = time.monotonic() + timeout_s
@@ -92,7 +97,11 @@ def _read_state(conn: _Connection, length: int | None, step: int, max_bytes: int
     if length != wire.LENGTH.size + manifest_len + manifest.total_bytes:
         raise StateFetchError(f"malformed payload from {address}: Content-Length {length} does not match the "
                               f"manifest ({manifest_len} + {manifest.total_bytes} bytes of tensors)")
-    tensors = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
+    try:
+        tensors = [torch.empty(spec.shape, dtype=spec.dtype) for spec in manifest.tensors]
+    except (RuntimeError, MemoryError) as e:  # the host cannot hold what the manifest declares
+        raise StateFetchError(f"refused the state of step {step} from {address}: allocating its "
+                              f"{manifest.total_bytes} bytes failed ({e})") from None
     chunk = manifest.chunk_bytes
     with ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="fthsdp-state-verify") as pool:
         pending: list[Future[tuple[int, int] | None]] = []

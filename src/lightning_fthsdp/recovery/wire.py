@@ -46,6 +46,13 @@ DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 StateTree = dict[str, Any]
+
+MAX_DEPTH = 64
+"""Deepest nesting of a received state tree: far beyond any real state (model, optimizer, schedulers, loops), far
+below Python's recursion limit, so a hostile tree is refused instead of crashing whatever walks it."""
+
+MAX_DIMS = 64
+"""Most dimensions a received tensor may have (torch's own limit for most operations is lower)."""
 """Nested dicts (str keys) / lists / tuples of torch.Tensor and JSON scalars (int, float, str, bool, None)."""
 
 
@@ -213,10 +220,7 @@ def parse_manifest(raw: bytes, step: int, max_bytes: int) -> Manifest:
     if total > max_bytes:
         raise ManifestError(f"limits exceeded: the state is {total} bytes, over max_bytes={max_bytes}")
     paths: list[str | None] = [None] * len(specs)
-    try:
-        _check_placeholders(data.get("tree"), paths, "")
-    except RecursionError:
-        raise ManifestError("malformed manifest: the tree is nested too deeply") from None
+    _check_placeholders(data.get("tree"), paths, "", 0)
     if not isinstance(data.get("tree"), dict) or None in paths:
         raise ManifestError("malformed manifest: the tree is not an object referencing every tensor")
     named = tuple(TensorSpec(p or "", s.dtype, s.shape, s.nbytes, s.digests) for p, s in zip(paths, specs, strict=True))
@@ -247,6 +251,8 @@ def _spec(i: int, entry: object, chunk_bytes: int, max_bytes: int) -> TensorSpec
     shape = entry.get("shape")
     if not isinstance(shape, list) or any(_int(d) is None or d < 0 for d in shape):
         raise ManifestError(f"malformed manifest: tensor {i} shape {shape!r} is not a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise ManifestError(f"limits exceeded: tensor {i} has {len(shape)} dimensions, over {MAX_DIMS}")
     nbytes = _int(entry.get("nbytes"))
     expected = math.prod(shape) * dtype.itemsize
     if nbytes != expected:
@@ -268,8 +274,11 @@ def _spec(i: int, entry: object, chunk_bytes: int, max_bytes: int) -> TensorSpec
     return TensorSpec("", dtype, tuple(shape), nbytes, tuple(digests))
 
 
-def _check_placeholders(node: object, paths: list[str | None], path: str) -> None:
-    """Fill ``paths[i]`` for each ``{"__tensor__": i}``; ManifestError for a bad or repeated placeholder."""
+def _check_placeholders(node: object, paths: list[str | None], path: str, depth: int) -> None:
+    """Fill ``paths[i]`` for each ``{"__tensor__": i}``; ManifestError for a bad or repeated placeholder or a tree
+    nested deeper than MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"limits exceeded: the tree is nested deeper than {MAX_DEPTH} levels at {path!r}")
     if isinstance(node, dict):
         if TENSOR_KEY in node:
             index = _int(node[TENSOR_KEY])
@@ -278,7 +287,7 @@ def _check_placeholders(node: object, paths: list[str | None], path: str) -> Non
             paths[index] = path or "<root>"
             return
         for key, value in node.items():
-            _check_placeholders(value, paths, f"{path}.{key}" if path else key)
+            _check_placeholders(value, paths, f"{path}.{key}" if path else key, depth + 1)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            _check_placeholders(value, paths, f"{path}.{i}" if path else str(i))
+            _check_placeholders(value, paths, f"{path}.{i}" if path else str(i), depth + 1)
