@@ -290,6 +290,7 @@ BAD_REQUESTS = [
     ("GET", "/v1/heartbeat", None, 405, "takes POST"),
     ("GET", "/nope", None, 404, "'/nope'"),
     ("POST", "/v1/heartbeat", b"x" * ((1 << 20) + 1), 413, "limit"),
+    ("POST", "/v1/heartbeat", b"[" * 100_000 + b"]" * 100_000, 400, "RecursionError"),
 ]
 
 
@@ -310,6 +311,33 @@ def test_every_bad_request_is_refused_and_changes_nothing(lighthouse: Callable[.
         got, answer = Client(url, token=token).call("POST", "/v1/heartbeat", hb("a"))
         assert got == 401 and "token" in answer["error"]
     assert snapshot(client) == before
+
+
+def raw_exchange(url: str, request: bytes) -> bytes:
+    """Send ``request`` as raw bytes on a fresh connection; everything the lighthouse answers until it closes."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "needle"), [
+    (b"GET /sta\rtus HTTP/1.1\r\nHost: x\r\n\r\n", b"400", b"control character"),
+    (b"GET /status HTTP/1.1\r\nHost: x\x00y\r\n\r\n", b"400", b"control character"),
+    (b"POST /v1/leave HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}", b"400", b"given twice"),
+    (b"POST /v1/leave HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}", b"400", b"given twice"),
+    (b"GET /status HTTP/1.1\r\nX-Pad: " + b"a" * (70 << 10) + b"\r\n\r\n", b"431", b"over 65536 bytes"),
+], ids=["CR in the path", "NUL in a header", "two Content-Lengths", "the same Content-Length twice",
+        "a 70 KiB head in one packet"])
+def test_a_head_another_parser_could_read_differently_is_refused_and_the_connection_closed(
+        lighthouse: Callable[..., str], request_bytes: bytes, status: bytes, needle: bytes) -> None:
+    url = lighthouse(min_replicas=1)
+    answer = raw_exchange(url, request_bytes)  # returns only once the lighthouse closed the connection
+    assert answer.startswith(b"HTTP/1.1 " + status) and needle in answer, answer[:300]
+    assert Client(url).status()["members"] == []  # nothing was served or changed, and it serves on
 
 
 def test_shard_count_conflict_with_pending_requests(lighthouse: Callable[..., str]) -> None:

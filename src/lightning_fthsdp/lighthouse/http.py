@@ -6,8 +6,9 @@ only. ``Protocol.connection_lost`` gives the first, the event loop the second.
 
 Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order, ``Content-Length`` bodies up to
 ``MAX_BODY`` bytes (a larger body is drained without being buffered and answered 413; the connection stays
-usable). Refused: chunked request bodies (411) and request heads over ``MAX_HEAD`` bytes (431); after those, and
-after an unparsable request line (400), the connection is closed because its framing is lost.
+usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431), and heads a proxy or
+another parser could read differently (400): a control character anywhere in the head, a repeated Content-Length;
+after those, and after an unparsable request line (400), the connection is closed because its framing is lost.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ class Request:
         """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
         try:
             data = json.loads(self.body)
-        except ValueError as e:  # also int strings past Python's digit limit, not only JSONDecodeError
-            raise HttpError(400, f"request body is not valid JSON ({e}): send a JSON object") from None
+        except (ValueError, RecursionError) as e:  # also int strings past Python's digit limit, and deep nesting
+            raise HttpError(400, f"request body is not valid JSON ({type(e).__name__}: {e}): send a JSON object "
+                                 f"of plain fields") from None
         if not isinstance(data, dict):
             raise HttpError(400, f"request body must be a JSON object, got {type(data).__name__}")
         return data
@@ -126,9 +128,10 @@ class Connection(asyncio.Protocol):
         if self._task is not None or self.closed or self._discard:
             return
         head_end = self._buffer.find(b"\r\n\r\n")
+        if head_end > MAX_HEAD or (head_end < 0 and len(self._buffer) > MAX_HEAD):
+            self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head over {MAX_HEAD} bytes")
+            return
         if head_end < 0:
-            if len(self._buffer) > MAX_HEAD:
-                self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head over {MAX_HEAD} bytes")
             return
         try:
             method, target, keep_alive, headers, length = _parse_head(bytes(self._buffer[:head_end]))
@@ -216,6 +219,10 @@ def _error(status: int, message: str) -> Response:
 def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
     """(method, target, keep_alive, headers, content_length) of one request head, or HttpError."""
     lines = head.decode("latin-1").split("\r\n")
+    for line in lines:
+        bad = next((c for c in line if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F), None)
+        if bad is not None:
+            raise HttpError(400, f"control character {bad!r} in the request head line {line[:100]!r}")
     request_line = lines[0].split(" ")
     if len(request_line) != 3 or not request_line[2].startswith("HTTP/1."):
         raise HttpError(400, f"malformed HTTP request line {lines[0][:100]!r}: expected 'METHOD /path HTTP/1.1'")
@@ -225,7 +232,10 @@ def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
         name, sep, value = line.partition(":")
         if not sep:
             raise HttpError(400, f"malformed HTTP header line {line[:100]!r}: expected 'Name: value'")
-        headers[name.strip().lower()] = value.strip()
+        key = name.strip().lower()
+        if key == "content-length" and key in headers:
+            raise HttpError(400, "Content-Length given twice: send it once")
+        headers[key] = value.strip()
     if "transfer-encoding" in headers:
         raise HttpError(411, "chunked request bodies are not supported: send Content-Length")
     try:
