@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,11 @@ def test_fit_print_config_shows_the_strategy_and_the_recipe() -> None:
 def test_fit_refuses_a_bad_recipe_naming_the_key() -> None:
     with pytest.raises(SystemExit, match=r"fthsdp fit: error: .*trainer\.max_steps='many'.*an integer"):
         main(["fit", "--config", str(ROOT / "recipes" / "mlp.yaml"), "trainer.max_steps=many"])
+
+
+def test_launch_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
+    taken = tmp_path / "report.txt"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit, match=r"--out .*report\.txt is a file: name a folder"):
+        main(["launch", str(ROOT / "recipes" / "mlp.yaml"), "--out", str(taken)])
+    assert taken.read_text() == "not a folder"

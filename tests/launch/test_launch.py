@@ -24,10 +24,11 @@ CHAOS = "kill:at=step20:group=b,hang:at=step150:group=a:for=2s"
 def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # The pace keeps the survivor training while the killed group restarts (a Lightning start-up takes seconds).
+    # Run outside the checkout with a relative --out, as a user would from their own folder.
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", "--replicas", "2",
-           "--shard-count", "1", "--chaos", CHAOS, "--out", str(out), "--no-live"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+           "--shard-count", "1", "--chaos", CHAOS, "--out", out.name, "--no-live"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                                 start_new_session=True)
     try:
         output, _ = launcher.communicate(timeout=240)

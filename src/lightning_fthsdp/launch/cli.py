@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         faults = chaos.parse(recipe.launch.chaos, replica_ids)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
-    out: Path = args.out
+    # Absolute: every group is handed paths under it, whatever the working directory it runs in.
+    out = args.out.resolve()
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"fthsdp launch: error: --out {args.out} is a file: name a folder (it is created if missing)")
     for owned in ("groups", "logs", "lightning"):  # a previous run's records would mix with this run's
         shutil.rmtree(out / owned, ignore_errors=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
