@@ -31,7 +31,7 @@ def test_a_renamed_launch_flag_still_works_and_says_its_new_name(capsys: pytest.
     args = build_parser().parse_args(["launch", "recipes/mlp.yaml", "--devices-per-replica", "2"])
     assert args.shard_count == 2
     err = capsys.readouterr().err
-    assert "--devices-per-replica is deprecated (--shard-count, formerly --devices-per-replica" in err
+    assert "--devices-per-replica is deprecated, use --shard-count (the old name goes in 0.3)" in err
     assert build_parser().parse_args(["launch", "recipes/mlp.yaml", "--shard-count", "3"]).shard_count == 3
     for flags in (["--shard-count", "3", "--devices-per-replica", "2"],
                   ["--devices-per-replica", "2", "--shard-count", "3"]):

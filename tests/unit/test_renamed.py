@@ -26,9 +26,13 @@ def one_rank_group() -> Iterator[dist.ProcessGroup]:
 def test_ftmanager_group_is_read_as_process_group(one_rank_group: dist.ProcessGroup) -> None:
     with pytest.warns(FutureWarning, match=r"FTManager\(group=\) is deprecated, use process_group="):
         manager = FTManager(replica_id="a", lighthouse=UNREACHABLE, group=one_rank_group)
-    assert (manager.rank, manager.shard_count) == (0, 1)
     same = FTManager(replica_id="a", lighthouse=UNREACHABLE, process_group=one_rank_group)
-    assert (same.rank, same.shard_count) == (0, 1)
+    try:
+        assert (manager.rank, manager.shard_count) == (0, 1)
+        assert (same.rank, same.shard_count) == (0, 1)
+    finally:  # each serves catch-up snapshots on a socket of its own
+        manager.shutdown()
+        same.shutdown()
 
 
 def test_ftmanager_refuses_two_different_process_groups(one_rank_group: dist.ProcessGroup) -> None:
@@ -40,9 +44,12 @@ def test_ftmanager_refuses_two_different_process_groups(one_rank_group: dist.Pro
 
 def test_ftmanager_recoveries_is_the_catch_up_log() -> None:
     manager = FTManager(replica_id="a", lighthouse=UNREACHABLE)
-    manager.catch_up_log.append({"source": "b", "step": 3})
-    with pytest.warns(FutureWarning, match="FTManager.recoveries is deprecated, use catch_up_log"):
-        assert manager.recoveries == [{"source": "b", "step": 3}]
+    try:
+        manager.catch_up_log.append({"source": "b", "step": 3})
+        with pytest.warns(FutureWarning, match="FTManager.recoveries is deprecated, use catch_up_log"):
+            assert manager.recoveries == [{"source": "b", "step": 3}]
+    finally:
+        manager.shutdown()
 
 
 def test_the_old_core_import_paths_still_work_with_a_deprecation() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from lightning_fthsdp.config.renamed import deprecation
+
 ENV_REPLICA_ID = "FTHSDP_REPLICA_ID"
 """The replica group's stable id (the same across its restarts)."""
 
@@ -32,8 +34,7 @@ def from_env(value: str | None, env_name: str) -> str | None:
     found = value or os.environ.get(env_name)
     old = RENAMED.get(env_name)
     if not found and old and os.environ.get(old):
-        warnings.warn(f"${old} is deprecated, set ${env_name} instead (the old name goes in 0.3)", FutureWarning,
-                      stacklevel=2)
+        warnings.warn(deprecation(f"${old}", f"${env_name}", f"set ${env_name} instead"), FutureWarning, stacklevel=2)
         found = os.environ[old]
     return found or None
 

@@ -20,27 +20,29 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_fthsdp.config.renamed import deprecation
+
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
 class RenamedFlag(argparse.Action):
-    """One option under its name and its old name (accepted until 0.3; ``deprecated`` marks the old one, which says
-    so on stderr); two different values under the two names are refused."""
+    """One option under its ``new`` name and its ``old`` one (accepted until 0.3, saying so on stderr); two different
+    values under the two names are refused."""
 
-    def __init__(self, *args: Any, names: str, deprecated: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, old: str, new: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.names, self.deprecated = names, deprecated
+        self.old, self.new = old, new
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        if self.deprecated:
-            print(f"fthsdp: {option_string} is deprecated ({self.names}: the old name goes in 0.3)", file=sys.stderr)
+        if option_string == self.old:
+            print(f"fthsdp: {deprecation(self.old, self.new)}", file=sys.stderr)
         given = getattr(namespace, self.dest)
         if given is not None and given != values:
-            parser.error(f"{option_string} {values} contradicts the {given} given before ({self.names} are one "
-                         f"option): pass it once")
+            parser.error(f"{option_string} {values} contradicts the {given} given before ({self.new} is the new name "
+                         f"of {self.old}): pass it once")
         setattr(namespace, self.dest, values)
 
 
@@ -51,11 +53,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.max_steps=50")
     parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
-    shard_count = "--shard-count, formerly --devices-per-replica,"
-    parser.add_argument("--shard-count", type=int, default=None, action=RenamedFlag, names=shard_count,
+    renamed = {"action": RenamedFlag, "old": "--devices-per-replica", "new": "--shard-count"}
+    parser.add_argument("--shard-count", type=int, default=None, **renamed,  # type: ignore[arg-type]
                         help="shard ranks per replica group (default: launch.shard_count)")
-    parser.add_argument("--devices-per-replica", type=int, dest="shard_count", action=RenamedFlag, names=shard_count,
-                        deprecated=True, help=argparse.SUPPRESS)
+    parser.add_argument("--devices-per-replica", type=int, dest="shard_count", **renamed,  # type: ignore[arg-type]
+                        help=argparse.SUPPRESS)
     parser.add_argument("--chaos", default=None, metavar="SPEC",
                         help="failures to inject, e.g. kill:every=20s,hang:at=45s:for=10s (default: launch.chaos)")
     parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
-from lightning_fthsdp.config.renamed import renamed_argument
+from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
@@ -172,7 +172,7 @@ class FTManager:
     @property
     def recoveries(self) -> list[dict[str, object]]:
         """Deprecated name of ``catch_up_log`` (until 0.3)."""
-        warnings.warn("FTManager.recoveries is deprecated, use catch_up_log (the old name goes in 0.3)",
+        warnings.warn(deprecation("FTManager.recoveries", "catch_up_log"),
                       FutureWarning, stacklevel=2)
         return self.catch_up_log
 

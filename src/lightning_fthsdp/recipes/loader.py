@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_fthsdp.config.renamed import deprecation
 from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -116,7 +117,7 @@ def _refuse_both_names(overrides: Sequence[str]) -> None:
 
 
 def _warn_renamed(source: str, old: str) -> None:
-    warnings.warn(f"{source}: {old} is deprecated, use {RENAMED_KEYS[old]} (the old name goes in 0.3)",
+    warnings.warn(f"{source}: {deprecation(old, RENAMED_KEYS[old])}",
                   FutureWarning, stacklevel=3)
 
 
