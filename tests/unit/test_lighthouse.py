@@ -69,15 +69,27 @@ class Client:
         sock.close()
 
 
-def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: int = 2) -> dict[str, Any]:
-    return {"replica_id": rid, "step": step, "shard_count": shard_count, "known_epoch": epoch, "wait_ms": wait_ms}
+def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: int = 2, rank: int = 0,
+       incarnation: str | None = None) -> dict[str, Any]:
+    return {"replica_id": rid, "incarnation": incarnation or inc(rid), "rank": rank, "step": step,
+            "shard_count": shard_count, "known_epoch": epoch, "wait_ms": wait_ms}
 
 
 def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = (), commit_failed: bool = False,
-       timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1) -> dict[str, Any]:
-    return {"replica_id": rid, "step": step, "shard_count": shard_count, "address": f"{rid}:1",
-            "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
+       timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1,
+       incarnation: str | None = None) -> dict[str, Any]:
+    return {"replica_id": rid, "incarnation": incarnation or inc(rid), "step": step, "shard_count": shard_count,
+            "address": f"{rid}:1", "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
             "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms}
+
+
+def inc(rid: str) -> str:
+    """The incarnation a test's replica ``rid`` speaks as (one per replica unless a test restarts it)."""
+    return f"{rid}-first"
+
+
+def leave(rid: str, rank: int = 0, incarnation: str | None = None) -> dict[str, Any]:
+    return {"replica_id": rid, "rank": rank, "incarnation": incarnation or inc(rid)}
 
 
 def replica(status: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -89,8 +101,9 @@ def lighthouse() -> Iterator[Callable[..., str]]:
     """Start a lighthouse thread (port 0 unless given); all are stopped after the test."""
     with contextlib.ExitStack() as stack:
         def start(min_replicas: int = 1, join_timeout_s: float = 10.0, heartbeat_timeout_ms: int = 30_000,
-                  **kw: Any) -> str:
-            rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=join_timeout_s)
+                  lost_state_wait_s: float = 10.0, **kw: Any) -> str:
+            rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+                                lost_state_wait_s=lost_state_wait_s)
             return stack.enter_context(LighthouseThread(rules=rules, heartbeat_timeout_ms=heartbeat_timeout_ms, **kw))
         yield start
 
@@ -143,7 +156,7 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     code, beat = Client(url).call("POST", "/v1/heartbeat", hb("d"))
     assert code == 200 and beat["quorum_id"] == 1 and "quorum_rank" not in beat
     # c leaves and a new process of it heartbeats: quorum 1 was not answered to it, it must ask.
-    assert Client(url).call("POST", "/v1/leave", {"replica_id": "c"})[0] == 200
+    assert Client(url).call("POST", "/v1/leave", leave("c"))[0] == 200
     code, beat = hc.call("POST", "/v1/heartbeat", hb("c"))
     assert code == 200 and beat["quorum_id"] == 1 and "quorum_rank" not in beat
 
@@ -201,19 +214,19 @@ def test_hang_is_detected_by_heartbeat_expiry(lighthouse: Callable[..., str]) ->
 
 
 def test_leave_forgets_the_replica_and_lets_the_rest_decide(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse()
+    url = lighthouse(replica_ids=["a", "b"])  # declared: a counts towards the majority while it only heartbeats
     obs, ha = Client(url), Client(url)  # ha stays open: its close would declare a dead
     ha.call("POST", "/v1/heartbeat", hb("a"))
     qb = Client(url)
     qb.send("POST", "/v1/quorum", qr("b"))  # 1 of 2 alive: no majority yet
     wait_for(lambda: replica(obs.status(), "b")["pending"], 5, "b pending", interval_s=0.005)
     epoch = obs.status()["epoch"]
-    assert Client(url).call("POST", "/v1/leave", {"replica_id": "a"}) == (200, {})
+    assert Client(url).call("POST", "/v1/leave", leave("a")) == (200, {})
     code, answer = qb.recv()
     assert code == 200 and [m["replica_id"] for m in answer["members"]] == ["b"]
     status = obs.status()
     assert [r["replica_id"] for r in status["groups"]] == ["b"] and status["epoch"] == epoch + 2  # leave, quorum
-    code, answer = obs.call("POST", "/v1/leave", {"replica_id": "a"})
+    code, answer = obs.call("POST", "/v1/leave", leave("a"))
     assert code == 404 and "'a'" in answer["error"]
 
 
@@ -235,7 +248,7 @@ def test_a_client_that_disconnects_is_dropped_from_pending(lighthouse: Callable[
 
 
 def test_join_timeout_answers_without_a_silent_straggler(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse(join_timeout_s=0.3)
+    url = lighthouse(join_timeout_s=0.3, replica_ids="abc")  # declared: c is expected although it only heartbeats
     heartbeats = [Client(url) for _ in "abc"]  # kept open: closing one declares its replica dead
     for client, rid in zip(heartbeats, "abc", strict=True):
         client.call("POST", "/v1/heartbeat", hb(rid))
@@ -249,9 +262,10 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     obs = Client(url, token="s3cret")
     obs.call("POST", "/v1/heartbeat", hb("a", step=4))
     status = obs.status()
-    assert set(status) == {"quorum_id", "epoch", "max_step", "min_replicas", "members", "groups", "catch_up_from",
-                           "store", "uptime_s"}
+    assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "min_replicas",
+                           "declared", "members", "groups", "catch_up_from", "store", "uptime_s"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
+    assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None
     assert replica(status, "a") | {"heartbeat_age_s": 0} == {
         "replica_id": "a", "step": 4, "alive": True, "dead": False, "heartbeat_age_s": 0, "in_quorum": False,
         "pending": False}
@@ -285,7 +299,7 @@ BAD_REQUESTS = [
     ("POST", "/v1/quorum", qr("a", committed_in=-2), 400, "'committed_in'"),
     ("POST", "/v1/quorum", qr("a") | {"following": "no"}, 400, "'following'"),
     ("POST", "/v1/quorum", qr("a", shard_count=4), 409, "shard_count 2 of the current quorum 0"),
-    ("POST", "/v1/leave", {"replica_id": "zz"}, 404, "'zz'"),
+    ("POST", "/v1/leave", leave("zz"), 404, "'zz'"),
     ("POST", "/v1/leave", {}, 400, "'replica_id'"),
     ("GET", "/v1/heartbeat", None, 405, "takes POST"),
     ("GET", "/nope", None, 404, "'/nope'"),
@@ -404,7 +418,7 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
     timeouts = Timeouts(heartbeat_interval_ms=200, heartbeat_timeout_ms=30_000, collective_timeout_ms=40_000,
                         quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
     seen: list[tuple[str, int, int, int]] = []
-    beats = [Heartbeat(url, None, rid, 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+    beats = [Heartbeat(url, None, rid, inc(rid), 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
                        on_quorum=lambda q, rank, size, store, rid=rid: seen.append((rid, q, rank, size)))
              for rid in "abc"]
     try:

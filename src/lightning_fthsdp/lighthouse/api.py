@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, require, require_int
 from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, check_replica_id
+from lightning_fthsdp.lighthouse.registry import check_incarnation
 
 MAX_QUORUM_TIMEOUT_MS = 3_600_000
 GZIP_OVER_BYTES = 16384
@@ -26,6 +27,7 @@ class HeartbeatRequest:
     """``POST /v1/heartbeat``: one rank's sign of life, and a long-poll on the lighthouse's epoch."""
 
     replica_id: str
+    incarnation: str
     rank: int
     step: int
     shard_count: int
@@ -50,13 +52,14 @@ def parse_heartbeat(request: Request) -> HeartbeatRequest:
     replica_id = _replica_id(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
     known_epoch, wait_ms = require_int(body, "known_epoch", None), require_int(body, "wait_ms", 0)
-    return HeartbeatRequest(replica_id, _rank(body), step, shard_count, known_epoch, wait_ms)
+    return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms)
 
 
-def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, int]:
-    """``POST /v1/quorum``: the quorum request, and how long (ms) the client waits for the answer."""
+def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int]:
+    """``POST /v1/quorum``: the quorum request, the requester's incarnation, and how long (ms) it waits for the
+    answer."""
     body = request.json_object()
-    replica_id = _replica_id(body)
+    replica_id, incarnation = _replica_id(body), _incarnation(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
     address = require(body, "address", str, "a string (may be empty)")
     commit_failed = require(body, "commit_failed", bool, "true or false")
@@ -73,13 +76,13 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, int
         except ValueError as e:
             raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
     return QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id, tuple(members),
-                         committed_in, following), timeout_ms
+                         committed_in, following), incarnation, timeout_ms
 
 
-def parse_leave(request: Request) -> tuple[str, int]:
-    """``POST /v1/leave``: (replica_id, rank) of a rank finishing."""
+def parse_leave(request: Request) -> tuple[str, int, str]:
+    """``POST /v1/leave``: (replica_id, rank, incarnation) of a rank finishing."""
     body = request.json_object()
-    return _replica_id(body), _rank(body)
+    return _replica_id(body), _rank(body), _incarnation(body)
 
 
 def check_shard_count(replica_id: str, shard_count: int, previous: Quorum | None,
@@ -110,6 +113,13 @@ def _replica_id(body: dict[str, object]) -> str:
         return check_replica_id(require(body, "replica_id", str, "a replica id string"))
     except ValueError as e:
         raise HttpError(400, f"field 'replica_id': {e}") from None
+
+
+def _incarnation(body: dict[str, object]) -> str:
+    try:
+        return check_incarnation(require(body, "incarnation", str, "the incarnation id the group's leader chose"))
+    except ValueError as e:
+        raise HttpError(400, f"field 'incarnation': {e}") from None
 
 
 def _rank(body: dict[str, object]) -> int:

@@ -93,7 +93,8 @@ class Heartbeat:
     ``on_quorum(quorum_id, rank, size, store_address)`` when the lighthouse decides a new quorum with this group in
     it (this group's rank among ``size`` members; the store hosts the quorum's rendezvous).
     ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
-    this group dead, as of the last acknowledged heartbeat.
+    this group dead, as of the last acknowledged heartbeat. ``incarnation``: this start of the group's processes
+    (the same on every rank; see lighthouse.registry).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class Heartbeat:
         url: str,
         token: str | None,
         replica_id: str,
+        incarnation: str,
         rank: int,
         shard_count: int,
         timeouts: Timeouts,
@@ -109,7 +111,8 @@ class Heartbeat:
         on_quorum: Callable[[int, int, int, str], None],
     ) -> None:
         self._conn = _Connection(url, token)
-        self._replica_id, self._rank, self._shard_count = replica_id, rank, shard_count
+        self._replica_id, self._shard_count = replica_id, shard_count
+        self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
         self._timeouts = timeouts
         self._step = step
         self._on_dead = on_dead
@@ -157,8 +160,7 @@ class Heartbeat:
         while not self._stop.is_set():
             sent = time.monotonic()
             body = {
-                "replica_id": self._replica_id,
-                "rank": self._rank,
+                **self._identity,
                 "step": self._step(),
                 "shard_count": self._shard_count,
                 "known_epoch": self._epoch,
@@ -208,18 +210,19 @@ class Heartbeat:
         if self.started:  # a rank that fails before its first step never started heartbeating
             self._thread.join(timeout=in_flight_ms / 1000 + 1)
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
-            self._conn.post("/v1/leave", {"replica_id": self._replica_id, "rank": self._rank},
-                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
+            self._conn.post("/v1/leave", self._identity, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
         self._conn.close()
 
 
 
 class QuorumClient:
-    """The leader's quorum requests, blocking (the manager runs them on a background thread)."""
+    """The leader's quorum requests, blocking (the manager runs them on a background thread), for the group
+    incarnation ``incarnation``."""
 
-    def __init__(self, url: str, token: str | None, timeouts: Timeouts) -> None:
+    def __init__(self, url: str, token: str | None, timeouts: Timeouts, incarnation: str) -> None:
         self._conn = _Connection(url, token)
         self._timeouts = timeouts
+        self._incarnation = incarnation
 
     def request(
         self,
@@ -239,6 +242,7 @@ class QuorumClient:
         timeout_ms = self._timeouts.quorum_timeout_ms
         body = {
             "replica_id": replica_id,
+            "incarnation": self._incarnation,
             "step": step,
             "shard_count": shard_count,
             "address": address,

@@ -130,12 +130,19 @@ class QuorumRules:
     """Fewest replica groups a quorum may have."""
     join_timeout_s: float = 30.0
     """Wait this long after the first request for heartbeating stragglers before answering without them."""
+    lost_state_wait_s: float = 30.0
+    """When no live group holds the job's committed step, wait this long for one (a hung or partitioned holder may
+    come back) before restarting the quorum from an older step and reporting the steps lost. Longer keeps more work
+    after a transient failure of every holder; shorter gets training going sooner when they are really gone."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"QuorumRules.min_replicas must be an integer >= 1, got {self.min_replicas!r}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"QuorumRules.join_timeout_s must be > 0, got {self.join_timeout_s!r}")
+        if not self.lost_state_wait_s >= 0:
+            raise ValueError(f"QuorumRules.lost_state_wait_s must be >= 0 (0: do not wait), got "
+                             f"{self.lost_state_wait_s!r}")
 
 
 def previous_from_requests(pending: Mapping[str, QuorumRequest]) -> tuple[int, frozenset[str]]:

@@ -20,8 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
@@ -34,22 +33,23 @@ from lightning_fthsdp.lighthouse.api import (
     quorum_answer,
 )
 from lightning_fthsdp.lighthouse.http import Connection, HttpError, Request, Response, json_response
+from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.liveness import HeartbeatConnections
-from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, QuorumRules, adopt, decide, is_late_member
+from lightning_fthsdp.lighthouse.quorum import (
+    Quorum,
+    QuorumRequest,
+    QuorumRules,
+    adopt,
+    check_replica_id,
+    decide,
+    is_late_member,
+)
 from lightning_fthsdp.lighthouse.readiness import Readiness
+from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 
 log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_LONG_POLL_MS = 5_000
-
-
-@dataclass
-class _Replica:
-    step: int
-    last_seen: float
-    dead: bool = False
-    deaths: int = 0
-    """Times declared dead: a group compares it across a step so it never commits a step it was declared dead in."""
 
 
 class Lighthouse:
@@ -69,14 +69,21 @@ class Lighthouse:
         rules: QuorumRules | None = None,
         heartbeat_timeout_ms: int = 2_000,
         token: str | None = None,
+        replica_ids: Iterable[str] | None = None,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
+        declared = None if replica_ids is None else frozenset(_declared_id(rid) for rid in replica_ids)
+        if declared is not None and not declared:
+            raise ValueError("Lighthouse replica_ids is empty: name the job's replica ids, or pass None to admit any")
         self.host, self.port, self.store_port = host, port, store_port
         self.rules = rules or QuorumRules()
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._token = token.encode() if token else None
-        self._replicas: dict[str, _Replica] = {}
+        self._registry = Registry(declared)
+        self._ledger = CommitLedger()
+        self._lost_since: float | None = None  # when a quorum below the committed step first waited for a holder
+        self._lost_timer: asyncio.TimerHandle | None = None
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
@@ -130,8 +137,9 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        if self._join_timer is not None:
-            self._join_timer.cancel()
+        for timer in (self._join_timer, self._lost_timer):
+            if timer is not None:
+                timer.cancel()
         if self._server is not None:
             self._server.close()
         for conn in list(self._connections):
@@ -176,11 +184,11 @@ class Lighthouse:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
         check_shard_count(replica_id, beat.shard_count, self._previous, self._readiness.pending)
-        if beat.rank > 0 and replica_id not in self._replicas:
-            # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left
-            # must not bring the group back as a ghost the others would wait for.
-            raise HttpError(404, f"replica {replica_id!r} is not known: its rank 0 must heartbeat first")
-        self._touch(replica_id, beat.step)
+        # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
+        # bring the group back as a ghost the others would wait for.
+        self._registry.check(replica_id, beat.incarnation, beat.rank)
+        self._check_claim(replica_id, beat.incarnation, beat.step, None)
+        self._touch(self._admit(replica_id, beat.incarnation), replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
             with contextlib.suppress(TimeoutError):
@@ -191,8 +199,8 @@ class Lighthouse:
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
                 "quorum_size": len(self._previous.members) if self._previous else 0,
                 "store": self.store_address,
-                "dead": sorted(rid for rid, r in self._replicas.items() if r.dead),
-                "deaths": {rid: r.deaths for rid, r in self._replicas.items() if r.deaths},
+                "dead": sorted(rid for rid, r in self._registry.items() if r.dead),
+                "deaths": {rid: r.deaths for rid, r in self._registry.items() if r.deaths},
                 "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
             }).encode()
         if self._previous is not None and replica_id in self._answered:
@@ -203,12 +211,15 @@ class Lighthouse:
         return Response(200, self._heartbeat_body)
 
     async def _quorum(self, request: Request) -> Response:
-        asked, timeout_ms = parse_quorum(request, time.monotonic())
+        asked, incarnation, timeout_ms = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
-        self._touch(replica_id, asked.step)
+        self._registry.check(replica_id, incarnation, 0)
+        self._check_claim(replica_id, incarnation, asked.step, asked.committed_in)
+        self._touch(self._admit(replica_id, incarnation), replica_id, asked.step)
         if self._answer is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
+            self._registry.answered(replica_id, self._previous.quorum_id)
             return self._answer
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Response] = loop.create_future()
@@ -231,20 +242,15 @@ class Lighthouse:
                      f"raise timeout_ms or start more replica groups"))
 
     async def _leave(self, request: Request) -> Response:
-        replica_id, rank = parse_leave(request)
-        if replica_id not in self._replicas:
-            raise HttpError(404, f"replica {replica_id!r} is not known to this lighthouse: nothing to leave")
+        replica_id, rank, incarnation = parse_leave(request)
+        self._registry.owner(replica_id, incarnation)
         if rank > 0:
             # A non-leader rank finishing: only its heartbeat connection stops counting; the leader's leave (rank 0)
             # removes the group.
             self._heartbeat_connections.release((replica_id, rank))
             return json_response({})
-        waiter = self._waiters.get(replica_id)
-        self._set_alive(replica_id, False)
-        self._drop_pending(replica_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
-        del self._replicas[replica_id]
+        self._registry.remove(replica_id)
+        self._fail_pending(replica_id, HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
         self._bump_epoch()
@@ -258,21 +264,26 @@ class Lighthouse:
         return Response(200, lighthouse_page.render(self.status()).encode(), "text/html; charset=utf-8")
 
     def status(self) -> dict[str, object]:
-        """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none)."""
+        """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none);
+        ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
+        below it; ``declared`` the job's replica ids (null: any id may join)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         catch_up_from = quorum.catch_up_from if quorum else {}
         return {
             "quorum_id": quorum.quorum_id if quorum else -1,
             "epoch": self._epoch,
-            "max_step": max((r.step for r in self._replicas.values()), default=-1),
+            "max_step": max((r.step for _, r in self._registry.items()), default=-1),
+            "committed_step": self._ledger.committed_step,
+            "lost_steps": [lost.to_json() for lost in self._ledger.lost],
             "min_replicas": self.rules.min_replicas,
+            "declared": sorted(self._registry.declared) if self._registry.declared is not None else None,
             "members": list(quorum.member_ids) if quorum else [],
             "groups": [
-                {"replica_id": rid, "step": r.step, "alive": rid in self._readiness.alive, "dead": r.dead,
+                {"replica_id": rid, "step": r.step, "alive": not r.dead, "dead": r.dead,
                  "heartbeat_age_s": round(now - r.last_seen, 3), "in_quorum": rid in members,
                  "pending": rid in self._readiness.pending}
-                for rid, r in sorted(self._replicas.items())
+                for rid, r in sorted(self._registry.items())
             ],
             "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
             "store": self.store_address,
@@ -281,40 +292,65 @@ class Lighthouse:
 
     # ---- state changes ----
 
-    def _touch(self, replica_id: str, step: int) -> None:
+    def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None) -> None:
+        """Refuse (409) a claimed state this job never committed, before it changes anything."""
+        record = self._registry.get(replica_id)
+        holds = record.answered if record is not None and record.incarnation == incarnation else -1
+        reason = self._ledger.refusal(step, committed_in, holds)
+        if reason is not None:
+            log.warning("refused replica %s: it %s", replica_id, reason)
+            raise HttpError(409, f"replica {replica_id!r} {reason}")
+
+    def _admit(self, replica_id: str, incarnation: str) -> GroupRecord:
+        """The group's record, spoken for by ``incarnation`` (checked already). A new incarnation replacing a dead one
+        takes nothing of it: its held request is refused and its ranks' connections mean nothing."""
+        record, new = self._registry.admit(replica_id, incarnation, time.monotonic())
+        if new:
+            self._fail_pending(replica_id, HttpError(409, f"replica {replica_id!r} was restarted: a new "
+                                                          f"incarnation replaced this one"))
+            self._heartbeat_connections.release_group(replica_id)
+            self._answered.discard(replica_id)
+        return record
+
+    def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
         """A sign of life: record it; revive a dead replica (epoch change)."""
-        replica = self._replicas.get(replica_id)
-        if replica is None:
-            self._replicas[replica_id] = _Replica(step, time.monotonic())
-            self._set_alive(replica_id, True)
-            return
-        replica.step, replica.last_seen = step, time.monotonic()
-        if replica.dead:
-            replica.dead = False
-            self._set_alive(replica_id, True)
+        record.step, record.last_seen = step, time.monotonic()
+        if record.dead:
+            record.dead = False
             log.info("replica %s is alive again at step %d", replica_id, step)
             self._bump_epoch()
+        self._sync_alive(replica_id)
 
     def _declare_dead(self, replica_id: str, reason: str) -> None:
-        replica = self._replicas.get(replica_id)
-        if replica is None or replica.dead:
+        record = self._registry.get(replica_id)
+        if record is None or record.dead:
             return
-        replica.dead = True
-        replica.deaths += 1
-        self._set_alive(replica_id, False)
-        log.warning("replica %s declared dead at step %d: %s", replica_id, replica.step, reason)
+        record.dead, record.dead_since = True, time.monotonic()
+        record.deaths += 1
+        self._sync_alive(replica_id)
+        log.warning("replica %s declared dead at step %d: %s", replica_id, record.step, reason)
         self._bump_epoch()
         self._schedule_decide(force=True)
 
-    def _set_alive(self, replica_id: str, alive: bool) -> None:
-        if self._readiness.set_alive(replica_id, alive) and not alive:
+    def _sync_alive(self, replica_id: str) -> None:
+        """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
+        if (self._readiness.set_alive(replica_id, self._registry.counts(replica_id, replica_id in self._waiters))
+                and replica_id not in self._readiness.alive):
             self._answered.discard(replica_id)
+
+    def _fail_pending(self, replica_id: str, error: HttpError) -> None:
+        """End the group's held quorum request, if any, with ``error``."""
+        waiter = self._waiters.get(replica_id)
+        self._drop_pending(replica_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
 
     def _add_pending(self, request: QuorumRequest, waiter: asyncio.Future[Response]) -> None:
         replica_id = request.replica_id
         old = self._waiters.get(replica_id)
         self._readiness.add(request)
         self._waiters[replica_id] = waiter
+        self._sync_alive(replica_id)
         if old is not None and not old.done():
             old.set_exception(HttpError(409, f"superseded by a newer quorum request from {replica_id!r}"))
         if self._join_timer is None:
@@ -325,6 +361,7 @@ class Lighthouse:
     def _drop_pending(self, replica_id: str) -> None:
         self._readiness.drop(replica_id)
         self._waiters.pop(replica_id, None)
+        self._sync_alive(replica_id)
 
     def _bump_epoch(self) -> None:
         self._epoch += 1
@@ -354,11 +391,17 @@ class Lighthouse:
         else:
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
                             time.monotonic())
+        if quorum is not None and quorum.max_step < self._ledger.committed_step and not self._lost_wait_over(quorum):
+            quorum = None
         if quorum is not None:
-            if self._previous is not None and quorum.max_step < self._previous.max_step:
-                log.warning("quorum %d restarts from step %d although step %d was committed: no group holding that "
-                            "state is left, so it is lost; resume every group from a durable checkpoint to keep it",
-                            quorum.quorum_id, quorum.max_step, self._previous.max_step)
+            if quorum.max_step < self._ledger.committed_step:
+                lost = self._ledger.note_lost(quorum)
+                log.error("quorum %d restarts from step %d although step %d was committed: no group holding that "
+                          "state came back within %.0f s, so %d steps are lost; resume every group from a durable "
+                          "checkpoint to keep them", quorum.quorum_id, quorum.max_step, lost.committed_step,
+                          self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
+            self._lost_since = None
+            self._ledger.record(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
             self._readiness.formed(quorum)
@@ -369,6 +412,7 @@ class Lighthouse:
             answer = self._answer = quorum_answer(quorum, self.store_address)
             self._answered = set(quorum.member_ids if receivers is None else receivers)
             for replica_id in self._answered:
+                self._registry.answered(replica_id, quorum.quorum_id)
                 waiter = self._waiters.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():
@@ -390,11 +434,43 @@ class Lighthouse:
         self._join_timer = None
         self._schedule_decide(force=True)
 
+    def _lost_wait_over(self, quorum: Quorum) -> bool:
+        """Whether a quorum below the committed step may be answered: once no holder came back within
+        ``lost_state_wait_s`` of the first such decision (a timer decides again then)."""
+        now = time.monotonic()
+        if self._lost_since is None:
+            self._lost_since = now
+            log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
+                        "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
+                        self.rules.lost_state_wait_s)
+        deadline = self._lost_since + self.rules.lost_state_wait_s
+        if now >= deadline:
+            return True
+        if self._lost_timer is None or self._lost_timer.when() != deadline:
+            if self._lost_timer is not None:
+                self._lost_timer.cancel()
+            self._lost_timer = asyncio.get_running_loop().call_at(deadline, self._schedule_decide, True)
+        return False
+
     async def _expire_loop(self) -> None:
         timeout_s = self.heartbeat_timeout_ms / 1000
         while True:
             await asyncio.sleep(timeout_s / 10)
             cutoff = time.monotonic() - timeout_s
-            for replica_id in [rid for rid in self._readiness.alive if self._replicas[rid].last_seen < cutoff]:
+            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
                 self._declare_dead(replica_id, f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
+            strays = self._registry.forget_strays(dead_before=cutoff)
+            if strays:
+                self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
+                for replica_id in strays:
+                    self._heartbeat_connections.release_group(replica_id)
+                log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
+                         ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
 
+
+
+def _declared_id(replica_id: str) -> str:
+    try:
+        return check_replica_id(replica_id)
+    except ValueError as e:
+        raise ValueError(f"Lighthouse replica_ids: {e}") from None

@@ -4,6 +4,7 @@ leader's quorum answer, and the commit vote."""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from concurrent import futures
 
@@ -33,6 +34,11 @@ class GroupAgreement:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def incarnation(self) -> str:
+        """A random id for this start of the group's processes, chosen by the leader and the same on every rank: the
+        lighthouse lets only this incarnation speak for the group until it dies."""
+        return str(self._broadcast_from_leader({"incarnation": secrets.token_hex(16)})["incarnation"])
 
     def gather_addresses(self, address: str) -> list[str]:
         """Every rank's state-server address (the leader advertises them all, shard rank order)."""

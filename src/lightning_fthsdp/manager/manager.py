@@ -125,8 +125,10 @@ class FTManager:
         self._elog = log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")))
-        self._heartbeat = Heartbeat(url, token, self.replica_id, self.rank, self.shard_count, self.timeouts,
-                                    step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare)
+        self.incarnation = self._agreement.incarnation()
+        self._heartbeat = Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count,
+                                    self.timeouts, step=lambda: self.step, on_dead=self._on_dead,
+                                    on_quorum=self._comm.prepare)
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
@@ -135,9 +137,9 @@ class FTManager:
         addresses = self._agreement.gather_addresses(self._catchup.address)
         self._requester: QuorumRequester | None = None
         if self.is_leader:
-            self._requester = QuorumRequester(QuorumClient(url, token, self.timeouts), self.replica_id,
-                                              self.shard_count, addresses, self.timeouts, self._qlog,
-                                              step=lambda: self.step, serve=self._catchup.serve)
+            client = QuorumClient(url, token, self.timeouts, self.incarnation)
+            self._requester = QuorumRequester(client, self.replica_id, self.shard_count, addresses, self.timeouts,
+                                              self._qlog, step=lambda: self.step, serve=self._catchup.serve)
 
     # ---------------------------------------------------------------------------------------------- state
 

@@ -9,8 +9,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.client import LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.client import LighthouseRejected, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+
+_SERVICE_UNAVAILABLE = 503
 
 
 class QuorumUnavailable(RuntimeError):
@@ -106,6 +108,12 @@ class QuorumRequester:
                         f"{self._timeouts.connect_timeout_ms}: {exc}. Start it with `fthsdp lighthouse` and check "
                         f"the URL ({ENV_LIGHTHOUSE})"
                     ) from exc
+                time.sleep(backoff_s)
+                continue
+            except LighthouseRejected as exc:
+                # A restart quicker than the heartbeat timeout: our previous incarnation is not declared dead yet.
+                if exc.status != _SERVICE_UNAVAILABLE or time.monotonic() >= deadline:
+                    raise
                 time.sleep(backoff_s)
                 continue
             if self._lighthouse_away:

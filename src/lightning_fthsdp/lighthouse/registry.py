@@ -1,0 +1,139 @@
+"""Who the lighthouse lets speak for a replica group: the job's declared ids and each group's live incarnation.
+
+A replica id alone names a group, not a process: a stale process, a second process started with the same id by
+mistake, or a forged client could otherwise leave, heartbeat or ask for quorums in a live group's name (and have it
+declared dead or superseded). Each incarnation of a group (one start of its processes) picks a random incarnation id
+that every rank sends with every request; the lighthouse binds the group to the first incarnation it hears from and
+admits a new one only once the old one is dead (its heartbeat connection closed or its heartbeats expired).
+
+Synchronous and clock-free (``now`` is an argument), like the quorum rules, so it is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import ItemsView, Iterator
+from dataclasses import dataclass
+
+from lightning_fthsdp.lighthouse.http import HttpError
+
+INCARNATION_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+_SERVICE_UNAVAILABLE = 503
+"""The status of a request from a new incarnation while the old one lives: the client retries (it is the normal
+answer to a restart quicker than the heartbeat timeout), and gives up with the message after its connect timeout."""
+
+
+def check_incarnation(incarnation: object) -> str:
+    """Return ``incarnation`` if it is a valid incarnation id (1-64 of letters, digits, ``_-``), else ValueError."""
+    if not isinstance(incarnation, str) or not INCARNATION_PATTERN.match(incarnation):
+        raise ValueError(f"incarnation must be 1-64 characters of letters, digits, '_' or '-', got {incarnation!r}")
+    return incarnation
+
+
+@dataclass
+class GroupRecord:
+    """What the lighthouse knows of one replica group."""
+
+    incarnation: str
+    step: int
+    last_seen: float
+    dead: bool = False
+    dead_since: float = 0.0
+    deaths: int = 0
+    """Times declared dead: a group compares it across a step so it never commits a step it was declared dead in."""
+    member: bool = False
+    answered: int = -1
+    """The newest quorum this incarnation was answered (-1: none)."""
+    """Whether the group was ever a member of a quorum: one that never was is forgotten a while after it died."""
+
+
+class Registry:
+    """The replica groups the lighthouse knows, keyed by replica id.
+
+    ``declared``: the job's replica ids (None: any valid id may join, as with a lighthouse started by hand). With a
+    declaration, an undeclared id is refused at the door; without one, an id counts towards the quorum's majority
+    only while it asks for a quorum or once it was a member, so ids that merely heartbeat cannot stall the job.
+    """
+
+    def __init__(self, declared: frozenset[str] | None = None) -> None:
+        self.declared = declared
+        self._records: dict[str, GroupRecord] = {}
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._records
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def get(self, replica_id: str) -> GroupRecord | None:
+        return self._records.get(replica_id)
+
+    def items(self) -> ItemsView[str, GroupRecord]:
+        return self._records.items()
+
+    def check(self, replica_id: str, incarnation: str, rank: int) -> None:
+        """Raise HttpError unless ``incarnation`` (rank ``rank`` of it) may speak for the group ``replica_id``: an
+        undeclared id (403), a rank other than the leader of an incarnation the lighthouse does not know (404: the
+        leader joins first), a new incarnation while the old one lives (503). Changes nothing."""
+        if self.declared is not None and replica_id not in self.declared:
+            raise HttpError(403, f"replica {replica_id!r} is not one of the job's replica ids "
+                                 f"({', '.join(sorted(self.declared))}): start the group with one of them, or restart "
+                                 f"the lighthouse with --replica-ids including it")
+        record = self._records.get(replica_id)
+        if record is not None and record.incarnation == incarnation:
+            return
+        if rank > 0:
+            raise HttpError(404, f"replica {replica_id!r} has no incarnation {incarnation!r} here: its rank 0 must "
+                                 f"heartbeat or ask for a quorum first")
+        if record is not None and not record.dead:
+            raise HttpError(_SERVICE_UNAVAILABLE,
+                            f"replica {replica_id!r} is held by another live incarnation: a new one is admitted once "
+                            f"the old one's heartbeat connection closes or its heartbeats stop for the heartbeat "
+                            f"timeout; if two processes were started as {replica_id!r}, give one another id")
+
+    def admit(self, replica_id: str, incarnation: str, now: float) -> tuple[GroupRecord, bool]:
+        """The record of the group ``replica_id`` speaking as ``incarnation``, which ``check`` allowed, and whether
+        that incarnation is new (the group's previous one, if any, is dead and replaced)."""
+        record = self._records.get(replica_id)
+        if record is not None and record.incarnation == incarnation:
+            return record, False
+        if record is None:
+            record = self._records[replica_id] = GroupRecord(incarnation, 0, now)
+            return record, True
+        record.incarnation, record.step, record.last_seen, record.answered = incarnation, 0, now, -1
+        return record, True
+
+    def owner(self, replica_id: str, incarnation: str) -> GroupRecord:
+        """The record of ``replica_id`` if ``incarnation`` is its current one; HttpError 404 (unknown) or 409."""
+        record = self._records.get(replica_id)
+        if record is None:
+            raise HttpError(404, f"replica {replica_id!r} is not known to this lighthouse")
+        if record.incarnation != incarnation:
+            raise HttpError(409, f"replica {replica_id!r} is held by another incarnation than {incarnation!r}: only "
+                                 f"the process that joined may speak for it")
+        return record
+
+    def counts(self, replica_id: str, pending: bool) -> bool:
+        """Whether the group counts towards the majority of a quorum now (it must also be alive)."""
+        record = self._records.get(replica_id)
+        if record is None or record.dead:
+            return False
+        return self.declared is not None or pending or record.member
+
+    def answered(self, replica_id: str, quorum_id: int) -> None:
+        """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""
+        record = self._records.get(replica_id)
+        if record is not None:
+            record.member, record.answered = True, quorum_id
+
+    def remove(self, replica_id: str) -> None:
+        self._records.pop(replica_id, None)
+
+    def forget_strays(self, dead_before: float) -> list[str]:
+        """Forget the groups that died before ``dead_before`` without ever being a quorum member (stray or junk ids:
+        they would pile up in ``/status`` and in every heartbeat answer); returns their ids."""
+        strays = [rid for rid, r in self._records.items() if r.dead and not r.member and r.dead_since < dead_before]
+        for replica_id in strays:
+            del self._records[replica_id]
+        return strays
