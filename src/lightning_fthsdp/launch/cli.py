@@ -11,6 +11,7 @@ Recipe overrides (``key=value``) come right after the recipe; the flags win over
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import signal
@@ -107,7 +108,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
 
     timeouts = recipe.ft.timeouts
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
-              join_timeout_ms=timeouts.join_timeout_ms)
+              join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids))
     supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
                             recipe.launch.restart_delay_s)
     view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
@@ -116,6 +117,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     started = time.time()
     deadline = started + recipe.launch.timeout_s
     outcome = "finished"
+    lost_steps: list[dict[str, int]] = []
     try:
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
@@ -145,12 +147,14 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
             seen = len(supervisor.transitions)
             view.update(supervisor.groups)
             time.sleep(0.1)  # the launcher's polling pace; every wait above is non-blocking
+        with contextlib.suppress(OSError):  # a lighthouse that is gone has nothing more to report
+            lost_steps = job.status()["lost_steps"]
     finally:
         view.close()
         job.close()
     meta = {"recipe": str(out / "recipe.yaml"), "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
-            "failures_planned": schedule.planned}
+            "failures_planned": schedule.planned, "lost_steps": lost_steps}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=recipe.trainer.max_steps, meta=meta)
 
@@ -176,6 +180,9 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
         how = "caught up from a peer" if r["caught_up"] else "resumed on its own"
         print(f"  group {r['replica_id']} ({r['kind']}) trained again after {r['recovery_s']:.2f} s at step "
               f"{r['rejoined_at_step']}: {how}")
+    for lost in report["lost_steps"]:
+        print(f"  LOST: quorum {lost['quorum_id']} restarted from step {lost['from_step']} although step "
+              f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
     print(f"  final parameters identical across groups: {report['final_params_identical']}")
     print(f"  effective training time: {report['effective_training_time']:.3f}")
     print(f"  report: {out / 'report.json'}, {out / 'report.png'}")

@@ -69,6 +69,8 @@ class Job:
     heartbeat_timeout_ms: int = 1_000
     join_timeout_ms: int = 2_000
     collective_timeout_ms: int = 20_000
+    replica_ids: tuple[str, ...] = ()
+    """The job's replica ids, declared to the lighthouse (it refuses any other); empty: any id may join."""
     lighthouse_url: str = ""
     lighthouse: subprocess.Popen[bytes] | None = None
     groups: dict[str, Group] = field(default_factory=dict)
@@ -81,6 +83,8 @@ class Job:
         cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--host", "127.0.0.1",
                "--port", str(self._port), "--min-replicas", str(self.min_replicas),
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
+        if self.replica_ids:
+            cmd += ["--replica-ids", ",".join(self.replica_ids)]
         self.lighthouse = self._spawn(cmd, out)
         match = wait_for(lambda: LISTENING.search(out.read_text()), 30, "the lighthouse's listening line")
         self.lighthouse_url, self._port = match.group(1), int(match.group(2))

@@ -10,6 +10,8 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
 - ``recoveries``: one per failure whose target trained again: ``recovery_s`` from the injection until the
   target's first committed step after it (restart and catch-up included), as ``fthsdp simulate --from-report``
   expects; ``caught_up``: the target loaded a peer's state (rather than resuming on its own).
+- ``lost_steps``: each quorum the lighthouse restarted below the job's committed step, because no group holding
+  it came back in time (``quorum_id``, ``from_step``, ``committed_step``, ``lost_steps``); empty when none was.
 - ``final_params_identical``: every group finished and their full final parameters have the same digest.
 - ``val_loss``: the held-out validation loss at the last step any group validated (``final``: the mean over the
   groups that validated it; they hold identical parameters) and ``val_losses`` every group's evaluations.

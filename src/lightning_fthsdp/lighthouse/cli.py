@@ -16,6 +16,7 @@ import sys
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, check_replica_id
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -37,6 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--heartbeat-timeout-ms", type=_positive, default=defaults.heartbeat_timeout_ms,
                         help=f"a replica group silent this long is declared dead (default "
                              f"{defaults.heartbeat_timeout_ms})")
+    parser.add_argument("--replica-ids", type=_replica_ids, default=None,
+                        help="the job's replica ids, comma-separated: any other id is refused, and a group that only "
+                             "heartbeats still counts towards the majority (default: admit any id)")
+    parser.add_argument("--lost-state-wait-ms", type=_positive, default=int(QuorumRules.lost_state_wait_s * 1000),
+                        help="when no live group holds the committed step, wait this long for one before restarting "
+                             "from an older step and reporting the steps lost (default %(default)s)")
     parser.add_argument("--token", default=None,
                         help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${ENV_TOKEN}; "
                              f"the argument wins)")
@@ -44,7 +51,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.lighthouse.quorum import QuorumRules
     from lightning_fthsdp.lighthouse.server import Lighthouse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         store_port=args.store_port,
-        rules=QuorumRules(min_replicas=args.min_replicas, join_timeout_s=args.join_timeout_ms / 1000),
+        rules=QuorumRules(min_replicas=args.min_replicas, join_timeout_s=args.join_timeout_ms / 1000,
+                          lost_state_wait_s=args.lost_state_wait_ms / 1000),
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        replica_ids=args.replica_ids,
         token=from_env(args.token, ENV_TOKEN),
     )
 
@@ -91,6 +99,14 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _replica_ids(text: str) -> list[str]:
+    ids = text.split(",")
+    try:
+        return [check_replica_id(rid) for rid in ids]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (in --replica-ids {text!r}: comma-separated ids)") from None
 
 
 def _port(text: str) -> int:
