@@ -74,7 +74,8 @@ async def read_response(reader: asyncio.StreamReader, keep: bool = True) -> tupl
 
 async def quorum_round(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]], round_no: int) -> dict:
     n = len(conns)
-    requests = [post("/v1/quorum", {"replica_id": f"g{i:05d}", "step": round_no, "shard_count": 8, "address": "",
+    requests = [post("/v1/quorum", {"replica_id": f"g{i:05d}", "incarnation": "bench", "step": round_no,
+                                    "shard_count": 8, "address": "",
                                     "commit_failed": False, "quorum_id": round_no - 1 if round_no else -1,
                                     "members": [], "committed_in": round_no - 1 if round_no else -1,
                                     "following": False,
@@ -105,8 +106,8 @@ async def bench(groups: int) -> dict:
             conns += await asyncio.gather(*(asyncio.open_connection(host, port, limit=1 << 24)
                                             for _ in range(start, min(groups, start + CONNECT_BATCH))))
         for i, (_, writer) in enumerate(conns):
-            writer.write(post("/v1/heartbeat", {"replica_id": f"g{i:05d}", "step": 0, "shard_count": 8,
-                                                "known_epoch": -1, "wait_ms": 0}))
+            writer.write(post("/v1/heartbeat", {"replica_id": f"g{i:05d}", "incarnation": "bench", "step": 0,
+                                                "shard_count": 8, "known_epoch": -1, "wait_ms": 0}))
         assert all(s == 200 for s, _, _ in await asyncio.gather(*(read_response(r) for r, _ in conns)))
         fresh = await quorum_round(conns, 0)
         steady = await quorum_round(conns, 1)

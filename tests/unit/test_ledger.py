@@ -77,7 +77,7 @@ def test_incarnations_and_declared_ids() -> None:
 
 
 def test_strays_are_forgotten_members_are_not() -> None:
-    registry = Registry()
+    registry = Registry(grace_s=5.0)
     for rid in ("stray", "member", "alive"):
         registry.admit(rid, "i", now=0.0)
     registry.answered("member", 0)
@@ -88,8 +88,11 @@ def test_strays_are_forgotten_members_are_not() -> None:
     assert registry.forget_strays(dead_before=1.0) == []
     assert registry.forget_strays(dead_before=2.0) == ["stray"]
     assert sorted(registry) == ["alive", "member"]
-    # Without a declaration only a group that asks for a quorum or was a member counts towards the majority.
-    assert not registry.counts("alive", pending=False) and registry.counts("alive", pending=True)
+    # Without a declaration a group that only heartbeats counts towards the majority for its grace only; one that
+    # asks for a quorum or was a member counts as long as it lives.
+    assert registry.counts("alive", pending=False, now=4.0) and not registry.counts("alive", pending=False, now=5.0)
+    assert registry.past_grace(now=5.0) == ["alive"]
+    assert registry.counts("alive", pending=True, now=9.0)
 
 
 @pytest.mark.parametrize("bad", ["", "a" * 65, "has space", "slash/", 7, None])

@@ -38,6 +38,8 @@ class GroupRecord:
     incarnation: str
     step: int
     last_seen: float
+    joined_s: float
+    """When this incarnation first spoke."""
     dead: bool = False
     dead_since: float = 0.0
     deaths: int = 0
@@ -52,12 +54,14 @@ class Registry:
     """The replica groups the lighthouse knows, keyed by replica id.
 
     ``declared``: the job's replica ids (None: any valid id may join, as with a lighthouse started by hand). With a
-    declaration, an undeclared id is refused at the door; without one, an id counts towards the quorum's majority
-    only while it asks for a quorum or once it was a member, so ids that merely heartbeat cannot stall the job.
+    declaration, an undeclared id is refused at the door; without one, an id that only heartbeats counts towards the
+    quorum's majority (and is waited for) for its first ``grace_s`` only: a group asks for its first quorum as it
+    starts heartbeating, so ids that merely heartbeat cannot stall the job for longer.
     """
 
-    def __init__(self, declared: frozenset[str] | None = None) -> None:
+    def __init__(self, declared: frozenset[str] | None = None, grace_s: float = 0.0) -> None:
         self.declared = declared
+        self.grace_s = grace_s
         self._records: dict[str, GroupRecord] = {}
 
     def __contains__(self, replica_id: object) -> bool:
@@ -99,9 +103,10 @@ class Registry:
         if record is not None and record.incarnation == incarnation:
             return record, False
         if record is None:
-            record = self._records[replica_id] = GroupRecord(incarnation, 0, now)
+            record = self._records[replica_id] = GroupRecord(incarnation, 0, now, now)
             return record, True
-        record.incarnation, record.step, record.last_seen, record.answered = incarnation, 0, now, -1
+        record.incarnation, record.step, record.answered = incarnation, 0, -1
+        record.last_seen = record.joined_s = now
         return record, True
 
     def owner(self, replica_id: str, incarnation: str) -> GroupRecord:
@@ -114,12 +119,19 @@ class Registry:
                                  f"the process that joined may speak for it")
         return record
 
-    def counts(self, replica_id: str, pending: bool) -> bool:
+    def counts(self, replica_id: str, pending: bool, now: float) -> bool:
         """Whether the group counts towards the majority of a quorum now (it must also be alive)."""
         record = self._records.get(replica_id)
         if record is None or record.dead:
             return False
-        return self.declared is not None or pending or record.member
+        return self.declared is not None or pending or record.member or now - record.joined_s < self.grace_s
+
+    def past_grace(self, now: float) -> list[str]:
+        """The live groups that only heartbeat and stopped counting since their grace ended (see the class)."""
+        if self.declared is not None:
+            return []
+        cutoff = now - self.grace_s
+        return [rid for rid, r in self._records.items() if not r.dead and not r.member and r.joined_s <= cutoff]
 
     def answered(self, replica_id: str, quorum_id: int) -> None:
         """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""

@@ -80,7 +80,7 @@ class Lighthouse:
         self.rules = rules or QuorumRules()
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._token = token.encode() if token else None
-        self._registry = Registry(declared)
+        self._registry = Registry(declared, grace_s=self.rules.join_timeout_s)
         self._ledger = CommitLedger()
         self._lost_since: float | None = None  # when a quorum below the committed step first waited for a holder
         self._lost_timer: asyncio.TimerHandle | None = None
@@ -332,11 +332,13 @@ class Lighthouse:
         self._bump_epoch()
         self._schedule_decide(force=True)
 
-    def _sync_alive(self, replica_id: str) -> None:
-        """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
-        if (self._readiness.set_alive(replica_id, self._registry.counts(replica_id, replica_id in self._waiters))
-                and replica_id not in self._readiness.alive):
+    def _sync_alive(self, replica_id: str) -> bool:
+        """Whether the group counts as alive for the quorum rules (see Registry.counts); True when it stopped."""
+        counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic())
+        if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
+            return True
+        return False
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
@@ -459,6 +461,10 @@ class Lighthouse:
             cutoff = time.monotonic() - timeout_s
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
                 self._declare_dead(replica_id, f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
+            # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
+            if any([self._sync_alive(rid) for rid in self._registry.past_grace(time.monotonic())
+                    if rid in self._readiness.alive and rid not in self._waiters]):
+                self._schedule_decide(force=True)
             strays = self._registry.forget_strays(dead_before=cutoff)
             if strays:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
