@@ -171,7 +171,7 @@ class _Connection:
                     err = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 raise OSError(err, os.strerror(err))
-        except (OSError, UnicodeError) as e:  # UnicodeError: a host name the IDNA codec refuses (a label too long)
+        except (OSError, ValueError) as e:  # ValueError: a host name the IDNA codec refuses, or with a NUL in it
             self.__exit__()
             raise StateFetchError(f"state server {self._address} unreachable: {e}") from None
         # Kernel-side timeouts on a blocking socket, not settimeout(): each call still returns within POLL_S (to look
