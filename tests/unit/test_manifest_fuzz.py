@@ -83,9 +83,12 @@ def payloads(draw: st.DrawFn) -> bytes:
         return http_200(payload[:cut], draw(st.none() | st.integers(0, 2**70)))
     if kind == "bytes":
         return draw(st.binary(max_size=300))
-    status = draw(st.text(max_size=12).map(lambda s: s.encode("utf-8", "replace")))
-    header = draw(st.binary(max_size=60))
-    return b"HTTP/1.1 " + status + b"\r\n" + header + b"\r\n\r\n" + draw(st.binary(max_size=100))
+    # Digits as Latin-1 has them (superscripts are digits to str.isdigit), an error body nested thousands deep.
+    numbers = st.text(alphabet="0123456789\u00b2\u00b3\u00b9 -+x", max_size=6)
+    status, length = draw(numbers), draw(st.none() | numbers)
+    error = draw(st.binary(max_size=100) | st.integers(1, 40_000).map(lambda n: b"[" * n))
+    head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(error) if length is None else length}\r\n"
+    return head.encode("latin-1") + draw(st.binary(max_size=60)) + b"\r\n\r\n" + error
 
 
 @pytest.fixture(scope="module")
