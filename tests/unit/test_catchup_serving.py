@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.recovery.catchup import CatchUp, Source
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.snapshot import snapshot, unshared
-from lightning_fthsdp.recovery.sources import Source
 from lightning_fthsdp.recovery.torch_state import load_optimizer_state, optimizer_state
 from lightning_fthsdp.recovery.wire import StateTree, map_tensors
 

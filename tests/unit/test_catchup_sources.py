@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
-from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.manager.sources import candidates, serves, sources
+from lightning_fthsdp.recovery.catchup import CatchUp, Source
 from lightning_fthsdp.recovery.server import StateServer
 from lightning_fthsdp.recovery.snapshot import snapshot
-from lightning_fthsdp.recovery.sources import Source, candidates, serves, sources
 from lightning_fthsdp.recovery.wire import StateTree
 from tests.unit.test_transport import body, encode, fake_server, http_200, sending
 

@@ -12,8 +12,7 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.step import Progress
-from lightning_fthsdp.recovery.catchup import CatchUp, Fetched
-from lightning_fthsdp.recovery.sources import Source
+from lightning_fthsdp.recovery.catchup import CatchUp, Fetched, Source
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, catch_up_from={"b": "a"})

@@ -12,9 +12,9 @@ import torch
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.manager.sources import sources
 from lightning_fthsdp.manager.step import Progress
 from lightning_fthsdp.recovery.catchup import CatchUp
-from lightning_fthsdp.recovery.sources import sources
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 

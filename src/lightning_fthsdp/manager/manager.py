@@ -37,9 +37,9 @@ from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
+from lightning_fthsdp.manager.sources import serves
 from lightning_fthsdp.manager.step import Progress, StepState, split_batches
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
-from lightning_fthsdp.recovery.sources import serves
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 
 _OWN_STATE = "fthsdp"

@@ -11,7 +11,7 @@ from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.client import LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
-from lightning_fthsdp.recovery.sources import serves
+from lightning_fthsdp.manager.sources import serves
 
 
 class QuorumUnavailable(RuntimeError):
@@ -26,7 +26,7 @@ class QuorumRequester:
         replica_id, shard_count, addresses: what the request says of this group (``addresses``: every rank's
             state-server address, shard rank order).
         serve: called with the step when this group serves the answer's catching-up groups (their source or an
-            alternative to it, see ``recovery.sources``), while ``step()`` still returns that step: the snapshot then
+            alternative to it, see ``manager.sources``), while ``step()`` still returns that step: the snapshot then
             overlaps forward and backward.
     """
 

@@ -5,10 +5,10 @@ it for the wire on a background thread as soon as it learns so (the leader: when
 overlapped with forward and backward) and publishes it at the commit vote (or once digested, if later); only the
 optimizer step waits for the copy to finish, never for the digests or the transfer.
 Recovering side: the fetch runs in the background during the step, from the assigned source or, should that fail,
-from the next up-to-date members (:mod:`~lightning_fthsdp.recovery.sources`), each fetched state checked against
-this rank's own structure (:mod:`~lightning_fthsdp.recovery.expected`) before anything is allocated for it; the
-catching-up group loads the state after the step's allreduce (to which it contributed zeros) and then applies the
-same averaged update.
+from the next up-to-date members (chosen by :mod:`~lightning_fthsdp.manager.sources`), each fetched state checked
+against this rank's own structure (:mod:`~lightning_fthsdp.recovery.expected`) before anything is allocated for it;
+the catching-up group loads the state after the step's allreduce (to which it contributed zeros) and then applies
+the same averaged update.
 """
 
 from __future__ import annotations
@@ -25,11 +25,17 @@ from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.expected import Expected, expect
 from lightning_fthsdp.recovery.server import PreparedState, StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot, unshared
-from lightning_fthsdp.recovery.sources import Source
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
+
+
+class Source(NamedTuple):
+    """A replica group that may serve the state, and its state server for this rank's shard rank."""
+
+    replica_id: str
+    address: str
 
 
 class Fetched(NamedTuple):

@@ -10,19 +10,11 @@ member derives the same choice from the same quorum, without a word exchanged.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.recovery.catchup import Source
 
 ALTERNATES = 2
 """Up-to-date members, besides the assigned source, that a catching-up group may fetch from in one step."""
-
-
-class Source(NamedTuple):
-    replica_id: str
-    address: str
-    """The state server of the fetching rank's shard rank there; "" when the member announced none (then the fetch
-    is refused like any other malformed address)."""
 
 
 def up_to_date(quorum: Quorum) -> list[str]:
@@ -41,7 +33,8 @@ def candidates(quorum: Quorum, source: str) -> list[str]:
 
 
 def sources(quorum: Quorum, source: str, shard_rank: int) -> list[Source]:
-    """Where shard rank ``shard_rank`` of a group catching up from ``source`` may fetch, in the order to try."""
+    """Where shard rank ``shard_rank`` of a group catching up from ``source`` may fetch, in the order to try: ""
+    where a member announced no address for that shard rank (the fetch refuses it like any malformed address)."""
     found = []
     for replica_id in candidates(quorum, source):
         addresses = quorum.member(replica_id).address.split(",") if replica_id in quorum else []
