@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.recovery.catchup import CatchUp, Source
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.snapshot import snapshot, unshared
 from lightning_fthsdp.recovery.torch_state import load_optimizer_state, optimizer_state
@@ -201,10 +201,10 @@ def test_any_failure_of_a_fetch_leaves_the_group_behind_and_alive(monkeypatch: p
     monkeypatch.setattr("lightning_fthsdp.recovery.catchup.fetch_state", broken_fetch)
     catchup = CatchUp(TOKEN, "127.0.0.1", LOG)
     try:
-        catchup.start_fetch("http://127.0.0.1:1", 3, timeout_s=5)
+        catchup.start_fetch([Source("a", "http://127.0.0.1:1")], 3, timeout_s=5)
         with caplog.at_level(logging.ERROR, logger="test_catchup_serving"):
             assert catchup.finish_fetch(timeout_s=5) is None
-        assert "fetching the state of step 3 failed unexpectedly" in caplog.text
+        assert "fetching the state of step 3 from a (http://127.0.0.1:1) failed unexpectedly" in caplog.text
         assert not catchup.fetch_done()  # nothing in flight: the next step's quorum starts a fresh fetch
     finally:
         catchup.close()

@@ -12,7 +12,7 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.step import Progress
-from lightning_fthsdp.recovery.catchup import CatchUp
+from lightning_fthsdp.recovery.catchup import CatchUp, Fetched, Source
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, catch_up_from={"b": "a"})
@@ -29,16 +29,18 @@ class Transfer:
         self.tree: StateTree | None = TREE
         self.finished = 0
         self.loaded: list[tuple[StateTree, bool]] = []
+        self.sources: list[Source] = []
 
-    def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
-        self.fetches.append((address, step))
+    def start_fetch(self, sources: list[Source], step: int, timeout_s: float) -> None:
+        self.fetches.append((sources[0].address, step))
+        self.sources = sources
 
     def fetch_done(self) -> bool:
         return self.done
 
-    def finish_fetch(self, timeout_s: float) -> StateTree | None:
+    def finish_fetch(self, timeout_s: float) -> Fetched | None:
         self.finished += 1
-        return self.tree
+        return None if self.tree is None else Fetched("a", self.tree)
 
     def cancel_fetch(self) -> None:
         self.cancelled += 1

@@ -12,6 +12,7 @@ import torch
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.manager.sources import sources
 from lightning_fthsdp.manager.step import Progress
 from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.torch_state import StateTree
@@ -23,6 +24,7 @@ class _Follow:
     the step it began in)."""
 
     source: str
+    """The source the quorum assigned (others are tried should it fail)."""
     base_step: int
     """The step whose state is in transfer."""
     own_step: int
@@ -33,6 +35,8 @@ class _Follow:
     """Every step since: the job's averaged gradients and batch shares, replayed once the state arrives."""
     nbytes: int = 0
     tree: StateTree | None = None
+    delivered_by: str = ""
+    """The source whose state arrived."""
     failed: bool = False
     """The transfer ended without the state: the group stops following at the commit vote."""
 
@@ -78,8 +82,8 @@ class Follower:
         if follow is not None and (follow.source, follow.base_step) == (source, quorum.max_step) and not follow.updates:
             return  # a failed step behind us, nothing followed yet: the same transfer runs on
         self.stop(f"the quorum names us behind again (at step {progress.step})")
-        address = quorum.member(source).address.split(",")[self._shard_rank]
-        self._catchup.start_fetch(address, quorum.max_step, timeout_s=self._timeout_s)
+        self._catchup.start_fetch(sources(quorum, source, self._shard_rank), quorum.max_step,
+                                  timeout_s=self._timeout_s)
         if progress.step == quorum.max_step:
             self._rlog.warning("our step %d was committed in quorum %d, whose exchange the others abandoned and "
                                "trained again: taking their state from %s", progress.step, progress.committed_in,
@@ -99,8 +103,10 @@ class Follower:
             if follow.updates and not self._catchup.fetch_done():
                 self._rlog.warning("replay buffer full (%d steps, %d MiB): waiting for the state of step %d",
                                    len(follow.updates), follow.nbytes >> 20, follow.base_step)
-            follow.tree = self._catchup.finish_fetch(timeout_s=self._timeout_s)
-            follow.failed = follow.tree is None
+            fetched = self._catchup.finish_fetch(timeout_s=self._timeout_s)
+            if fetched is not None:
+                follow.tree, follow.delivered_by = fetched.tree, fetched.source
+            follow.failed = fetched is None
         return follow.tree is not None
 
     def hold(self, tensors: Sequence[torch.Tensor], shares: dict[str, int], quorum_id: int) -> None:
@@ -129,10 +135,10 @@ class Follower:
                 apply(shares)
             for tensor, grad in zip(tensors, current, strict=True):
                 tensor.detach().copy_(grad)
-        self.catch_up_log.append({"source": follow.source, "step": follow.base_step,
+        self.catch_up_log.append({"source": follow.delivered_by, "step": follow.base_step,
                                 "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
-        self._rlog.info("caught up: loaded the state of step %d and replayed %d steps", follow.base_step,
-                        len(follow.updates))
+        self._rlog.info("caught up: loaded the state of step %d from %s and replayed %d steps", follow.base_step,
+                        follow.delivered_by, len(follow.updates))
 
     def stop(self, reason: str) -> None:
         """Drop the catch-up (if any): cancel the transfer, back at the group's own step."""

@@ -37,6 +37,7 @@ from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
+from lightning_fthsdp.manager.sources import serves
 from lightning_fthsdp.manager.step import Progress, StepState, split_batches
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
@@ -343,14 +344,15 @@ class FTManager:
         return self._current
 
     def _adopt(self, quorum: Quorum, store_address: str) -> Quorum:
-        """Make ``quorum`` the current one: serve the state if it names us a source, expect its collectives."""
+        """Make ``quorum`` the current one: serve the state if a catching-up group may fetch it from us, expect its
+        collectives."""
         if self._quorum is None or quorum.quorum_id != self._quorum.quorum_id:
             self._qlog.info("quorum %d: members %s, max_step %d, participants %d", quorum.quorum_id,
                             ",".join(quorum.member_ids), quorum.max_step, len(quorum.participants),
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, store_address
         self._deaths_at_quorum = self._heartbeat.deaths
-        if self.replica_id in quorum.catch_up_from.values():
+        if serves(quorum, self.replica_id):
             self._catchup.serve(self.step)
         elif not quorum.following:
             # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.

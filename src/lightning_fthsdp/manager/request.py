@@ -11,6 +11,7 @@ from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.client import LighthouseRejected, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.manager.sources import serves
 
 _SERVICE_UNAVAILABLE = 503
 
@@ -26,8 +27,9 @@ class QuorumRequester:
         client: the connection the requests go over (closed by ``close``).
         replica_id, shard_count, addresses: what the request says of this group (``addresses``: every rank's
             state-server address, shard rank order).
-        serve: called with the step when an answer names this group a recovery source, while ``step()`` still
-            returns that step: the snapshot then overlaps forward and backward.
+        serve: called with the step when this group serves the answer's catching-up groups (their source or an
+            alternative to it, see ``manager.sources``), while ``step()`` still returns that step: the snapshot then
+            overlaps forward and backward.
     """
 
     def __init__(
@@ -125,5 +127,5 @@ class QuorumRequester:
         """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""
         if not future.cancelled() and future.exception() is None:
             quorum, _ = future.result()
-            if self._replica_id in quorum.catch_up_from.values() and self._step() == step:
+            if serves(quorum, self._replica_id) and self._step() == step:
                 self._serve(step)

@@ -4,26 +4,44 @@ Source side: when the quorum names this group as a recovery source, the rank sna
 it for the wire on a background thread as soon as it learns so (the leader: when its quorum answer arrives,
 overlapped with forward and backward) and publishes it at the commit vote (or once digested, if later); only the
 optimizer step waits for the copy to finish, never for the digests or the transfer.
-Recovering side: the fetch runs in the background during the step; the catching-up group loads the state after
-the step's allreduce (to which it contributed zeros) and then applies the same averaged update.
+Recovering side: the fetch runs in the background during the step, from the assigned source or, should that fail,
+from the next up-to-date members (chosen by :mod:`~lightning_fthsdp.manager.sources`), each fetched state checked
+against this rank's own structure (:mod:`~lightning_fthsdp.recovery.expected`) before anything is allocated for it;
+the catching-up group loads the state after the step's allreduce (to which it contributed zeros) and then applies
+the same averaged update.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
+from lightning_fthsdp.recovery.expected import Expected, expect
 from lightning_fthsdp.recovery.server import PreparedState, StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot, unshared
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
+
+
+class Source(NamedTuple):
+    """A replica group that may serve the state, and its state server for this rank's shard rank."""
+
+    replica_id: str
+    address: str
+
+
+class Fetched(NamedTuple):
+    source: str
+    """The replica group that delivered the state."""
+    tree: StateTree
 
 
 @dataclass(eq=False)
@@ -64,7 +82,7 @@ class CatchUp:
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
         self._serving: _Serving | None = None
-        self._fetch: tuple[tuple[str, int], Future[StateTree], threading.Event] | None = None
+        self._fetch: tuple[tuple[tuple[Source, ...], int], Future[Fetched], threading.Event] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -200,28 +218,61 @@ class CatchUp:
 
     # ------------------------------------------------------------------------------------------ catching up
 
-    def start_fetch(self, address: str, step: int, timeout_s: float) -> None:
-        """Fetch ``step`` from ``address`` in the background; a fetch of the same state still running is kept."""
-        if self._fetch is not None and self._fetch[0] == (address, step) and not self._fetch[1].done():
+    def start_fetch(self, sources: Sequence[Source], step: int, timeout_s: float) -> None:
+        """Fetch ``step`` in the background from the first of ``sources`` that delivers it; a fetch of the same state
+        from the same sources still running is kept.
+
+        Each source is tried once, for up to ``timeout_s``, until one delivers a state shaped like this rank's own
+        registered state (read now, on the caller's thread, while nothing changes it); every failure (refused,
+        truncated, corrupt, unlike ours, or any other exception) is logged with the source and the reason."""
+        key = (tuple(sources), step)
+        if self._fetch is not None and self._fetch[0] == key and not self._fetch[1].done():
             return
         self.cancel_fetch()
         abort = threading.Event()
-        future = self._executor.submit(fetch_state, address, step, token=self._token, timeout_s=timeout_s, abort=abort)
-        self._fetch = ((address, step), future, abort)
+        future: Future[Fetched]
+        try:
+            expected = expect(self.capture())
+        except Exception as exc:  # a getter of ours failed: this fetch fails, the training process lives on
+            future = Future()
+            future.set_exception(exc)
+        else:
+            future = self._executor.submit(self._fetch_any, key[0], step, timeout_s, abort, expected)
+        self._fetch = (key, future, abort)
         if self._on_phase is not None:
             self._on_phase("fetch")
+
+    def _fetch_any(self, sources: tuple[Source, ...], step: int, timeout_s: float, abort: threading.Event,
+                   expected: Expected) -> Fetched:
+        """Executor thread: the state of ``step`` from the first source that delivers it."""
+        for source in sources:
+            if abort.is_set():
+                break
+            try:
+                tree = fetch_state(source.address, step, token=self._token, timeout_s=timeout_s, abort=abort,
+                                   expected=expected)
+            except StateFetchError as exc:
+                self._log.warning("fetching the state of step %d from %s failed: %s", step, source.replica_id, exc)
+            except Exception:  # a bug, not the source's doing; still only this source's failure
+                self._log.exception("fetching the state of step %d from %s (%s) failed unexpectedly", step,
+                                    source.replica_id, source.address)
+            else:
+                return Fetched(source.replica_id, tree)
+        tried = ", ".join(source.replica_id for source in sources)
+        raise StateFetchError(f"no source delivered the state of step {step} (tried {tried or 'none'})")
 
     def fetch_done(self) -> bool:
         """Whether the fetch in flight has ended (with the state or an error): ``finish_fetch`` will not wait."""
         return self._fetch is not None and self._fetch[1].done()
 
-    def finish_fetch(self, timeout_s: float) -> StateTree | None:
-        """The fetched tree, or None (failed, or not done in time: the group stays behind and retries)."""
+    def finish_fetch(self, timeout_s: float) -> Fetched | None:
+        """The fetched state and its source, or None (every source failed, or not done in time: the group stays
+        behind and retries with the next quorum's source)."""
         if self._fetch is None:
             return None
         (_, step), future, _ = self._fetch
         try:
-            tree = future.result(timeout=timeout_s)
+            fetched = future.result(timeout=timeout_s)
         except (TimeoutError, futures.TimeoutError):  # distinct classes before Python 3.11
             self._log.warning("state of step %d not fetched within this step; retrying next step", step)
             self.cancel_fetch()
@@ -235,7 +286,7 @@ class CatchUp:
             self._fetch = None
             return None
         self._fetch = None
-        return tree
+        return fetched
 
     def cancel_fetch(self) -> None:
         if self._fetch is not None:

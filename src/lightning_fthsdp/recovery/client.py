@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import torch
 
 from lightning_fthsdp.recovery import wire
+from lightning_fthsdp.recovery.expected import Expected
 
 POLL_S = 0.05
 """How often a blocked receive or connect checks the abort event and the deadline."""
@@ -33,17 +34,20 @@ VERIFY_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 class StateFetchError(RuntimeError):
     """A fetch that returned nothing; the message says what failed (unreachable, 401 wrong token, 404/timeout no
     snapshot for that step, 410 step gone, digest mismatch in tensor i chunk j, truncated payload, malformed or
-    unsupported manifest, limits exceeded, aborted)."""
+    unsupported manifest, a state unlike the expected one, limits exceeded, aborted)."""
 
 
 def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
-                abort: threading.Event | None = None, max_bytes: int = 1 << 40) -> wire.StateTree:
+                abort: threading.Event | None = None, max_bytes: int = 1 << 40,
+                expected: Expected | None = None) -> wire.StateTree:
     """Fetch the snapshot of ``step`` from ``address`` (``http://HOST:PORT``).
 
     Bounded by ``timeout_s`` in all (connect, waiting for the server to publish ``step``, transfer); returns early
     with StateFetchError once ``abort`` is set (checked at least every POLL_S and between chunks). The manifest is
-    validated before anything is allocated; then each tensor is preallocated and received in place, and every
-    chunk's digest is verified. Returns plain contiguous CPU tensors (tuples come back as lists) only if every
+    validated before anything is allocated, and so is its structure against ``expected`` (this rank's own state, see
+    :mod:`~lightning_fthsdp.recovery.expected`): a deeper tree, more bytes, or any differing name, shape, dtype or
+    kind of scalar is refused. Then each tensor is preallocated and received in place, and every chunk's digest is
+    verified. Returns plain contiguous CPU tensors (tuples come back as lists) only if every
     chunk verified; otherwise raises StateFetchError and nothing is returned. ``address`` comes from a peer, so a
     malformed one is a StateFetchError too; ValueError for the caller's own bad arguments.
     """
@@ -71,14 +75,15 @@ def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
                       f"{auth}Connection: close\r\n\r\n".encode())
             status, length = conn.read_head(f"waiting for step {step} to be published")
             if status == 200:
-                return _read_state(conn, length, step, max_bytes, address)
+                return _read_state(conn, length, step, max_bytes, address, expected)
             message = conn.read_error(length)
         if status == 404 and wait_ms == 60_000 and deadline - time.monotonic() > 1:
             continue  # the server's wait is capped below our timeout: ask again
         raise StateFetchError(f"fetching step {step} from {address} failed: HTTP {status}: {message}")
 
 
-def _read_state(conn: _Connection, length: int | None, step: int, max_bytes: int, address: str) -> wire.StateTree:
+def _read_state(conn: _Connection, length: int | None, step: int, max_bytes: int, address: str,
+                expected: Expected | None) -> wire.StateTree:
     if length is None:
         raise StateFetchError(f"malformed response from {address}: a 200 without Content-Length")
     head = bytearray(wire.LENGTH.size)
@@ -91,7 +96,11 @@ def _read_state(conn: _Connection, length: int | None, step: int, max_bytes: int
     raw = bytearray(manifest_len)
     conn.read_into(memoryview(raw), "the manifest")
     try:
-        manifest = wire.parse_manifest(bytes(raw), step, max_bytes)
+        if expected is None:
+            manifest = wire.parse_manifest(bytes(raw), step, max_bytes)
+        else:
+            manifest = wire.parse_manifest(bytes(raw), step, min(max_bytes, expected.max_bytes), expected.max_depth)
+            expected.check(manifest)
     except wire.ManifestError as e:
         raise StateFetchError(f"refused the state of step {step} from {address}: {e}") from None
     if length != wire.LENGTH.size + manifest_len + manifest.total_bytes:
@@ -162,7 +171,7 @@ class _Connection:
                     err = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 raise OSError(err, os.strerror(err))
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a host name the IDNA codec refuses, or with a NUL in it
             self.__exit__()
             raise StateFetchError(f"state server {self._address} unreachable: {e}") from None
         # Kernel-side timeouts on a blocking socket, not settimeout(): each call still returns within POLL_S (to look
@@ -213,14 +222,14 @@ class _Connection:
         self._pending = buf[end + 4 :]
         lines = buf[:end].decode("latin-1").split("\r\n")
         status_line = lines[0].split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
+        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not _is_number(status_line[1]):
             raise StateFetchError(f"malformed response from {self._address}: status line {lines[0][:80]!r}")
         fields = (line.partition(":") for line in lines[1:])
         headers = {name.strip().lower(): value.strip() for name, _, value in fields}
         if "transfer-encoding" in headers:
             raise StateFetchError(f"malformed response from {self._address}: unsupported Transfer-Encoding")
         length = headers.get("content-length")
-        if length is not None and not length.isdigit():
+        if length is not None and not _is_number(length):
             raise StateFetchError(f"malformed response from {self._address}: Content-Length {length!r}")
         self._body_length = int(length) if length is not None else None
         return int(status_line[1]), self._body_length
@@ -250,7 +259,7 @@ class _Connection:
             return f"(no complete error message: {e})"
         try:
             return str(json.loads(body)["error"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):  # RecursionError: JSON nested thousands deep
             return body.decode("utf-8", "replace")[:200]
 
     def _recv_into(self, view: memoryview, doing: str, flags: int) -> int:
@@ -263,3 +272,9 @@ class _Connection:
                 continue
             except OSError as e:
                 raise StateFetchError(f"connection to {self._address} failed while {doing}: {e}") from None
+
+
+def _is_number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts characters ``int`` refuses (the head is read as Latin-1,
+    whose superscript digits are digits)."""
+    return text.isascii() and text.isdigit()

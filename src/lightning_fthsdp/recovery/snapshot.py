@@ -50,7 +50,7 @@ def reserve(tree: StateTree, into: StateTree | None = None) -> StateTree:
     spare = _by_path(into) if into is not None else {}
 
     def buffer(t: torch.Tensor, path: str) -> torch.Tensor:
-        t, reuse = _local(t), spare.pop(path, None)
+        t, reuse = local_shard(t), spare.pop(path, None)
         return reuse if _fits(reuse, t) else torch.zeros(t.shape, dtype=t.dtype, device="cpu")
 
     return map_tensors(tree, buffer)  # type: ignore[return-value]
@@ -62,7 +62,7 @@ def unshared(tree: StateTree, live: StateTree) -> StateTree:
     whole or as views). Compares whole storages, as address ranges per device. Raises whatever a live tensor
     without readable storage raises (an unknown tensor subclass): the caller then keeps nothing."""
     spans: dict[torch.device, list[tuple[int, int]]] = {}
-    map_tensors(live, lambda t, path: spans.setdefault(t.device, []).append(_span(_local(t))))
+    map_tensors(live, lambda t, path: spans.setdefault(t.device, []).append(_span(local_shard(t))))
     merged = {device: _merge(ranges) for device, ranges in spans.items()}
 
     def keep(t: torch.Tensor, path: str) -> torch.Tensor | None:
@@ -102,13 +102,13 @@ def _by_path(tree: StateTree) -> dict[str, torch.Tensor]:
     return {path: tensors[0] for path, tensors in found.items() if len(tensors) == 1}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """Each shard rank serves its own shard: a DTensor's local part, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _copy(t: torch.Tensor, path: str, reuse: torch.Tensor | None = None) -> torch.Tensor:
-    t = _local(t)
+    t = local_shard(t)
     if t.layout != torch.strided:
         raise TypeError(f"tensor {path!r} has layout {t.layout}: only dense tensors transfer; call .to_dense() first")
     dtype_name(t.dtype, path)

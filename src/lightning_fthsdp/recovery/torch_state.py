@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fthsdp.recovery.expected import LazyEntries
 from lightning_fthsdp.recovery.wire import StateTree
 
 
@@ -83,12 +84,16 @@ def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> StateTree:
+    """The optimizer's ``state_dict`` as a tree: per-parameter state under ``state`` (by the parameter's index in
+    ``param_groups``, as a str), then ``param_groups``. ``state`` is a LazyEntries naming the local shape and dtype of
+    each parameter without state yet: a freshly built optimizer creates it at its first step, so a restarted group
+    expects the source to have state it lacks (see :mod:`~lightning_fthsdp.recovery.expected`)."""
     sd = optimizer.state_dict()
-    return {
-        "state": {str(i): {k: local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                  for i, s in sd["state"].items()},
-        "param_groups": [dict(g) for g in sd["param_groups"]],
-    }
+    state = {str(i): {k: local(v).detach() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for i, s in sd["state"].items()}
+    params = (local(p) for group in optimizer.param_groups for p in group["params"])
+    lazy = {str(i): (tuple(p.shape), p.dtype) for i, p in enumerate(params) if str(i) not in state}
+    return {"state": LazyEntries(state, lazy), "param_groups": [dict(g) for g in sd["param_groups"]]}
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, tree: StateTree) -> None:

@@ -192,13 +192,13 @@ def build_manifest(step: int, skeleton: object, tensors: list[torch.Tensor], dig
     return json.dumps(manifest, separators=(",", ":")).encode()
 
 
-def parse_manifest(raw: bytes, step: int, max_bytes: int) -> Manifest:
+def parse_manifest(raw: bytes, step: int, max_bytes: int, max_depth: int = MAX_DEPTH) -> Manifest:
     """Validate a received manifest completely, before anything is allocated for its tensors.
 
     Raises ManifestError saying what is wrong: not UTF-8 JSON, another format or step, a field of the wrong type,
     a negative or non-integer shape, ``nbytes != numel * itemsize``, a digest count other than
     ``ceil(nbytes / chunk_bytes)``, a dtype outside :data:`DTYPES`, placeholders that do not reference each tensor
-    exactly once, or a total over ``max_bytes``.
+    exactly once, a total over ``max_bytes``, or a tree nested deeper than ``max_depth`` (at most MAX_DEPTH).
     """
     try:
         data = json.loads(raw.decode("utf-8"))
@@ -220,7 +220,7 @@ def parse_manifest(raw: bytes, step: int, max_bytes: int) -> Manifest:
     if total > max_bytes:
         raise ManifestError(f"limits exceeded: the state is {total} bytes, over max_bytes={max_bytes}")
     paths: list[str | None] = [None] * len(specs)
-    _check_placeholders(data.get("tree"), paths, "", 0)
+    _check_placeholders(data.get("tree"), paths, "", 0, min(max_depth, MAX_DEPTH))
     if not isinstance(data.get("tree"), dict) or None in paths:
         raise ManifestError("malformed manifest: the tree is not an object referencing every tensor")
     named = tuple(TensorSpec(p or "", s.dtype, s.shape, s.nbytes, s.digests) for p, s in zip(paths, specs, strict=True))
@@ -274,11 +274,11 @@ def _spec(i: int, entry: object, chunk_bytes: int, max_bytes: int) -> TensorSpec
     return TensorSpec("", dtype, tuple(shape), nbytes, tuple(digests))
 
 
-def _check_placeholders(node: object, paths: list[str | None], path: str, depth: int) -> None:
+def _check_placeholders(node: object, paths: list[str | None], path: str, depth: int, max_depth: int) -> None:
     """Fill ``paths[i]`` for each ``{"__tensor__": i}``; ManifestError for a bad or repeated placeholder or a tree
-    nested deeper than MAX_DEPTH."""
-    if depth > MAX_DEPTH:
-        raise ManifestError(f"limits exceeded: the tree is nested deeper than {MAX_DEPTH} levels at {path!r}")
+    nested deeper than ``max_depth``."""
+    if depth > max_depth:
+        raise ManifestError(f"limits exceeded: the tree is nested deeper than {max_depth} levels at {path!r}")
     if isinstance(node, dict):
         if TENSOR_KEY in node:
             index = _int(node[TENSOR_KEY])
@@ -287,7 +287,7 @@ def _check_placeholders(node: object, paths: list[str | None], path: str, depth:
             paths[index] = path or "<root>"
             return
         for key, value in node.items():
-            _check_placeholders(value, paths, f"{path}.{key}" if path else key, depth + 1)
+            _check_placeholders(value, paths, f"{path}.{key}" if path else key, depth + 1, max_depth)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            _check_placeholders(value, paths, f"{path}.{i}" if path else str(i), depth + 1)
+            _check_placeholders(value, paths, f"{path}.{i}" if path else str(i), depth + 1, max_depth)
