@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +34,15 @@ from lightning_fthsdp.lighthouse.api import (
     parse_quorum,
     quorum_answer,
 )
-from lightning_fthsdp.lighthouse.http import Connection, HttpError, Request, Response, json_response
+from lightning_fthsdp.lighthouse.http import (
+    IDLE_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    Connection,
+    HttpError,
+    Request,
+    Response,
+    json_response,
+)
 from lightning_fthsdp.lighthouse.liveness import HeartbeatConnections
 from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, QuorumRules, adopt, decide, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
@@ -55,7 +64,12 @@ class _Replica:
 class Lighthouse:
     """Quorum service. ``start()`` binds the HTTP port and the TCPStore; ``stop()`` closes every connection.
 
-    Endpoints (JSON; ``Authorization: Bearer TOKEN`` or ``?token=`` when a token is set, else 401):
+    Both listen on ``host`` only. ``token``: when set, every request needs it in the ``Authorization`` header
+    (Bearer, or Basic with the token as the password, for a browser), else 401; the groups also derive their
+    rendezvous key prefixes on the store from it. ``request_timeout_s`` and ``idle_timeout_s`` bound slow and idle
+    connections (see ``lighthouse.http``).
+
+    Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
     requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``GET /status``, ``GET /``.
     Bad input is answered 4xx with ``{"error": ...}`` naming the field, the value and the fix.
@@ -69,9 +83,15 @@ class Lighthouse:
         rules: QuorumRules | None = None,
         heartbeat_timeout_ms: int = 2_000,
         token: str | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
+        for name, value in (("request_timeout_s", request_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"Lighthouse {name} must be a number of seconds > 0, got {value!r}")
+        self._request_timeout_s, self._idle_timeout_s = float(request_timeout_s), float(idle_timeout_s)
         self.host, self.port, self.store_port = host, port, store_port
         self.rules = rules or QuorumRules()
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
@@ -112,14 +132,32 @@ class Lighthouse:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind the HTTP server and the TCPStore (an OSError if a port is taken); ``port`` becomes the real one."""
+        """Bind the HTTP server and the TCPStore on ``host``; ``port`` becomes the real one.
+
+        An OSError (``socket.gaierror`` for a host that does not resolve) at once if ``host`` is not an address of
+        this machine or a port is taken: both are bound here before anything waits on them.
+        """
         from torch.distributed import TCPStore  # heavy import, only when a lighthouse actually runs
 
-        self._store = TCPStore(self.host, self.store_port, is_master=True, wait_for_workers=False)
-        self.store_address = f"{self.host}:{self._store.port}"
+        # torch's TCPStore server listens on every interface of its port; handed a socket bound here, it listens on
+        # that one only. Binding it ourselves also fails fast where torch would retry a bad host for minutes.
+        store_socket = _listen_socket(self.host, self.store_port)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connect, self.host, self.port, backlog=1024)
+        try:
+            self._server = await loop.create_server(self._connect, self.host, self.port, backlog=1024)
+        except BaseException:
+            store_socket.close()
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
+        store_port = store_socket.getsockname()[1]
+        try:
+            # The store owns the descriptor from here on and closes it when it stops.
+            self._store = TCPStore(self.host, store_port, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=store_socket.detach())
+        except BaseException:
+            self._server.close()
+            raise
+        self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
         self._started_s = time.monotonic()
         log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms",
@@ -151,7 +189,7 @@ class Lighthouse:
     # ---- HTTP plumbing ----
 
     def _connect(self) -> Connection:
-        conn = Connection(self._route, self._connection_closed)
+        conn = Connection(self._route, self._connection_closed, self._request_timeout_s, self._idle_timeout_s)
         self._connections.add(conn)
         return conn
 
@@ -398,3 +436,9 @@ class Lighthouse:
             for replica_id in [rid for rid in self._readiness.alive if self._replicas[rid].last_seen < cutoff]:
                 self._declare_dead(replica_id, f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
 
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``'s first address (IPv4 or IPv6) and ``port`` (0: a free one)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
