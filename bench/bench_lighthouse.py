@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import resource
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse.json"
 CONNECT_BATCH = 256  # stay well under the listen backlog
+TOKEN = secrets.token_urlsafe(32)
+"""The job's token, as every real deployment has one: each request pays for its check."""
 
 
 def raise_fd_limit(needed: int) -> None:
@@ -45,7 +48,7 @@ def start_lighthouse(groups: int) -> tuple[subprocess.Popen[str], str, int]:
         [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
          "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", "60000"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-        preexec_fn=lambda: raise_fd_limit(groups + 256),
+        preexec_fn=lambda: raise_fd_limit(groups + 256), env={**os.environ, "FTHSDP_TOKEN": TOKEN},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -59,7 +62,7 @@ def start_lighthouse(groups: int) -> tuple[subprocess.Popen[str], str, int]:
 def post(path: str, body: dict[str, object]) -> bytes:
     data = json.dumps(body).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+            f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
 
 
 async def read_response(reader: asyncio.StreamReader, keep: bool = True) -> tuple[int, bytes, int]:

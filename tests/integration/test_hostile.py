@@ -22,15 +22,17 @@ STEPS = 80
 
 
 class Attacker:
-    """Raw HTTP requests to the lighthouse, each on a fresh connection (as a script would send them)."""
+    """Raw HTTP requests to the lighthouse, each on a fresh connection (as a script would send them), with the job's
+    token: a token holder, not an outsider (those are refused at the door, see test_lighthouse_trust)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "", parts.port or 0
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
 
     def post(self, path: str, body: dict[str, Any], *, crash: bool = False) -> int:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=10)
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body), headers=self.headers)
         status = conn.getresponse().status
         if crash:  # drop the connection with a RST, as a killed process would
             assert conn.sock is not None
@@ -55,7 +57,8 @@ def test_forged_and_stale_claims_while_training_change_nothing(job: Job) -> None
     job.start_lighthouse()
     a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
     wait_for(lambda: min(a.last_step(), b.last_step()) >= 10, 120, "a and b to commit 10 steps together")
-    attacker = Attacker(job.lighthouse_url)
+    assert job.token, "a job has a token by default"
+    attacker = Attacker(job.lighthouse_url, job.token)
     refused = [
         # In a's name (another incarnation): supersede its quorum request, leave, heartbeat and drop the connection.
         *(attacker.post("/v1/quorum", quorum_request("a", 10**9)) for _ in range(5)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,8 +29,10 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", "--replicas", "2",
            "--shard-count", "1", "--chaos", CHAOS, "--out", out.name, "--no-live"]
+    # A token of our own (else the launcher makes one), to check it is never printed or written to the run's files.
+    token = secrets.token_urlsafe(32)
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, "FTHSDP_TOKEN": token})
     try:
         output, _ = launcher.communicate(timeout=240)
     finally:
@@ -40,6 +43,8 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 0, output[-4000:]
+    leaks = [str(f) for f in out.rglob("*") if f.is_file() and token.encode() in f.read_bytes()]
+    assert token not in output and not leaks, leaks
     report = json.loads((out / "report.json").read_text())
     assert report["final_params_identical"] is True
     assert report["failures_injected"] == report["failures_planned"] == 2

@@ -208,3 +208,14 @@ def test_any_failure_of_a_fetch_leaves_the_group_behind_and_alive(monkeypatch: p
         assert not catchup.fetch_done()  # nothing in flight: the next step's quorum starts a fresh fetch
     finally:
         catchup.close()
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_a_group_state_server_refuses_a_fetch_without_the_job_token(source, token: str | None) -> None:  # type: ignore[no-untyped-def]
+    """What FTManager serves with (its CatchUp, given $FTHSDP_TOKEN) hands a published step only to the token."""
+    catchup, _ = source
+    catchup.serve(3)
+    catchup.wait_snapshot(timeout_s=10)
+    wait_for(lambda: served(catchup, 3) is not None, 10, "step 3 to be served to the token")
+    with pytest.raises(StateFetchError, match="401"):
+        fetch_state(catchup.address, 3, token=token, timeout_s=5)

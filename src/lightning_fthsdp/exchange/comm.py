@@ -1,8 +1,11 @@
 """Cross-group process groups: built per quorum, bounded waits, abandoned (never reused) after any error.
 
 One ``CrossGroupComm`` per rank connects shard rank ``s`` of every member replica group. The group for
-quorum ``q`` rendezvouses on the lighthouse's store under the prefix ``fthsdp/q{q}/s{s}``, so a new quorum
-never meets an old one's keys.
+quorum ``q`` rendezvouses on the lighthouse's store under its own prefix, so a new quorum never meets an old one's
+keys: ``fthsdp/q{q}/s{s}`` without a token; with the job's token, ``fthsdp/{HMAC(token, q)}/s{s}``. The store has
+no authentication of its own, so the HMAC is what keeps a client without the token from pre-setting the keys of a
+coming quorum (which breaks its rendezvous). A client that can reach the store can still list the keys of a
+rendezvous under way: bind the lighthouse to an address only the job can reach.
 
 Aborting: gloo cannot cancel an in-flight collective (``abort()``/``shutdown()`` return while the op stays
 blocked until its own timeout, and destroying the group blocks until then too). So every collective runs on
@@ -13,6 +16,8 @@ emptied once its op has finished. NCCL's ``abort()`` does cancel, and is called.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import queue
 import threading
 import time
@@ -51,6 +56,13 @@ def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
     if not host or not port.isdigit():
         raise ValueError(f"store address must be HOST:PORT, got {address!r}")
     return dist.TCPStore(host, int(port), is_master=False, timeout=Timeouts.delta(timeout_ms), wait_for_workers=False)
+
+
+def rendezvous_prefix(token: bytes | None, quorum_id: int) -> str:
+    """The store prefix of quorum ``quorum_id``'s rendezvous: unguessable without ``token`` when there is one."""
+    if token is None:
+        return f"fthsdp/q{quorum_id}"
+    return f"fthsdp/{hmac.new(token, f'fthsdp rendezvous of quorum {quorum_id}'.encode(), hashlib.sha256).hexdigest()}"
 
 
 class _StorePool:
@@ -145,8 +157,10 @@ class CrossGroupComm:
         timeouts: Timeouts,
         shard_rank: int,
         on_collective_started: Callable[[], None] | None = None,
+        token: str | None = None,
     ) -> None:
         self.backend_name = backend
+        self._token = token.encode() if token else None
         self.device = device
         self._timeouts = timeouts
         self._shard_rank = shard_rank
@@ -287,7 +301,7 @@ class CrossGroupComm:
         def build() -> None:
             try:
                 client = self._stores.take(store_address)
-                store = dist.PrefixStore(f"fthsdp/q{quorum_id}/s{self._shard_rank}", client)
+                store = dist.PrefixStore(f"{rendezvous_prefix(self._token, quorum_id)}/s{self._shard_rank}", client)
                 # Rendezvous may wait up to connect_timeout for the slowest member; collectives then use the
                 # shorter collective timeout.
                 backend = new_backend(self.backend_name, store, rank, size, self._timeouts.connect_timeout_ms,

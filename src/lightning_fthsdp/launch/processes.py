@@ -2,6 +2,9 @@
 
 Every process is started in its own session and ended by process-group id in ``Job.close()`` (SIGCONT before
 SIGKILL, so stopped ones die too). Waits are for events (a line, a JSONL record, an exit) with deadlines.
+
+Every job has a token (``$FTHSDP_TOKEN`` if set, else a fresh random one), handed to the lighthouse and every group
+through the environment, never on a command line.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_fthsdp.config.env import ENV_TOKEN
 
 PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
 LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+)) store")
@@ -71,6 +77,9 @@ class Job:
     collective_timeout_ms: int = 20_000
     replica_ids: tuple[str, ...] = ()
     """The job's replica ids, declared to the lighthouse (it refuses any other); empty: any id may join."""
+    token: str | None = field(default_factory=lambda: os.environ.get(ENV_TOKEN) or secrets.token_urlsafe(32),
+                              repr=False)
+    """The job's shared secret (None: a job without one, whose lighthouse anyone on the host may call)."""
     lighthouse_url: str = ""
     lighthouse: subprocess.Popen[bytes] | None = None
     groups: dict[str, Group] = field(default_factory=dict)
@@ -91,8 +100,13 @@ class Job:
         return self.lighthouse_url
 
     def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.lighthouse_url}/status", timeout=5) as response:
+        request = urllib.request.Request(f"{self.lighthouse_url}/status", headers=self.auth_headers())
+        with urllib.request.urlopen(request, timeout=5) as response:
             return json.loads(response.read())
+
+    def auth_headers(self) -> dict[str, str]:
+        """The header every request to this job's lighthouse needs."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def start_group(self, replica_id: str, steps: int, *, fault: str | None = None, shard_count: int = 1,
                     step_time_ms: int = 20, extra: tuple[str, ...] = ()) -> Group:
@@ -149,7 +163,11 @@ class Job:
 
     def _spawn(self, cmd: list[str], out: Path, extra_env: dict[str, str] | None = None,
                cwd: Path | None = None) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(ENV_TOKEN, None)
+        if self.token:
+            env[ENV_TOKEN] = self.token
+        env.update(extra_env or {})
         with out.open("wb") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)

@@ -7,6 +7,8 @@ runs before the server changes any state, so a rejected request leaves the light
 
 from __future__ import annotations
 
+import base64
+import binascii
 import gzip
 import hmac
 import json
@@ -37,14 +39,41 @@ class HeartbeatRequest:
 
 
 def authorize(request: Request, token: bytes | None) -> None:
-    """Refuse (401) a request without the lighthouse's token, when it has one."""
+    """Refuse (401) a request without the lighthouse's token, when it has one.
+
+    The token travels only in the ``Authorization`` header: ``Bearer TOKEN`` for programs, or HTTP Basic with the
+    token as the password (any user name) for a browser, which prompts for it on the 401's ``WWW-Authenticate``.
+    A token in the URL is refused even when the header is right: URLs end up in proxy and access logs.
+    """
     if token is None:
         return
-    header = request.headers.get("authorization", "")
-    given = header[len("Bearer "):] if header.startswith("Bearer ") else request.query.get("token", "")
-    if not hmac.compare_digest(given.encode(), token):
+    if "token" in request.query:
+        raise HttpError(401, "a token in the URL (?token=) is refused because URLs are logged: send it in the "
+                             "'Authorization: Bearer TOKEN' header (a browser: the password of the login prompt)",
+                        _CHALLENGE)
+    given = _header_token(request.headers.get("authorization", ""))
+    if not hmac.compare_digest(given, token):
         what = "a wrong token" if given else "no token"
-        raise HttpError(401, f"request has {what}: send 'Authorization: Bearer TOKEN' with the lighthouse's token")
+        raise HttpError(401, f"request has {what}: send 'Authorization: Bearer TOKEN' with the lighthouse's token "
+                             f"(a browser: the token as the password of the login prompt)", _CHALLENGE)
+
+
+_CHALLENGE = (("WWW-Authenticate", 'Basic realm="fthsdp lighthouse", charset="UTF-8"'),)
+"""Makes a browser prompt for credentials; ``authorize`` takes the password as the token."""
+
+
+def _header_token(header: str) -> bytes:
+    """The token an ``Authorization`` header carries (b"" when none): Bearer, or the password of Basic."""
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip().encode("latin-1")  # the head was decoded as latin-1: the bytes as sent
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return b""
+        return decoded.partition(b":")[2]
+    return b""
 
 
 def parse_heartbeat(request: Request) -> HeartbeatRequest:

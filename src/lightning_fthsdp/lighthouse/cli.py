@@ -2,7 +2,11 @@
 
 Prints exactly one line to stdout once both ports are bound, which launchers and tests parse:
 ``fthsdp lighthouse listening on http://HOST:PORT store HOST:STOREPORT``. Invalid arguments exit 2 with a
-message naming the value; a port already in use exits 1 with the OSError.
+message naming the value; a host that does not resolve or is not this machine's, or a port already in use, exits 1
+at once with one line naming it.
+
+The token comes from ``$FTHSDP_TOKEN`` or ``--token-file``, never from an argument (``ps`` shows arguments to every
+user), and is never printed. Without one the lighthouse listens only on a loopback address unless ``--insecure``.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
+import socket
 import sys
+from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -44,15 +51,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--lost-state-wait-ms", type=_positive, default=int(QuorumRules.lost_state_wait_s * 1000),
                         help="when no live group holds the committed step, wait this long for one before restarting "
                              "from an older step and reporting the steps lost (default %(default)s)")
-    parser.add_argument("--token", default=None,
-                        help=f"require 'Authorization: Bearer TOKEN' on every request (default: ${ENV_TOKEN}; "
-                             f"the argument wins)")
+    parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
+                        help=f"read the job's token from this file (default: ${ENV_TOKEN}); every request then "
+                             f"needs 'Authorization: Bearer TOKEN', and the groups need the same token")
+    parser.add_argument("--insecure", action="store_true",
+                        help="listen on a non-loopback --host without a token: anyone who reaches it can join, "
+                             "stall or end the job")
+    # Refused in run() with the fix: a token on the command line is visible to every user through ps.
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.lighthouse.server import Lighthouse
 
+    if args.token is not None:
+        return _fail(2, f"--token is not accepted (every user can read command lines with ps): set ${ENV_TOKEN} or "
+                        f"pass --token-file PATH")
+    try:
+        token = _read_token(args.token_file) if args.token_file is not None else from_env(None, ENV_TOKEN)
+        if token is not None:
+            _check_token(token, f"--token-file {str(args.token_file)!r}" if args.token_file else f"${ENV_TOKEN}")
+    except ValueError as e:
+        return _fail(2, str(e))
+    try:
+        loopback = _is_loopback(args.host)
+    except OSError as e:
+        return _fail(1, f"cannot resolve --host {args.host!r} ({e}): give a name or address of this machine")
+    if not (token or loopback or args.insecure):
+        return _fail(2, f"refusing to listen on --host {args.host}, which is not a loopback address, without a "
+                        f"token: set ${ENV_TOKEN} or pass --token-file PATH (or --insecure to let anyone who reaches "
+                        f"it join the job)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     lighthouse = Lighthouse(
         host=args.host,
@@ -62,15 +91,16 @@ def run(args: argparse.Namespace) -> int:
                           lost_state_wait_s=args.lost_state_wait_ms / 1000),
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         replica_ids=args.replica_ids,
-        token=from_env(args.token, ENV_TOKEN),
+        token=token,
     )
 
     async def main() -> None:
         stop = asyncio.Event()
+        await lighthouse.start()
+        # Only now: until here SIGTERM keeps its default action and ends the process wherever startup is.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await lighthouse.start()
         # GC tuning for a burst of requests from every group at once (bench/bench_lighthouse.py measures it): freeze
         # the import-time objects (torch's, for the TCPStore, are most of them) out of full collections, and collect
         # the young generation less often so in-flight requests are not promoted and rescanned.
@@ -85,10 +115,38 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except OSError as e:
-        print(f"fthsdp lighthouse: cannot bind {args.host}:{args.port} or store port {args.store_port}: {e}",
-              file=sys.stderr)
-        return 1
+        return _fail(1, f"cannot listen on --host {args.host} (port {args.port}, store port {args.store_port}): {e}; "
+                        f"give an address of this machine (0.0.0.0: all of them) and free ports")
     return 0
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"fthsdp lighthouse: {message}", file=sys.stderr)
+    return code
+
+
+def _read_token(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace, e.g. the final newline, dropped); never echoed in errors."""
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --token-file {str(path)!r}: {e}") from None
+    if not token:
+        raise ValueError(f"--token-file {str(path)!r} is empty: write the job's token into it")
+    return token
+
+
+def _check_token(token: str, source: str) -> None:
+    """A ValueError naming ``source`` (never the token) unless ``token`` can travel in an HTTP header."""
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ValueError(f"the token in {source} holds characters an HTTP header cannot carry: use printable ASCII "
+                         f"without spaces, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (socket.gaierror if it does not resolve)."""
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    return all(ipaddress.ip_address(address.partition("%")[0]).is_loopback for address in addresses)
 
 
 def _positive(text: str) -> int:

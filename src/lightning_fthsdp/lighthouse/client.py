@@ -46,7 +46,13 @@ class LighthouseRejected(RuntimeError):
 
 
 class _Connection:
-    """One keep-alive HTTP connection that reconnects on the next request after any error."""
+    """One keep-alive HTTP connection that reconnects on the next request after any error.
+
+    A reused connection the lighthouse has closed in the meantime (it closes idle ones) fails with a reset or a
+    broken pipe; the request is then sent once more on a fresh connection, as urllib3 does. Every request here is
+    safe to repeat (a heartbeat, a quorum request that replaces the group's earlier one, a leave), and a lighthouse
+    that is gone refuses the fresh connection, which is reported as before.
+    """
 
     def __init__(self, url: str, token: str | None) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -59,26 +65,33 @@ class _Connection:
         self._conn: http.client.HTTPConnection | None = None
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        if self._conn is None:
-            self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
-        self._conn.timeout = timeout_s
-        if self._conn.sock is not None:
-            self._conn.sock.settimeout(timeout_s)
+        data = json.dumps(body)
+        for attempt in (1, 2):
+            reused = self._conn is not None and self._conn.sock is not None
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+            self._conn.timeout = timeout_s
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout_s)
+            try:
+                self._conn.request("POST", path, body=data, headers=self._headers)
+                response = self._conn.getresponse()
+                payload = response.read()
+                break
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                # RemoteDisconnected is a ConnectionResetError. A timeout is never retried: the request may be held.
+                if reused and attempt == 1 and isinstance(exc, ConnectionResetError | BrokenPipeError):
+                    continue
+                raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError)) from exc
         try:
-            self._conn.request("POST", path, body=json.dumps(body), headers=self._headers)
-            response = self._conn.getresponse()
-            payload = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self.close()
-            raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError)) from exc
-        try:
-            data = json.loads(payload or b"{}")
+            answer = json.loads(payload or b"{}")
         except ValueError as exc:
             self.close()
             raise LighthouseUnavailable(f"{path}: unreadable answer {payload[:200]!r}") from exc
         if response.status != 200:
-            raise LighthouseRejected(response.status, str(data.get("error", payload[:200])))
-        return data
+            raise LighthouseRejected(response.status, str(answer.get("error", payload[:200])))
+        return answer
 
     def close(self) -> None:
         if self._conn is not None:

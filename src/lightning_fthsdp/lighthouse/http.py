@@ -9,6 +9,11 @@ Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order, 
 usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431), and heads a proxy or
 another parser could read differently (400): a control character anywhere in the head, a repeated Content-Length;
 after those, and after an unparsable request line (400), the connection is closed because its framing is lost.
+
+Bounded in time, so slow or silent clients cannot hold connections (slowloris): a request must arrive whole, head
+and body, within ``request_timeout_s`` of its first byte (else 408 and the connection is closed), and a keep-alive
+connection with no request in flight and none arriving is closed after ``idle_timeout_s``. A request being handled
+(a held long-poll or quorum request) is never timed out here: its handler bounds it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 MAX_BODY = 1 << 20
 MAX_HEAD = 64 << 10
+REQUEST_TIMEOUT_S = 10.0
+"""Default bound on receiving one request, from its first byte to its last: generous for a 1 MiB body on a slow
+link, short enough that a client trickling bytes holds a connection only briefly."""
+IDLE_TIMEOUT_S = 120.0
+"""Default bound on a keep-alive connection with nothing in flight. A healthy group's heartbeat connection is never
+idle (the next long-poll follows each answer at once); a leader's quorum connection may idle between steps and the
+client reconnects when it finds it closed."""
 
 log = logging.getLogger("fthsdp.lighthouse")
 
@@ -31,10 +43,11 @@ log = logging.getLogger("fthsdp.lighthouse")
 class HttpError(Exception):
     """Raised by a handler (or the parser) to answer ``status`` with ``{"error": message}``."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
 @dataclass
@@ -46,6 +59,8 @@ class Response:
     """``body`` gzip-compressed, sent instead to clients that send ``Accept-Encoding: gzip``. For answers shared
     by many clients: a quorum's answer grows with its members and goes to every one of them, so compressing it
     once saves bytes on every connection."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """Extra response headers (name, value), e.g. ``WWW-Authenticate`` on a 401."""
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -81,20 +96,28 @@ class Connection(asyncio.Protocol):
     """One client connection: parses requests, runs ``handler`` for one at a time, writes the responses in order.
 
     When the peer closes (EOF or reset) the in-flight handler task is cancelled (a held long-poll or quorum
-    request cleans up in its ``finally``) and ``on_close(self)`` is called exactly once.
+    request cleans up in its ``finally``) and ``on_close(self)`` is called exactly once; also when the connection
+    is closed for a timeout (see the module docstring).
     """
 
-    def __init__(self, handler: Handler, on_close: Callable[[Connection], None]) -> None:
+    def __init__(self, handler: Handler, on_close: Callable[[Connection], None],
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self._handler = handler
         self._on_close = on_close
+        self._request_timeout_s, self._idle_timeout_s = request_timeout_s, idle_timeout_s
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
         self._task: asyncio.Task[None] | None = None
+        # One timer at a time: "idle" while nothing is in flight or arriving, "request" from a request's first byte
+        # until it is complete (not restarted by later bytes), none while a handler runs.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._arm()
 
     def data_received(self, data: bytes) -> None:
         if self._discard:
@@ -115,6 +138,7 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self._disarm()
         if self._task is not None:
             self._task.cancel()
         self._on_close(self)
@@ -124,7 +148,11 @@ class Connection(asyncio.Protocol):
             self._transport.close()
 
     def _pump(self) -> None:
-        """Start the next complete request if none is in flight."""
+        """Start the next complete request if none is in flight; keep the timer that fits what is left waiting."""
+        self._start_next()
+        self._arm()
+
+    def _start_next(self) -> None:
         if self._task is not None or self.closed or self._discard:
             return
         head_end = self._buffer.find(b"\r\n\r\n")
@@ -145,7 +173,7 @@ class Connection(asyncio.Protocol):
             self._discard = max(0, length - available)
             self._write(_error(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True)
             if not self._discard:
-                self._pump()
+                self._start_next()
             return
         if len(self._buffer) < body_start + length:
             return
@@ -159,7 +187,7 @@ class Connection(asyncio.Protocol):
         try:
             response = await self._handler(request)
         except HttpError as e:
-            response = _error(e.status, e.message)
+            response = _error(e.status, e.message, e.headers)
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
             response = _error(500, "internal error in the lighthouse; see its log")
@@ -172,9 +200,39 @@ class Connection(asyncio.Protocol):
         else:
             self.close()
 
+    def _arm(self) -> None:
+        """The timer for the connection's state: none while a handler runs, else "request" while one arrives (data
+        buffered or an oversized body draining), else "idle"."""
+        if self.closed or self._task is not None:
+            self._disarm()
+            return
+        kind = "request" if self._buffer or self._discard else "idle"
+        if kind == self._timer_kind:
+            return  # a request's bound runs from its first byte: later bytes do not extend it
+        self._disarm()
+        delay = self._request_timeout_s if kind == "request" else self._idle_timeout_s
+        self._timer = asyncio.get_running_loop().call_later(delay, self._expire, kind)
+        self._timer_kind = kind
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_kind = None, ""
+
+    def _expire(self, kind: str) -> None:
+        self._timer, self._timer_kind = None, ""
+        if self.closed or self._task is not None:
+            return
+        if kind == "request":
+            self._fail(HTTPStatus.REQUEST_TIMEOUT, f"request not received whole within {self._request_timeout_s} s "
+                                                   f"of its first byte: send the head and body at once")
+        else:
+            self.close()  # idle: no answer is owed, and HTTP clients expect an idle keep-alive connection to close
+
     def _write(self, response: Response, keep_alive: bool, accept_gzip: bool = False) -> None:
         assert self._transport is not None
         body, extra = response.body, "" if keep_alive else "Connection: close\r\n"
+        extra += "".join(f"{name}: {value}\r\n" for name, value in response.headers)
         if accept_gzip and response.gzipped is not None:
             body, extra = response.gzipped, extra + "Content-Encoding: gzip\r\n"
         head = (
@@ -212,8 +270,8 @@ def require_int(body: dict[str, object], name: str, minimum: int | None) -> int:
     return value
 
 
-def _error(status: int, message: str) -> Response:
-    return json_response({"error": message}, status)
+def _error(status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(status, json.dumps({"error": message}, separators=(",", ":")).encode(), headers=headers)
 
 
 def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:

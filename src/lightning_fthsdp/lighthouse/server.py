@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -32,7 +33,15 @@ from lightning_fthsdp.lighthouse.api import (
     parse_quorum,
     quorum_answer,
 )
-from lightning_fthsdp.lighthouse.http import Connection, HttpError, Request, Response, json_response
+from lightning_fthsdp.lighthouse.http import (
+    IDLE_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    Connection,
+    HttpError,
+    Request,
+    Response,
+    json_response,
+)
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.liveness import HeartbeatConnections
 from lightning_fthsdp.lighthouse.quorum import (
@@ -55,7 +64,12 @@ MAX_LONG_POLL_MS = 5_000
 class Lighthouse:
     """Quorum service. ``start()`` binds the HTTP port and the TCPStore; ``stop()`` closes every connection.
 
-    Endpoints (JSON; ``Authorization: Bearer TOKEN`` or ``?token=`` when a token is set, else 401):
+    Both listen on ``host`` only. ``token``: when set, every request needs it in the ``Authorization`` header
+    (Bearer, or Basic with the token as the password, for a browser), else 401; the groups also derive their
+    rendezvous key prefixes on the store from it. ``request_timeout_s`` and ``idle_timeout_s`` bound slow and idle
+    connections (see ``lighthouse.http``).
+
+    Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
     requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``GET /status``, ``GET /``.
     Bad input is answered 4xx with ``{"error": ...}`` naming the field, the value and the fix.
@@ -70,9 +84,15 @@ class Lighthouse:
         heartbeat_timeout_ms: int = 2_000,
         token: str | None = None,
         replica_ids: Iterable[str] | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
+        for name, value in (("request_timeout_s", request_timeout_s), ("idle_timeout_s", idle_timeout_s)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"Lighthouse {name} must be a number of seconds > 0, got {value!r}")
+        self._request_timeout_s, self._idle_timeout_s = float(request_timeout_s), float(idle_timeout_s)
         declared = None if replica_ids is None else frozenset(_declared_id(rid) for rid in replica_ids)
         if declared is not None and not declared:
             raise ValueError("Lighthouse replica_ids is empty: name the job's replica ids, or pass None to admit any")
@@ -119,14 +139,32 @@ class Lighthouse:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind the HTTP server and the TCPStore (an OSError if a port is taken); ``port`` becomes the real one."""
+        """Bind the HTTP server and the TCPStore on ``host``; ``port`` becomes the real one.
+
+        An OSError (``socket.gaierror`` for a host that does not resolve) at once if ``host`` is not an address of
+        this machine or a port is taken: both are bound here before anything waits on them.
+        """
         from torch.distributed import TCPStore  # heavy import, only when a lighthouse actually runs
 
-        self._store = TCPStore(self.host, self.store_port, is_master=True, wait_for_workers=False)
-        self.store_address = f"{self.host}:{self._store.port}"
+        # torch's TCPStore server listens on every interface of its port; handed a socket bound here, it listens on
+        # that one only. Binding it ourselves also fails fast where torch would retry a bad host for minutes.
+        store_socket = _listen_socket(self.host, self.store_port)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connect, self.host, self.port, backlog=1024)
+        try:
+            self._server = await loop.create_server(self._connect, self.host, self.port, backlog=1024)
+        except BaseException:
+            store_socket.close()
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
+        store_port = store_socket.getsockname()[1]
+        try:
+            # The store owns the descriptor from here on and closes it when it stops.
+            self._store = TCPStore(self.host, store_port, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=store_socket.detach())
+        except BaseException:
+            self._server.close()
+            raise
+        self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
         self._started_s = time.monotonic()
         log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms",
@@ -159,7 +197,7 @@ class Lighthouse:
     # ---- HTTP plumbing ----
 
     def _connect(self) -> Connection:
-        conn = Connection(self._route, self._connection_closed)
+        conn = Connection(self._route, self._connection_closed, self._request_timeout_s, self._idle_timeout_s)
         self._connections.add(conn)
         return conn
 
@@ -480,3 +518,9 @@ def _declared_id(replica_id: str) -> str:
         return check_replica_id(replica_id)
     except ValueError as e:
         raise ValueError(f"Lighthouse replica_ids: {e}") from None
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``'s first address (IPv4 or IPv6) and ``port`` (0: a free one)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)

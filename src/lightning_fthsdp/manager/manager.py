@@ -125,7 +125,7 @@ class FTManager:
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
         self._elog = log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
-                                    on_collective_started=on_phase and (lambda: on_phase("allreduce")))
+                                    on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token)
         self.incarnation = self._agreement.incarnation()
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count,
                                     self.timeouts, step=lambda: self.step, on_dead=self._on_dead,
