@@ -17,7 +17,7 @@ FORGED = "forger"
 def test_a_forged_request_in_a_live_groups_name_changes_nothing(lighthouse: Callable[..., str]) -> None:
     """As observed: five quorum requests as "a" at step 10^9 superseded a's request (a crashed), and a leave or a
     heartbeat-and-drop as "a" had a declared dead. Another incarnation may do none of these while a lives."""
-    url = lighthouse(min_replicas=2)
+    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
     obs, beat_a = Client(url), Client(url)
     beat_a.call("POST", "/v1/heartbeat", hb("a"))
     form(url, "a", "b")
@@ -43,13 +43,15 @@ def test_a_forged_request_in_a_live_groups_name_changes_nothing(lighthouse: Call
 
 def test_a_claim_beyond_the_committed_step_is_refused(lighthouse: Callable[..., str]) -> None:
     """As observed: a new id at a far-ahead step became every group's catch-up source and the job jumped to it."""
-    url = lighthouse(min_replicas=2)
+    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
     form(url, "a", "b", step=0)
     form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), committed_in=0)
     for body, why in [
         (qr("x", 50_001), "beyond the job's committed step 1 + 1"),
         (qr("a", 3, quorum_id=0, members=("a", "b"), committed_in=-1), "beyond the job's committed step 1 + 1"),
-        (qr("c", 2, committed_in=7), "quorum 7, which was never formed"),
+        (qr("a", 10**9, quorum_id=0, members=("a", "b"), committed_in=0), "beyond the job's committed step 1 + 1"),
+        (qr("x", 2), "only a commit in the newest quorum 0 reaches"),
+        (qr("c", 1, committed_in=7), "quorum 7, which was never formed"),
         (hb("y", step=10**18), "beyond the job's committed step 1 + 1"),
     ]:
         path = "/v1/heartbeat" if "known_epoch" in body else "/v1/quorum"
@@ -63,12 +65,34 @@ def test_a_claim_beyond_the_committed_step_is_refused(lighthouse: Callable[..., 
 
 
 def test_a_member_that_trained_on_while_the_lighthouse_was_away_is_believed(lighthouse: Callable[..., str]) -> None:
-    """A group keeps its quorum while the lighthouse is unreachable: its incarnation was answered that quorum, so a
-    step beyond the committed one, committed in it, is its own training, not a forgery."""
-    url = lighthouse(min_replicas=2)
+    """A group keeps its quorum while it cannot reach the lighthouse (which declares it dead meanwhile): a step beyond
+    the committed one, committed in that quorum, is its own training, not a forgery."""
+    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
+    beats = {rid: Client(url) for rid in "ab"}
+    for rid, client in beats.items():
+        client.call("POST", "/v1/heartbeat", hb(rid))
     form(url, "a", "b", step=0)
+    for client in beats.values():
+        client.crash()
+    wait_for(lambda: all(g["dead"] for g in Client(url).status()["groups"]), 5, "a and b dead", interval_s=0.005)
     answers = form(url, "a", "b", step=5, quorum_id=0, members=("a", "b"), committed_in=0)
-    assert answers[0]["quorum_id"] == 0 and answers[0]["max_step"] == 5
+    assert answers[0]["max_step"] == 5 and answers[0]["catch_up_from"] == {}
+
+
+def test_a_restarted_lighthouse_believes_the_holders_that_come_back(lighthouse: Callable[..., str]) -> None:
+    """A restarted lighthouse knows nothing of the job's past: a fresh group c forms quorum 0 alone and commits step
+    1; then b, which holds step 100 committed in quorum 5 of the lighthouse that died, comes back. It is believed
+    (the lighthouse has not settled), and c catches up from it: nothing lost."""
+    url = lighthouse(lost_state_wait_s=30.0)
+    assert form(url, "c")[0]["max_step"] == 0
+    b, c = Client(url), Client(url)
+    b.send("POST", "/v1/quorum", qr("b", 100, quorum_id=5, members=("a", "b"), committed_in=5))
+    wait_for(lambda: any(g["replica_id"] == "b" and g["pending"] for g in c.status()["groups"]), 5, "b's request held",
+             interval_s=0.005)
+    c.send("POST", "/v1/quorum", qr("c", 1, quorum_id=0, members=("c",), committed_in=0))
+    answers = [b.recv(), c.recv()]
+    assert all(code == 200 and answer == answers[0][1] for code, answer in answers), answers
+    assert answers[0][1]["max_step"] == 100 and answers[0][1]["catch_up_from"] == {"c": "b"}
 
 
 def test_a_new_incarnation_is_admitted_once_the_old_one_is_dead(lighthouse: Callable[..., str]) -> None:
@@ -171,5 +195,11 @@ def test_a_quorum_below_the_committed_step_reports_the_loss_after_the_wait(light
     start = time.monotonic()
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 0))
     assert code == 200 and answer["max_step"] == 0 and time.monotonic() - start >= 0.5
-    assert obs.status()["lost_steps"] == [{"quorum_id": answer["quorum_id"], "from_step": 0, "committed_step": 1,
-                                           "lost_steps": 1}]
+    lost = [{"quorum_id": answer["quorum_id"], "from_step": 0, "committed_step": 1, "lost_steps": 1}]
+    assert obs.status()["lost_steps"] == lost
+    # The job goes on from step 0: its next step is answered at once, and is no new loss.
+    start = time.monotonic()
+    code, again = Client(url).call("POST", "/v1/quorum", qr("c", 1, quorum_id=answer["quorum_id"], members=("c",),
+                                                             committed_in=answer["quorum_id"]))
+    assert code == 200 and again["max_step"] == 1 and time.monotonic() - start < 0.4
+    assert obs.status()["lost_steps"] == lost

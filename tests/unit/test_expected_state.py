@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_fthsdp.manager.step import Progress
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
-from lightning_fthsdp.recovery.expected import LAZY_TENSORS, expect
+from lightning_fthsdp.recovery.expected import LAZY_FACTOR, LAZY_SLACK, LAZY_TENSORS, Counters, expect
 from lightning_fthsdp.recovery.server import StateServer
 from lightning_fthsdp.recovery.snapshot import snapshot
 from lightning_fthsdp.recovery.torch_state import load_optimizer_state, optimizer_state, rng_state
@@ -98,10 +98,23 @@ def test_deeper_nesting_than_the_local_state_is_refused(refused: Refused) -> Non
                      refused({"a": {"w": {"x": torch.ones(1)}}}, {"a": {"w": torch.ones(1)}}))
 
 
-def test_scalars_may_differ_in_value_none_matches_any_kind_and_numbers_are_one_kind(server: StateServer) -> None:
+def test_scalars_may_differ_in_value_none_here_takes_any_kind_and_numbers_are_one_kind(server: StateServer,
+                                                                                       refused: Refused) -> None:
     source = {"lr": 0.5, "gauss": 0.25, "cached": None, "steps": 3.0}
-    got = fetch_as(server, source, {"lr": 1, "gauss": None, "cached": "x", "steps": 3})
+    got = fetch_as(server, source, {"lr": 1, "gauss": None, "cached": None, "steps": 3})
     assert got == source
+    # A None where this state holds a value would reach a loader that cannot take it (int(None)).
+    assert re.search(r"at 'step': here number 3, from the source NoneType None", refused({"step": None}, {"step": 3}))
+
+
+def test_extra_keys_are_refused_except_in_per_group_counters(server: StateServer, refused: Refused) -> None:
+    """A loader of a module's state refuses unexpected keys: so does the fetch, before anything is loaded."""
+    assert re.search(r"at 'model.extra': here nothing, from the source number 1",
+                     refused({"model": {"w": torch.ones(2), "extra": 1}}, {"model": {"w": torch.ones(2)}}))
+    got = fetch_as(server, {"seen": Counters({"a": 3, "b": 2})}, {"seen": Counters({"c": 1})})
+    assert got == {"seen": {"a": 3, "b": 2}}
+    assert re.search(r"at 'seen': here per-group counters", refused({"seen": {"a": -1}}, {"seen": Counters()}))
+    assert re.search(r"at 'seen': here per-group counters", refused({"seen": {"a": "3"}}, {"seen": Counters()}))
 
 
 def test_the_managers_own_state_of_a_restarted_group_accepts_a_running_groups(server: StateServer) -> None:
@@ -138,20 +151,23 @@ def test_a_fresh_optimizer_accepts_the_state_its_first_step_creates(server: Stat
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], source.state_dict()["state"][0]["exp_avg"])
 
 
-def test_lazy_state_must_have_its_parameters_shape_and_dtype_or_be_a_scalar(server: StateServer,
-                                                                            refused: Refused) -> None:
+def test_lazy_state_is_bounded_by_its_parameter(server: StateServer, refused: Refused) -> None:
+    """Any optimizer's layout (factored row and column statistics, an L-BFGS history list, quantized state) fits,
+    bounded by the parameter's own size."""
     fresh = torch.optim.Adam(torch.nn.Linear(4, 3).parameters())
-    wrong = {"state": {"1": {"step": torch.tensor(1.0), "exp_avg": torch.ones(4)}}, "param_groups": []}
     local = {"o": optimizer_state(fresh)}
     local["o"]["param_groups"] = []  # type: ignore[index]
-    frozen = {"state": {"0": {"step": torch.tensor(1.0), "exp_avg": torch.ones(3, 4)}}, "param_groups": []}
-    assert torch.equal(fetch_as(server, {"o": frozen}, local)["o"]["state"]["0"]["exp_avg"], torch.ones(3, 4))
-    assert re.search(r"at 'o.state.1.exp_avg': here the state of a float32 parameter of "
-                                              r"shape \[3\], not created yet .* from the source a float32 tensor of "
-                                              r"shape \[4\]",
-                     refused({"o": wrong}, local))
-    many = {"state": {"0": {f"t{i}": torch.ones(3, 4) for i in range(LAZY_TENSORS + 1)}}, "param_groups": []}
-    assert re.search(rf"at 'o.state.0': .* from the source more than {LAZY_TENSORS} tensors",
+    factored = {"state": {"0": {"step": torch.tensor(1.0), "row": torch.ones(3), "col": torch.ones(4),
+                                "history": [torch.ones(3, 4), torch.ones(3, 4)],
+                                "qmap": torch.zeros(256, dtype=torch.uint8)}},
+                "param_groups": []}
+    got = fetch_as(server, {"o": factored}, local)["o"]["state"]["0"]
+    assert torch.equal(got["col"], torch.ones(4)) and len(got["history"]) == 2
+    huge = {"state": {"1": {"exp_avg": torch.ones(LAZY_FACTOR * 3 + LAZY_SLACK // 4 + 1)}}, "param_groups": []}
+    assert re.search(r"at 'o.state.1': here the state of a float32 parameter of shape \[3\], not created yet .* "
+                     r"from the source 1 tensors of", refused({"o": huge}, local))
+    many = {"state": {"0": {f"t{i}": torch.ones(()) for i in range(LAZY_TENSORS + 1)}}, "param_groups": []}
+    assert re.search(rf"at 'o.state.0': .* from the source {LAZY_TENSORS + 1} tensors",
                      refused({"o": many}, local))
     unknown = {"state": {"2": {"step": torch.tensor(1.0)}}, "param_groups": []}
     assert re.search(r"at 'o.state.2': here nothing, from the source a dict of 1 entries",

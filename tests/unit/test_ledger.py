@@ -21,35 +21,47 @@ def ledger_of(*answered: tuple[int, int]) -> CommitLedger:
     return ledger
 
 
-def test_a_fresh_or_restarted_lighthouse_cannot_check_and_believes() -> None:
-    assert CommitLedger().refusal(10**9, 12, -1) is None
+def test_a_lighthouse_believes_what_it_cannot_check_until_it_settles() -> None:
+    """A fresh ledger knows nothing; a lighthouse that may have restarted believes claims (the holders of the job's
+    state are coming back to it) until ``settles_at``."""
+    assert CommitLedger().refusal(10**9, 12, -1, now=0.0) is None
+    ledger = ledger_of((0, 0))
+    ledger.settles_at = 30.0
+    assert ledger.refusal(10**9, 12, -1, now=29.0) is None
+    assert "beyond" in str(ledger.refusal(10**9, 12, -1, now=30.0))
 
 
-@pytest.mark.parametrize(("step", "committed_in", "holds", "refused"), [
+@pytest.mark.parametrize(("step", "committed_in", "lost_contact_in", "refused"), [
     (0, -1, -1, None),  # a fresh group
+    (5, -1, -1, None),  # a checkpoint of the committed step
+    (6, -1, -1, "only a commit in the newest quorum 2 reaches, but committed in no quorum"),  # a checkpoint ahead
     (7, -1, -1, "beyond the job's committed step 5 + 1"),  # a checkpoint the job never reached
     (6, 2, -1, None),  # committed the last step in the newest quorum
-    (9, 2, 2, None),  # kept the newest quorum while the lighthouse was away
-    (9, 2, -1, "beyond the job's committed step 5 + 1"),  # ...but only the incarnation that was answered it
-    (9, 1, 2, "beyond"),  # ...and only for commits in it
+    (6, 1, -1, "only a commit in the newest quorum 2 reaches, but committed in quorum 1"),
+    (9, 2, 2, None),  # kept the newest quorum while the lighthouse could not reach it
+    (9, 2, -1, "beyond the job's committed step 5 + 1"),  # ...but only an incarnation it lost contact with
+    (9, 1, 2, "beyond"),  # ...and only for commits in that quorum
     (4, 1, -1, None),  # quorum 1 was answered at steps 3..4: it committed 4..5
-    (3, 1, -1, "quorum 1, which committed steps 4..5 only"),
-    (2, 0, -1, None),  # the first quorum may be adopted: its holders committed in it before it was answered here
+    (2, 1, -1, "quorum 1, which committed steps 3..5 only"),
+    (2, 0, -1, None),
     (5, 7, -1, "quorum 7, which was never formed"),
     (3, -1, -1, None),  # behind: it will catch up
 ])
-def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: int, holds: int,
+def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: int, lost_contact_in: int,
                                                       refused: str | None) -> None:
     ledger = ledger_of((0, 0), (0, 2), (1, 3), (1, 4), (2, 5))
-    reason = ledger.refusal(step, committed_in, holds)
+    reason = ledger.refusal(step, committed_in, lost_contact_in, now=0.0)
     assert (reason is None) == (refused is None) and (refused is None or refused in str(reason)), reason
 
 
-def test_a_quorum_below_the_committed_step_is_recorded_as_lost() -> None:
+def test_a_quorum_below_the_committed_step_is_recorded_as_lost_once() -> None:
     ledger = ledger_of((0, 0), (0, 7))
     lost = ledger.note_lost(quorum(1, 3))
     assert lost.to_json() == {"quorum_id": 1, "from_step": 3, "committed_step": 7, "lost_steps": 4}
-    assert ledger.lost == [lost]
+    ledger.record(quorum(1, 3))
+    # The job goes on from step 3: its next steps are not below the committed step, nor is step 8 reachable.
+    assert ledger.lost == [lost] and ledger.committed_step == 3
+    assert "beyond" in str(ledger.refusal(8, 0, -1, now=0.0))
 
 
 def test_incarnations_and_declared_ids() -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from lightning_fthsdp.recovery import wire
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
-from lightning_fthsdp.recovery.expected import expect
+from lightning_fthsdp.recovery.expected import Counters, expect
 from lightning_fthsdp.recovery.torch_state import optimizer_state
 from tests.unit.test_transport import body, encode, http_200
 
@@ -28,7 +28,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 _MODEL = torch.nn.Linear(4, 3)
 LOCAL = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(3)}, "optimizer": optimizer_state(
-    torch.optim.Adam(_MODEL.parameters())), "counters": {"step": 0, "seen": {}}, "rng": [3, [1, 2], None]}
+    torch.optim.Adam(_MODEL.parameters())), "counters": {"step": 0, "seen": Counters()}, "rng": [3, [1, 2], None]}
 SOURCE = {"model": {"w": torch.randn(3, 4), "b": torch.randn(3)},
           "optimizer": {"state": {"1": {"step": torch.tensor(2.0), "exp_avg": torch.randn(3)}},
                         "param_groups": LOCAL["optimizer"]["param_groups"]},

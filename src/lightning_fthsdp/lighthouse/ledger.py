@@ -6,15 +6,18 @@ its latest commit). A group that committed in quorum q trained from a step q was
 wrong checkpoint, a bug, a forgery): believing it would make that state every group's catch-up source, or make the
 lighthouse think the job is further than it is and later report steps as lost.
 
-The record is soft, like the rest of the lighthouse's state: a restarted lighthouse knows nothing of the quorums
-before it and accepts the claims it cannot check (the first quorum it forms is adopted from what the groups hold).
+The record is soft, like the rest of the lighthouse's state: a lighthouse may have been restarted, and then knows
+nothing of the quorums before it, while the groups holding the job's state come back to it over the next seconds.
+So it believes every claim until it has *settled*: it formed a quorum and ``settles_at`` passed.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from lightning_fthsdp.lighthouse.quorum import Quorum
+
+MAX_QUORUMS = 4096
+"""Quorums whose step ranges the ledger keeps (a claim naming an older one is held to the step bound only)."""
 
 
 @dataclass
@@ -32,56 +35,66 @@ class LostState:
 
 @dataclass
 class CommitLedger:
-    """Each quorum this lighthouse answered, with the range of steps it was answered at."""
+    """Each quorum this lighthouse answered, with the range of steps it was answered at.
 
+    ``settles_at``: when (lighthouse clock) it stops believing what it cannot check, once it has formed a quorum.
+    """
+
+    settles_at: float = 0.0
     committed_step: int = -1
-    """The highest step any quorum was answered at (-1: none yet): every member of it held that many steps."""
+    """The highest step the job's quorum was answered at (-1: none yet): every member of it held that many steps.
+    After a loss it is the step the job restarted from."""
     lost: list[LostState] = field(default_factory=list)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
-    _first_id: int | None = None
+    _newest: int = -1
 
     def record(self, quorum: Quorum) -> None:
         """``quorum`` was answered."""
         first, last = self._steps.get(quorum.quorum_id, (quorum.max_step, quorum.max_step))
         self._steps[quorum.quorum_id] = (min(first, quorum.max_step), max(last, quorum.max_step))
         self.committed_step = max(self.committed_step, quorum.max_step)
-        if self._first_id is None:
-            self._first_id = quorum.quorum_id
+        self._newest = max(self._newest, quorum.quorum_id)
+        if len(self._steps) > MAX_QUORUMS:
+            del self._steps[min(self._steps)]
 
     def note_lost(self, quorum: Quorum) -> LostState:
-        """``quorum`` is answered below the committed step (after the bounded wait for a holder)."""
+        """``quorum`` is answered below the committed step (after the bounded wait for a holder): the job goes on
+        from its step, which is the job's committed step from now on."""
         lost = LostState(quorum.quorum_id, quorum.max_step, self.committed_step)
         self.lost.append(lost)
+        self.committed_step = quorum.max_step
         return lost
 
-    def refusal(self, step: int, committed_in: int | None, holds: int) -> str | None:
+    def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float) -> str | None:
         """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: not stated, as in a heartbeat)
-        is refused, or None when it is consistent with what this lighthouse answered. ``holds``: the newest quorum
-        the claimer's incarnation was answered (-1: none).
+        is refused, or None when it is consistent with what this lighthouse answered.
 
-        An incarnation answered the newest quorum that committed in it may be further than the lighthouse answered:
-        it kept the quorum and trained on while the lighthouse was unreachable.
+        ``lost_contact_in``: the quorum the claimer's incarnation was answered last, if the lighthouse has declared
+        it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
+        trained on: it may hold more steps than the lighthouse answered, committed in that quorum.
         """
-        if self._first_id is None:
+        if self._newest < 0 or now < self.settles_at:
             return None
-        kept = holds == max(self._steps) and committed_in in (None, holds)
-        if step > self.committed_step + 1 and not kept:
+        if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
+            return None
+        if step > self.committed_step + 1:
             return (f"claims step {step}, beyond the job's committed step {self.committed_step} + 1: that state was "
                     f"never committed by this job (a wrong checkpoint or a bug); restart the group without it so it "
                     f"catches up")
+        if step == self.committed_step + 1 and committed_in is not None and committed_in != self._newest:
+            where = "no quorum" if committed_in < 0 else f"quorum {committed_in}"
+            return (f"claims step {step}, which only a commit in the newest quorum {self._newest} reaches, but "
+                    f"committed in {where}")
         if committed_in is None or committed_in < 0:
             return None
-        if committed_in < self._first_id:
-            return None  # committed before this lighthouse started (it restarted since): nothing to check against
+        if committed_in > self._newest:
+            return f"claims a commit in quorum {committed_in}, which was never formed (the newest is {self._newest})"
         steps = self._steps.get(committed_in)
         if steps is None:
-            return (f"claims a commit in quorum {committed_in}, which was never formed (the newest is "
-                    f"{max(self._steps)})")
-        # The first quorum this lighthouse knows may be one it adopted after a restart: its holders committed in it
-        # before it was answered here.
+            return None  # older than the ledger keeps, or from before a restart: behind the job, it will catch up
         first, last = steps
-        low = first if committed_in == self._first_id else first + 1
-        if not low <= step <= last + 1 and not kept:
-            return (f"claims step {step} committed in quorum {committed_in}, which committed steps {low}..{last + 1} "
-                    f"only: that state was never committed by this job")
+        # A quorum's first answer may be an adoption after a restart: its holders committed in it at ``first``.
+        if not first <= step <= last + 1:
+            return (f"claims step {step} committed in quorum {committed_in}, which committed steps {first}.."
+                    f"{last + 1} only: that state was never committed by this job")
         return None

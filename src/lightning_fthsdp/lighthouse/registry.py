@@ -45,9 +45,17 @@ class GroupRecord:
     deaths: int = 0
     """Times declared dead: a group compares it across a step so it never commits a step it was declared dead in."""
     member: bool = False
+    """Whether the group was ever a member of a quorum: one that never was is forgotten a while after it died."""
     answered: int = -1
     """The newest quorum this incarnation was answered (-1: none)."""
-    """Whether the group was ever a member of a quorum: one that never was is forgotten a while after it died."""
+    deaths_answered: int = 0
+    """``deaths`` when it was answered that quorum."""
+
+    @property
+    def lost_contact(self) -> bool:
+        """Whether the lighthouse declared this incarnation dead since it answered it its newest quorum: it may have
+        kept that quorum and trained on without the lighthouse."""
+        return self.answered >= 0 and self.deaths > self.deaths_answered
 
 
 class Registry:
@@ -137,7 +145,7 @@ class Registry:
         """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""
         record = self._records.get(replica_id)
         if record is not None:
-            record.member, record.answered = True, quorum_id
+            record.member, record.answered, record.deaths_answered = True, quorum_id, record.deaths
 
     def remove(self, replica_id: str) -> None:
         self._records.pop(replica_id, None)

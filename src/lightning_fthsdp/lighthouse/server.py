@@ -167,6 +167,9 @@ class Lighthouse:
         self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
         self._started_s = time.monotonic()
+        # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
+        # (and be believed) as a quorum below the committed step waits for them.
+        self._ledger.settles_at = self._started_s + self.rules.lost_state_wait_s
         log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms",
                  self.url, self.store_address, self.rules, self.heartbeat_timeout_ms)
 
@@ -333,8 +336,9 @@ class Lighthouse:
     def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None) -> None:
         """Refuse (409) a claimed state this job never committed, before it changes anything."""
         record = self._registry.get(replica_id)
-        holds = record.answered if record is not None and record.incarnation == incarnation else -1
-        reason = self._ledger.refusal(step, committed_in, holds)
+        own = record if record is not None and record.incarnation == incarnation else None
+        lost_contact_in = own.answered if own is not None and own.lost_contact else -1
+        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic())
         if reason is not None:
             log.warning("refused replica %s: it %s", replica_id, reason)
             raise HttpError(409, f"replica {replica_id!r} {reason}")
@@ -431,7 +435,9 @@ class Lighthouse:
         else:
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
                             time.monotonic())
-        if quorum is not None and quorum.max_step < self._ledger.committed_step and not self._lost_wait_over(quorum):
+        if quorum is not None and quorum.max_step >= self._ledger.committed_step:
+            self._end_lost_wait()
+        elif quorum is not None and not self._lost_wait_over(quorum):
             quorum = None
         if quorum is not None:
             if quorum.max_step < self._ledger.committed_step:
@@ -440,7 +446,7 @@ class Lighthouse:
                           "state came back within %.0f s, so %d steps are lost; resume every group from a durable "
                           "checkpoint to keep them", quorum.quorum_id, quorum.max_step, lost.committed_step,
                           self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
-            self._lost_since = None
+            self._end_lost_wait()
             self._ledger.record(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
@@ -489,8 +495,19 @@ class Lighthouse:
         if self._lost_timer is None or self._lost_timer.when() != deadline:
             if self._lost_timer is not None:
                 self._lost_timer.cancel()
-            self._lost_timer = asyncio.get_running_loop().call_at(deadline, self._schedule_decide, True)
+            self._lost_timer = asyncio.get_running_loop().call_at(deadline, self._lost_deadline)
         return False
+
+    def _lost_deadline(self) -> None:
+        self._lost_timer = None
+        self._schedule_decide(force=True)
+
+    def _end_lost_wait(self) -> None:
+        """No quorum waits for a holder of the committed step (any more)."""
+        self._lost_since = None
+        if self._lost_timer is not None:
+            self._lost_timer.cancel()
+            self._lost_timer = None
 
     async def _expire_loop(self) -> None:
         timeout_s = self.heartbeat_timeout_ms / 1000

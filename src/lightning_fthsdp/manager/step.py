@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.recovery.expected import Counters
 from lightning_fthsdp.recovery.torch_state import StateTree
 
 
@@ -30,7 +31,7 @@ class Progress:
             self.batches_committed[replica_id] = self.batches_committed.get(replica_id, 0) + batches
 
     def state(self) -> StateTree:
-        return {"step": self.step, "batches_committed": dict(self.batches_committed)}
+        return {"step": self.step, "batches_committed": Counters(self.batches_committed)}
 
     def load(self, tree: StateTree) -> None:
         self.step = int(tree["step"])

@@ -8,13 +8,14 @@ named. The rules, each allowing only what legitimately differs between two group
 
 - tensors: the same paths, shapes (a DTensor's local shard: shard rank ``s`` fetches from shard rank ``s``) and
   dtypes. One exception: an entry of a :class:`LazyEntries` dict (an optimizer's per-parameter state, which a freshly
-  built optimizer creates only at its first step) may be absent here. The source's entry must then be a dict of JSON
-  scalars and at most :data:`LAZY_TENSORS` tensors, each 0-dimensional or of the parameter's local shape and dtype:
-  what torch.optim's optimizers keep (``step``, ``exp_avg``, ``momentum_buffer`` ...), bounded by the parameter.
-- JSON scalars may differ in value but not in kind (bool, number (int or float), str); None matches any kind (an
-  optional value, such as the Gaussian Python's RNG caches, may be set on one side only).
-- dicts: every key here must be there; the source may add keys whose values are JSON scalars (a counter per replica
-  group this group has not seen since it restarted), never tensors or nested values.
+  built optimizer creates only at its first step) may be absent here. The source's entry must then be a dict or list
+  of tensors and JSON scalars, nested at most :data:`LAZY_DEPTH` deep, holding at most :data:`LAZY_TENSORS` tensors
+  of at most :data:`LAZY_FACTOR` times the parameter's bytes in all: what optimizers keep (``exp_avg``,
+  ``momentum_buffer``, factored or quantized statistics, an L-BFGS history ...), bounded by the parameter.
+- JSON scalars may differ in value but not in kind (bool, number (int or float), str); where the value here is None
+  (an optional value, such as the Gaussian Python's RNG caches) the source may send any scalar, and None only there.
+- dicts: the same keys, except a :class:`Counters` dict (a counter per replica group: the source may count groups
+  this group has not seen since it restarted, and the reverse), whose values must be non-negative integers.
 - lists (tuples travel as lists): the same length, compared element by element.
 - the source's tree nests no deeper than this one and declares no more bytes than this state's tensors (plus the
   bound of its lazy entries): :func:`~lightning_fthsdp.recovery.client.fetch_state` has the manifest parser refuse
@@ -32,9 +33,14 @@ import torch
 from lightning_fthsdp.recovery.snapshot import local_shard
 from lightning_fthsdp.recovery.wire import TENSOR_KEY, Manifest, ManifestError, StateTree, TensorSpec
 
-LAZY_TENSORS = 8
-"""Most tensors the source may send for one parameter whose optimizer state does not exist here yet (Adam with
-amsgrad keeps four)."""
+LAZY_TENSORS = 64
+"""Most tensors the source may send for one parameter whose optimizer state does not exist here yet."""
+LAZY_FACTOR = 4
+"""The source's state of such a parameter may hold at most this many times the parameter's own bytes (Adam with
+amsgrad keeps three parameter-sized tensors), plus :data:`LAZY_SLACK` for small statistics."""
+LAZY_SLACK = 4096
+LAZY_DEPTH = 3
+"""How deeply the state of such a parameter may nest (an L-BFGS history is a dict of lists of tensors)."""
 
 Template = tuple[tuple[int, ...], torch.dtype]
 """A parameter's local shape and dtype."""
@@ -47,6 +53,10 @@ class LazyEntries(dict[str, object]):
     def __init__(self, entries: Mapping[str, object], templates: Mapping[str, Template]) -> None:
         super().__init__(entries)
         self.templates = dict(templates)
+
+
+class Counters(dict[str, int]):
+    """A dict of per-replica-group counters: its keys may differ between two groups (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,8 @@ def _skeleton(node: object) -> object:
         local = local_shard(node)
         return _Tensor(tuple(local.shape), local.dtype)
     if isinstance(node, dict):
+        if isinstance(node, Counters):
+            return Counters()
         out = {key: _skeleton(value) for key, value in node.items()}
         if isinstance(node, LazyEntries):
             out |= {key: _Lazy(*template) for key, template in node.templates.items() if key not in node}
@@ -108,15 +120,19 @@ def _bytes(node: object) -> int:
     if isinstance(node, _Tensor):
         return _nbytes(node.shape, node.dtype)
     if isinstance(node, _Lazy):
-        return LAZY_TENSORS * max(_nbytes(node.shape, node.dtype), 8)  # 8: a 0-dimensional float64 or int64
+        return _lazy_bytes(node)
     if isinstance(node, (dict, list)):
         return sum(_bytes(value) for value in (node.values() if isinstance(node, dict) else node))
     return 0
 
 
+def _lazy_bytes(lazy: _Lazy) -> int:
+    return LAZY_FACTOR * _nbytes(lazy.shape, lazy.dtype) + LAZY_SLACK
+
+
 def _depth(node: object) -> int:
     if isinstance(node, _Lazy):
-        return 1  # a dict of tensors and scalars
+        return LAZY_DEPTH
     if isinstance(node, (dict, list)):
         return 1 + max(map(_depth, node.values() if isinstance(node, dict) else node), default=0)
     return 0
@@ -128,7 +144,13 @@ def _compare(expected: object, got: object, specs: tuple[TensorSpec, ...], path:
         if spec is None or (spec.shape, spec.dtype) != (expected.shape, expected.dtype):
             raise _differs(path, expected, got, specs)
     elif isinstance(expected, _Lazy):
+        if spec is not None or not isinstance(got, (dict, list)):
+            raise _differs(path, expected, got, specs)
         _compare_lazy(expected, got, specs, path)
+    elif isinstance(expected, Counters):
+        if spec is not None or not isinstance(got, dict) or not all(
+                type(value) is int and value >= 0 for value in got.values()):
+            raise _differs(path, expected, got, specs)
     elif isinstance(expected, dict):
         if spec is not None or not isinstance(got, dict):
             raise _differs(path, expected, got, specs)
@@ -138,31 +160,37 @@ def _compare(expected: object, got: object, specs: tuple[TensorSpec, ...], path:
             elif not isinstance(value, _Lazy):  # an absent lazy entry: the source has not created it either
                 raise _differs(_child(path, key), value, _ABSENT, specs)
         for key, value in got.items():
-            if key not in expected and not _is_scalar(value):
+            if key not in expected:
                 raise _differs(_child(path, key), _ABSENT, value, specs)
     elif isinstance(expected, list):
         if not isinstance(got, list) or len(got) != len(expected):
             raise _differs(path, expected, got, specs)
         for i, (mine, theirs) in enumerate(zip(expected, got, strict=True)):
             _compare(mine, theirs, specs, _child(path, str(i)))
-    elif not _is_scalar(got) or not (expected is None or got is None or _kind(expected) == _kind(got)):
+    elif not _is_scalar(got) or not (expected is None or (got is not None and _kind(expected) == _kind(got))):
         raise _differs(path, expected, got, specs)
 
 
-def _compare_lazy(expected: _Lazy, got: object, specs: tuple[TensorSpec, ...], path: str) -> None:
-    if _spec(got, specs) is not None or not isinstance(got, dict):
-        raise _differs(path, expected, got, specs)
-    tensors = 0
-    for key, value in got.items():
-        spec = _spec(value, specs)
-        if spec is None and _is_scalar(value):
-            continue
-        tensors += 1
-        if spec is None or (spec.shape != () and (spec.shape, spec.dtype) != (expected.shape, expected.dtype)):
-            raise _differs(_child(path, key), expected, value, specs)
-        if tensors > LAZY_TENSORS:
-            raise ManifestError(f"the source's state differs from this group's at {path!r}: here "
-                                f"{_describe(expected)}, from the source more than {LAZY_TENSORS} tensors")
+def _compare_lazy(expected: _Lazy, got: dict[str, object] | list[object], specs: tuple[TensorSpec, ...],
+                  path: str) -> None:
+    """The source's state of a parameter whose state does not exist here: bounded by the parameter (see module)."""
+    tensors: list[TensorSpec] = []
+
+    def walk(node: object, depth: int) -> None:
+        spec = _spec(node, specs)
+        if spec is not None:
+            tensors.append(spec)
+        elif isinstance(node, (dict, list)) and depth < LAZY_DEPTH:
+            for value in node.values() if isinstance(node, dict) else node:
+                walk(value, depth + 1)
+        elif not _is_scalar(node):
+            raise _differs(path, expected, got, specs)
+
+    walk(got, 0)
+    nbytes = sum(_nbytes(spec.shape, spec.dtype) for spec in tensors)
+    if len(tensors) > LAZY_TENSORS or nbytes > _lazy_bytes(expected):
+        raise ManifestError(f"the source's state differs from this group's at {path!r}: here "
+                            f"{_describe(expected)}, from the source {len(tensors)} tensors of {nbytes} bytes")
 
 
 class _Absent:
@@ -184,7 +212,9 @@ def _describe(node: object) -> str:
         return f"a {str(node.dtype).removeprefix('torch.')} tensor of shape {list(node.shape)}"
     if isinstance(node, _Lazy):
         return (f"the state of a {str(node.dtype).removeprefix('torch.')} parameter of shape {list(node.shape)}, "
-                f"not created yet (at most {LAZY_TENSORS} tensors of that shape and dtype, or 0-dimensional)")
+                f"not created yet (at most {LAZY_TENSORS} tensors of {_lazy_bytes(node)} bytes in all)")
+    if isinstance(node, Counters):
+        return "per-group counters (non-negative integers)"
     if isinstance(node, _Absent):
         return "nothing"
     if isinstance(node, dict):
