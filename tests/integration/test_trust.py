@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from lightning_fthsdp.exchange.comm import rendezvous_prefix
 from lightning_fthsdp.launch.processes import Job
 from tests.invariants import assert_consistent, assert_no_step_lost
 
@@ -30,11 +31,13 @@ def test_a_client_without_the_token_cannot_break_the_coming_quorums_rendezvous(j
     store = job.status()["store"]
     host, _, port = store.rpartition(":")
     # The gloo rendezvous keys (rank r's address under "<prefix>/0/r") of every quorum this job will form, as they
-    # were named before the token was in them; garbage there failed a gloo enforce and stalled the job.
+    # were named before the token was in them (garbage there failed a gloo enforce and stalled the job), and as a
+    # client with a wrong token would name them.
     attacker = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
     for quorum_id in POISONED_QUORUMS:
-        for rank in range(3):
-            attacker.set(f"fthsdp/q{quorum_id}/s0/0/{rank}", b"\x00garbage")
+        for prefix in (rendezvous_prefix(None, quorum_id), rendezvous_prefix(b"not the token", quorum_id)):
+            for rank in range(3):
+                attacker.set(f"{prefix}/s0/0/{rank}", b"\x00garbage")
     a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
     c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}")  # a membership change: a new rendezvous
     assert job.wait_exit(c, 120) == -9

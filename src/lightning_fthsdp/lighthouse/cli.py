@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
@@ -48,7 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--replica-ids", type=_replica_ids, default=None,
                         help="the job's replica ids, comma-separated: any other id is refused, and a group that only "
                              "heartbeats still counts towards the majority (default: admit any id)")
-    parser.add_argument("--lost-state-wait-ms", type=_positive, default=int(QuorumRules.lost_state_wait_s * 1000),
+    parser.add_argument("--lost-state-wait-ms", type=_non_negative, default=int(QuorumRules.lost_state_wait_s * 1000),
                         help="when no live group holds the committed step, wait this long for one before restarting "
                              "from an older step and reporting the steps lost (default %(default)s)")
     parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
@@ -149,14 +150,21 @@ def _is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(address.partition("%")[0]).is_loopback for address in addresses)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive, _non_negative = _at_least(1), _at_least(0)
 
 
 def _replica_ids(text: str) -> list[str]:

@@ -14,14 +14,11 @@ from __future__ import annotations
 import re
 from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from lightning_fthsdp.lighthouse.http import HttpError
 
 INCARNATION_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-_SERVICE_UNAVAILABLE = 503
-"""The status of a request from a new incarnation while the old one lives: the client retries (it is the normal
-answer to a restart quicker than the heartbeat timeout), and gives up with the message after its connect timeout."""
 
 
 def check_incarnation(incarnation: object) -> str:
@@ -72,9 +69,6 @@ class Registry:
         self.grace_s = grace_s
         self._records: dict[str, GroupRecord] = {}
 
-    def __contains__(self, replica_id: object) -> bool:
-        return replica_id in self._records
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._records)
 
@@ -99,7 +93,9 @@ class Registry:
             raise HttpError(404, f"replica {replica_id!r} has no incarnation {incarnation!r} here: its rank 0 must "
                                  f"heartbeat or ask for a quorum first")
         if record is not None and not record.dead:
-            raise HttpError(_SERVICE_UNAVAILABLE,
+            # 503: the client retries (the normal answer to a restart quicker than the heartbeat timeout) and gives
+            # up with this message after its connect timeout.
+            raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE,
                             f"replica {replica_id!r} is held by another live incarnation: a new one is admitted once "
                             f"the old one's heartbeat connection closes or its heartbeats stop for the heartbeat "
                             f"timeout; if two processes were started as {replica_id!r}, give one another id")

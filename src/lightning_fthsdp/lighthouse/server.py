@@ -374,13 +374,11 @@ class Lighthouse:
         self._bump_epoch()
         self._schedule_decide(force=True)
 
-    def _sync_alive(self, replica_id: str) -> bool:
-        """Whether the group counts as alive for the quorum rules (see Registry.counts); True when it stopped."""
+    def _sync_alive(self, replica_id: str) -> None:
+        """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
         counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic())
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
-            return True
-        return False
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
@@ -517,8 +515,11 @@ class Lighthouse:
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
                 self._declare_dead(replica_id, f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
-            if any([self._sync_alive(rid) for rid in self._registry.past_grace(time.monotonic())
-                    if rid in self._readiness.alive and rid not in self._waiters]):
+            ended = [rid for rid in self._registry.past_grace(time.monotonic())
+                     if rid in self._readiness.alive and rid not in self._waiters]
+            for replica_id in ended:
+                self._sync_alive(replica_id)
+            if ended:
                 self._schedule_decide(force=True)
             strays = self._registry.forget_strays(dead_before=cutoff)
             if strays:

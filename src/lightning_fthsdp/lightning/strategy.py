@@ -51,7 +51,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
     Args:
         replica_id: this group's stable id (survives restarts); default ``$FTHSDP_REPLICA_ID``.
         lighthouse: ``http://HOST:PORT`` of the job's lighthouse; default ``$FTHSDP_LIGHTHOUSE``.
-        token: the job's shared secret; default ``$FTHSDP_TOKEN``.
+        token: the job's shared secret; default ``$FTHSDP_TOKEN``. Prefer the variable: a value given here through
+            a config file or LightningCLI's command line is readable in that file, in ``ps`` and in the saved config.
         replicas: replica groups in the job (the data is split over all of them, healthy or not); default
             ``len(replica_ids)``, else ``$FTHSDP_REPLICAS`` (or, deprecated, ``$FTHSDP_NUM_REPLICA_GROUPS``), else 1.
         replica_ids: every group's id in data-shard order; this group's index is the position of ``replica_id``.

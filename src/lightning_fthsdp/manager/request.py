@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from http import HTTPStatus
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
@@ -12,8 +13,6 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.client import LighthouseRejected, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.sources import serves
-
-_SERVICE_UNAVAILABLE = 503
 
 
 class QuorumUnavailable(RuntimeError):
@@ -114,7 +113,7 @@ class QuorumRequester:
                 continue
             except LighthouseRejected as exc:
                 # A restart quicker than the heartbeat timeout: our previous incarnation is not declared dead yet.
-                if exc.status != _SERVICE_UNAVAILABLE or time.monotonic() >= deadline:
+                if exc.status != HTTPStatus.SERVICE_UNAVAILABLE or time.monotonic() >= deadline:
                     raise
                 time.sleep(backoff_s)
                 continue
