@@ -21,14 +21,16 @@ def ledger_of(*answered: tuple[int, int]) -> CommitLedger:
     return ledger
 
 
-def test_a_lighthouse_believes_what_it_cannot_check_until_it_settles() -> None:
-    """A fresh ledger knows nothing; a lighthouse that may have restarted believes claims (the holders of the job's
-    state are coming back to it) until ``settles_at``."""
+def test_a_lighthouse_believes_commits_in_quorums_before_it_until_it_settles() -> None:
+    """A fresh ledger knows nothing; a lighthouse that may have restarted believes a commit in a quorum it did not
+    form (the holders of the job's state are coming back to it) until ``settles_at``; never a claim of no commit."""
     assert CommitLedger().refusal(10**9, 12, -1, now=0.0) is None
     ledger = ledger_of((0, 0))
     ledger.settles_at = 30.0
-    assert ledger.refusal(10**9, 12, -1, now=29.0) is None
-    assert "beyond" in str(ledger.refusal(10**9, 12, -1, now=30.0))
+    assert ledger.refusal(100, 12, -1, now=29.0) is None
+    assert "beyond" in str(ledger.refusal(100, 12, -1, now=30.0))
+    assert "beyond" in str(ledger.refusal(100, -1, -1, now=0.0))
+    assert "beyond" in str(ledger.refusal(100, 0, -1, now=0.0))  # a quorum it formed: it knows its steps
 
 
 @pytest.mark.parametrize(("step", "committed_in", "lost_contact_in", "refused"), [

@@ -8,7 +8,9 @@ lighthouse think the job is further than it is and later report steps as lost.
 
 The record is soft, like the rest of the lighthouse's state: a lighthouse may have been restarted, and then knows
 nothing of the quorums before it, while the groups holding the job's state come back to it over the next seconds.
-So it believes every claim until it has *settled*: it formed a quorum and ``settles_at`` passed.
+So until ``settles_at`` it believes a claim of a commit in a quorum it did not form (one of the lighthouse before
+it); a claim of no commit at all (a fresh process, or one that loaded a checkpoint) is always held to the committed
+step. Before it has formed a quorum it has nothing to check against.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class LostState:
 class CommitLedger:
     """Each quorum this lighthouse answered, with the range of steps it was answered at.
 
-    ``settles_at``: when (lighthouse clock) it stops believing what it cannot check, once it has formed a quorum.
+    ``settles_at``: when (lighthouse clock) it stops believing commits in quorums it did not form.
     """
 
     settles_at: float = 0.0
@@ -73,7 +75,9 @@ class CommitLedger:
         it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
         trained on: it may hold more steps than the lighthouse answered, committed in that quorum.
         """
-        if self._newest < 0 or now < self.settles_at:
+        if self._newest < 0:
+            return None
+        if now < self.settles_at and committed_in is not None and committed_in >= 0 and committed_in not in self._steps:
             return None
         if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
             return None
