@@ -81,12 +81,13 @@ def test_a_member_that_trained_on_while_the_lighthouse_was_away_is_believed(ligh
 
 def test_a_restarted_lighthouse_believes_the_holders_that_come_back(lighthouse: Callable[..., str]) -> None:
     """A restarted lighthouse knows nothing of the job's past: a fresh group c forms quorum 0 alone and commits step
-    1; then b, which holds step 100 committed in quorum 5 of the lighthouse that died, comes back. It is believed
+    1; then b, which holds step 100 committed in quorum 0 of the lighthouse that died, comes back. It is believed
     (the lighthouse has not settled), and c catches up from it: nothing lost."""
     url = lighthouse(lost_state_wait_s=30.0)
     assert form(url, "c")[0]["max_step"] == 0
     b, c = Client(url), Client(url)
-    b.send("POST", "/v1/quorum", qr("b", 100, quorum_id=5, members=("a", "b"), committed_in=5))
+    # Quorum ids start again with each lighthouse: b's quorum 0 is not the c-only quorum 0 of this one.
+    b.send("POST", "/v1/quorum", qr("b", 100, quorum_id=0, members=("a", "b"), committed_in=0))
     wait_for(lambda: any(g["replica_id"] == "b" and g["pending"] for g in c.status()["groups"]), 5, "b's request held",
              interval_s=0.005)
     c.send("POST", "/v1/quorum", qr("c", 1, quorum_id=0, members=("c",), committed_in=0))

@@ -30,7 +30,9 @@ def test_a_lighthouse_believes_commits_in_quorums_before_it_until_it_settles() -
     assert ledger.refusal(100, 12, -1, now=29.0) is None
     assert "beyond" in str(ledger.refusal(100, 12, -1, now=30.0))
     assert "beyond" in str(ledger.refusal(100, -1, -1, now=0.0))
-    assert "beyond" in str(ledger.refusal(100, 0, -1, now=0.0))  # a quorum it formed: it knows its steps
+    assert "beyond" in str(ledger.refusal(100, 0, -1, now=0.0, held=(0, ("a", "b"))))  # its own quorum 0
+    # Quorum ids start again with each lighthouse: a group holding another quorum 0 (other members) is from before.
+    assert ledger.refusal(100, 0, -1, now=0.0, held=(0, ("a", "c"))) is None
 
 
 @pytest.mark.parametrize(("step", "committed_in", "lost_contact_in", "refused"), [

@@ -8,8 +8,9 @@ lighthouse think the job is further than it is and later report steps as lost.
 
 The record is soft, like the rest of the lighthouse's state: a lighthouse may have been restarted, and then knows
 nothing of the quorums before it, while the groups holding the job's state come back to it over the next seconds.
-So until ``settles_at`` it believes a claim of a commit in a quorum it did not form (one of the lighthouse before
-it); a claim of no commit at all (a fresh process, or one that loaded a checkpoint) is always held to the committed
+So until ``settles_at`` it believes a claim of a commit by a group whose quorum it did not form (one of the
+lighthouse before it: quorum ids start again with each lighthouse, so a group's quorum is told apart by its members
+too); a claim of no commit at all (a fresh process, or one that loaded a checkpoint) is always held to the committed
 step. Before it has formed a quorum it has nothing to check against.
 """
 from __future__ import annotations
@@ -48,16 +49,20 @@ class CommitLedger:
     After a loss it is the step the job restarted from."""
     lost: list[LostState] = field(default_factory=list)
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _members: dict[int, int] = field(default_factory=dict)
+    """Quorum id -> a hash of its member ids: which quorum a group holds, beyond the id."""
     _newest: int = -1
 
     def record(self, quorum: Quorum) -> None:
         """``quorum`` was answered."""
         first, last = self._steps.get(quorum.quorum_id, (quorum.max_step, quorum.max_step))
         self._steps[quorum.quorum_id] = (min(first, quorum.max_step), max(last, quorum.max_step))
+        self._members[quorum.quorum_id] = hash(frozenset(quorum.member_ids))
         self.committed_step = max(self.committed_step, quorum.max_step)
         self._newest = max(self._newest, quorum.quorum_id)
         if len(self._steps) > MAX_QUORUMS:
-            del self._steps[min(self._steps)]
+            oldest = min(self._steps)
+            del self._steps[oldest], self._members[oldest]
 
     def note_lost(self, quorum: Quorum) -> LostState:
         """``quorum`` is answered below the committed step (after the bounded wait for a holder): the job goes on
@@ -67,17 +72,22 @@ class CommitLedger:
         self.committed_step = quorum.max_step
         return lost
 
-    def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float) -> str | None:
+    def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
+                held: tuple[int, tuple[str, ...]] = (-1, ())) -> str | None:
         """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: not stated, as in a heartbeat)
         is refused, or None when it is consistent with what this lighthouse answered.
 
         ``lost_contact_in``: the quorum the claimer's incarnation was answered last, if the lighthouse has declared
         it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
-        trained on: it may hold more steps than the lighthouse answered, committed in that quorum.
+        trained on: it may hold more steps than the lighthouse answered, committed in that quorum. ``held``: the
+        id and members of the quorum the claimer holds (a quorum request says; -1: none).
         """
         if self._newest < 0:
             return None
-        if now < self.settles_at and committed_in is not None and committed_in >= 0 and committed_in not in self._steps:
+        held_id, held_members = held
+        foreign = held_id >= 0 and self._members.get(held_id) != hash(frozenset(held_members))
+        if (now < self.settles_at and committed_in is not None and committed_in >= 0
+                and (foreign or committed_in not in self._steps)):
             return None
         if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
             return None

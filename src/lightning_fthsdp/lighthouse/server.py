@@ -256,7 +256,7 @@ class Lighthouse:
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
         self._registry.check(replica_id, incarnation, 0)
-        self._check_claim(replica_id, incarnation, asked.step, asked.committed_in)
+        self._check_claim(replica_id, incarnation, asked.step, asked.committed_in, (asked.quorum_id, asked.members))
         self._touch(self._admit(replica_id, incarnation), replica_id, asked.step)
         if self._answer is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
@@ -333,12 +333,13 @@ class Lighthouse:
 
     # ---- state changes ----
 
-    def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None) -> None:
+    def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None,
+                     held: tuple[int, tuple[str, ...]] = (-1, ())) -> None:
         """Refuse (409) a claimed state this job never committed, before it changes anything."""
         record = self._registry.get(replica_id)
         own = record if record is not None and record.incarnation == incarnation else None
         lost_contact_in = own.answered if own is not None and own.lost_contact else -1
-        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic())
+        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic(), held)
         if reason is not None:
             log.warning("refused replica %s: it %s", replica_id, reason)
             raise HttpError(409, f"replica {replica_id!r} {reason}")
