@@ -79,6 +79,8 @@ class _Incarnation:
     catch_up_at: list[float] = field(default_factory=list)
     """Times of the commits that ended a catch-up (their gap is this group's own recovery, not a stall)."""
     stopped: list[tuple[float, float]] = field(default_factory=list)
+    imports_done: float | None = None
+    ready: float | None = None
     ended: float | None = None
     end: str = ""
 
@@ -249,9 +251,12 @@ class Soak:
                 else:
                     group.fired = True
                     self._event("fired", group.replica_id, spec=row["spec"], phase=row["phase"], step=row["step"])
-            elif event == "ready" and self._kill_lighthouse_on_ready == group.replica_id and self.job.lighthouse:
-                self._kill_lighthouse_on_ready = None
-                self._kill_lighthouse("a group joins")
+            elif event == "ready":
+                group.current.imports_done = row["imports_done"] - self.wall0
+                group.current.ready = row["t"] - self.wall0
+                if self._kill_lighthouse_on_ready == group.replica_id and self.job.lighthouse:
+                    self._kill_lighthouse_on_ready = None
+                    self._kill_lighthouse("a group joins")
             elif event in ("commit", "discard", "follow"):
                 group.last_event = event
                 if event == "commit":
@@ -502,7 +507,7 @@ class Soak:
             "restarts": sum(len(g.incarnations) - 1 for g in self.groups.values()),
             "stall_s": {kind: _stats(values) for kind, values in stalls.items()},
             "recovery_s": {kind: _stats([r[kind] for r in recoveries if r[kind] is not None])
-                           for kind in ("kill_to_commit", "spawn_to_commit")},
+                           for kind in ("kill_to_commit", "spawn_to_commit", "imports", "build", "join_to_commit")},
             "recoveries": recoveries,
             "lost_steps": self.lost_steps,
             "settled": settled,
@@ -546,9 +551,18 @@ class Soak:
                 first = inc.commits[0][0] if inc.commits else None
                 out.append({"group": group.replica_id, "died_at": before.ended, "spawned_at": round(inc.spawned, 3),
                             "fault": inc.fault,
-                            "kill_to_commit": round(first - before.ended, 3) if first and before.ended else None,
-                            "spawn_to_commit": round(first - inc.spawned, 3) if first else None})
+                            "kill_to_commit": _span(before.ended, first),
+                            "spawn_to_commit": _span(inc.spawned, first),
+                            # Its phases: interpreter start and imports; model, optimizer and manager built; from
+                            # then to its first commit (join the quorum, fetch, follow and replay).
+                            "imports": _span(inc.spawned, inc.imports_done if first else None),
+                            "build": _span(inc.imports_done, inc.ready if first else None),
+                            "join_to_commit": _span(inc.ready, first)})
         return out
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return round(end - start, 3) if start is not None and end is not None else None
 
 
 def _stats(values: list[float]) -> dict[str, float | int | None]:
