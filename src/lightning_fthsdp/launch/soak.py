@@ -79,6 +79,7 @@ class _Incarnation:
     catch_up_at: list[float] = field(default_factory=list)
     """Times of the commits that ended a catch-up (their gap is this group's own recovery, not a stall)."""
     stopped: list[tuple[float, float]] = field(default_factory=list)
+    """When it was stopped (seconds since the soak began, like every time here)."""
     imports_done: float | None = None
     ready: float | None = None
     ended: float | None = None
@@ -221,7 +222,7 @@ class Soak:
                 group.resolve_at = now + self.rng.uniform(*self.config.stop_for_s)
                 self._event("stopped", group.replica_id, fault=group.armed if group.fired else None)
             elif group.stopped_since is not None and now >= group.resolve_at:
-                group.current.stopped.append((group.stopped_since, now))
+                group.current.stopped.append((group.stopped_since - self.t0, now - self.t0))
                 if chaos and self.rng.random() < 0.4 and self._safe_without(group):
                     self._kill(group, "stop then kill")
                 else:
@@ -392,7 +393,7 @@ class Soak:
         inc = group.current
         inc.ended = now - self.t0
         if group.stopped_since is not None:
-            inc.stopped.append((group.stopped_since, now))
+            inc.stopped.append((group.stopped_since - self.t0, now - self.t0))
         inc.end = f"exit {returncode}"
         ours = returncode == -signal.SIGKILL
         if not ours:
