@@ -1,82 +1,13 @@
-"""Invariants every fault-tolerant run must keep, read from the groups' JSONL logs."""
+"""The run invariants (now in ``lightning_fthsdp.launch.invariants``, where the chaos soak uses them too)."""
 
-from __future__ import annotations
+from lightning_fthsdp.launch.invariants import (
+    assert_consistent,
+    assert_exactly_once,
+    assert_no_regression,
+    assert_no_step_lost,
+    contributions_by_step,
+    kept_commits,
+)
 
-from lightning_fthsdp.launch.processes import Group
-
-
-def kept_commits(*groups: Group, rank: int = 0) -> dict[int, int]:
-    """step -> the quorum whose commit of that step the job kept: the latest one.
-
-    The commit vote is per group, so a group may commit a step whose exchange the others abandoned (a member was
-    declared dead as it completed); they train that step again in a later quorum, and the lone commit is
-    superseded: its group died, or it recovers their state (see ``assert_consistent``).
-    """
-    kept: dict[int, int] = {}
-    for group in groups:
-        for record in group.records(rank=rank):
-            kept[record["step"]] = max(kept.get(record["step"], -1), record["quorum_id"])
-    return kept
-
-
-def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
-    """At every step two groups both committed in the kept quorum, their parameters are bit-identical, and a group
-    whose commit was superseded commits nothing more of its own before it recovers or restarts. Returns the steps
-    every group committed in the kept quorum."""
-    kept = kept_commits(*groups, rank=rank)
-    by_group = []
-    for group in groups:
-        rows = group.records(event=None, rank=rank)
-        for i, row in enumerate(rows):
-            if row["event"] == "commit" and row["quorum_id"] != kept[row["step"]]:
-                # Discarded attempts and steps followed while a state transfer runs are not training of its own.
-                after = next((r for r in rows[i + 1:] if r["event"] not in ("discard", "follow")), None)
-                assert after is None or after["event"] == "ready" or after.get("catch_up"), (
-                    f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
-                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
-        by_group.append({r["step"]: r["params_sha256"] for r in rows
-                         if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
-    common = set.intersection(*(set(d) for d in by_group))
-    for step in sorted(common):
-        digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True)}
-        assert len(set(digests.values())) == 1, f"parameters differ at step {step}: {digests}"
-    return common
-
-
-def contributions_by_step(*groups: Group) -> dict[int, dict[str, list[int]]]:
-    """Every kept committed step's data: participant -> the indices of its batches that went into it, merged over
-    the groups' logs; groups that committed the same step in the kept quorum must agree on it."""
-    kept = kept_commits(*groups)
-    steps: dict[int, dict[str, list[int]]] = {}
-    for group in groups:
-        for record in group.records():
-            if record["quorum_id"] != kept[record["step"]]:
-                continue  # superseded: the others trained that step again (assert_consistent checks the rest)
-            batches = {p: list(range(first, first + record["shares"][p]))
-                       for p, first in record["contributions"].items()}
-            known = steps.setdefault(record["step"], batches)
-            assert known == batches, f"step {record['step']}: {known} != {batches}"
-    return steps
-
-
-def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
-    """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
-    and no gap. Returns each group's stream in step order."""
-    steps = contributions_by_step(*groups)
-    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
-    streams: dict[str, list[int]] = {}
-    for step in sorted(steps):
-        for replica_id, indices in steps[step].items():
-            streams.setdefault(replica_id, []).extend(indices)
-    for replica_id, indices in streams.items():
-        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
-    return streams
-
-
-def assert_no_step_lost(group: Group, final_step: int, rank: int = 0) -> None:
-    """Committed steps are exactly 1..final_step with none repeated (catch-up may jump ahead: see start)."""
-    steps = [r["step"] for r in group.records(rank=rank)]
-    assert steps == sorted(set(steps)), f"{group.replica_id} committed a step twice: {steps}"
-    assert steps and steps[-1] == final_step, f"{group.replica_id} ended at {steps[-1:]} not {final_step}"
-    first = steps[0]
-    assert steps == list(range(first, final_step + 1)), f"{group.replica_id} skipped steps: {steps}"
+__all__ = ["assert_consistent", "assert_exactly_once", "assert_no_regression", "assert_no_step_lost",
+           "contributions_by_step", "kept_commits"]

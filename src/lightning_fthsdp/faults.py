@@ -7,13 +7,24 @@ Grammar (one fault; ``--fault`` in the examples)::
 The fault fires once, the first time this rank reaches PHASE at a step >= N (a group that catches up may jump
 over step N itself).
     SIGNAL  sigkill | sigstop
-    PHASE   before   (default) just before this rank enters the cross-group exchange of step N
-            allreduce          while this rank's cross-group allreduce of step N is in flight
+    PHASE   forward            as this rank starts the forward pass of step N
+            backward           as this rank starts the backward pass of step N
+            before   (default) just before this rank enters the cross-group exchange of step N
+            allreduce          while this rank's cross-group allreduce (the exchange) of step N is in flight
+            commit             after the exchange of step N, just before this rank's commit vote
+            optimizer          after a successful commit vote of step N, before the optimizer step
             serve              as this rank starts streaming its state to a catching-up group
             fetch              as this rank, catching up, starts fetching state
+            follow             at the exchange of a step this rank follows while its state transfer runs
+            replay             as this rank, its state loaded, replays a step it followed
     rank    only this shard rank of the group fires (default 0)
 
-A process that stops itself (SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.
+Which phases fire where is the trainer's doing: ``FTManager``'s ``on_phase`` hook fires allreduce, serve and fetch;
+the training loop the rest (``lightning_fthsdp.demo.train_plain`` fires every phase). A process that stops itself
+(SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.
+
+``FaultFile`` lets a harness arm and disarm a fault while the process runs: the file holds one fault (or nothing)
+and is re-read whenever it changes.
 """
 
 from __future__ import annotations
@@ -42,7 +53,9 @@ def parse_options(text: str, allowed: Sequence[str], what: str, usage: str) -> t
             raise ValueError(f"{what} {text!r}: {key} given twice")
         values[key] = value
     return head, values
-PHASES = ("before", "allreduce", "serve", "fetch")
+
+
+PHASES = ("before", "allreduce", "serve", "fetch", "forward", "backward", "commit", "optimizer", "follow", "replay")
 
 
 @dataclass
@@ -69,8 +82,47 @@ class Fault:
             raise ValueError(f"fault {spec!r}: rank must be a non-negative integer, got {rank!r}")
         return cls(head, int(values["step"]), phase, int(rank))
 
+    def __str__(self) -> str:
+        return f"{self.signal_name}:step={self.step}:phase={self.phase}:rank={self.rank}"
+
+    def due(self, step: int, phase: str, rank: int) -> bool:
+        """Whether the fault fires now: it has not yet, and step, phase and rank match."""
+        return not self.fired and step >= self.step and phase == self.phase and rank == self.rank
+
+    def fire(self) -> None:
+        """Send the signal to this very process (once)."""
+        self.fired = True
+        os.kill(os.getpid(), _SIGNALS[self.signal_name])
+
     def fire_if(self, step: int, phase: str, rank: int) -> None:
         """Send the signal to this very process the first time step, phase and rank match."""
-        if not self.fired and step >= self.step and phase == self.phase and rank == self.rank:
-            self.fired = True
-            os.kill(os.getpid(), _SIGNALS[self.signal_name])
+        if self.due(step, phase, rank):
+            self.fire()
+
+
+class FaultFile:
+    """A fault a harness arms and disarms while the process runs: ``path`` holds one fault spec or nothing.
+
+    ``poll()`` is one ``stat`` when nothing changed (cheap enough for every step). Writers should replace the file
+    atomically (write a temporary file, then rename it over ``path``) so a reader never sees half a spec.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._seen: tuple[int, int, int] | None = None
+
+    def poll(self) -> tuple[bool, Fault | None]:
+        """``(changed, fault)``: whether the file changed since the last poll, and the fault it now holds (None:
+        disarmed, also while the file is missing). Raises ValueError for a spec that does not parse."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            changed, self._seen = self._seen is not None, None
+            return changed, None
+        seen = (stat.st_mtime_ns, stat.st_ino, stat.st_size)
+        if seen == self._seen:
+            return False, None
+        self._seen = seen
+        with open(self.path) as file:
+            spec = file.read().strip()
+        return True, Fault.parse(spec) if spec else None

@@ -26,7 +26,9 @@ to how many of its batches (one each, unless ``--global-batches`` keeps the glob
 degraded), so anyone can check that every group's stream was trained exactly once.
 
 and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
-restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``).
+restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``),
+``"event": "fault"`` lines when a fault is armed (``"action": "armed"``, ``"spec"``: the fault or null for none) or
+fires (``"action": "fired"``, with ``step`` and ``phase``; written just before the signal).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -47,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
-from lightning_fthsdp.faults import Fault
+from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
 
@@ -86,6 +89,35 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+class Faults:
+    """This process's fault: ``--fault``, or the one ``--fault-file`` holds now (re-read at every step). Arming and
+    firing are logged through ``write`` (a JSONL record each); callable from any thread (``serve`` and ``fetch``
+    fire on catch-up threads)."""
+
+    def __init__(self, fault: Fault | None, fault_file: Path | None,
+                 write: Callable[[dict[str, object]], None]) -> None:
+        self.fault = fault
+        self._file = FaultFile(fault_file) if fault_file is not None else None
+        self._write = write
+        if fault is not None:
+            write({"event": "fault", "action": "armed", "spec": str(fault)})
+
+    def refresh(self) -> None:
+        """Adopt the fault file's fault if the file changed (logged even when it disarms)."""
+        if self._file is None:
+            return
+        changed, fault = self._file.poll()
+        if changed:
+            self.fault = fault
+            self._write({"event": "fault", "action": "armed", "spec": str(fault) if fault else None})
+
+    def fire_if(self, step: int, phase: str, rank: int) -> None:
+        fault = self.fault
+        if fault is not None and fault.due(step, phase, rank):
+            self._write({"event": "fault", "action": "fired", "spec": str(fault), "step": step, "phase": phase})
+            fault.fire()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replica-id", default=None, help="this group's stable id (default $FTHSDP_REPLICA_ID)")
@@ -98,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "a real model would spend there (what the quorum request and a catch-up snapshot "
                              "overlap with)")
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
+    parser.add_argument("--fault-file", type=Path, default=None,
+                        help="a file holding one fault (same grammar as --fault) or nothing, re-read whenever it "
+                             "changes (checked at every step): a harness arms and disarms faults while the group runs")
     parser.add_argument("--global-batches", type=int, default=None,
                         help="keep every step at this many group batches while degraded (usually the group count)")
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
@@ -134,12 +169,20 @@ def main(argv: list[str] | None = None) -> int:
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    fault: Fault | None = args.fault
+    log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
+    log_lock = threading.Lock()  # fault records come from catch-up threads too
     manager: FTManager
 
+    def write(record: dict[str, object]) -> None:
+        if log_file is not None:
+            line = json.dumps({"t": time.time(), "replica_id": manager.replica_id, "rank": manager.rank, **record})
+            with log_lock:
+                log_file.write(line + "\n")
+
+    faults: Faults
+
     def on_phase(phase: str) -> None:
-        if fault is not None:
-            fault.fire_if(manager.step, phase, manager.rank)
+        faults.fire_if(manager.step, phase, manager.rank)
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, process_group=process_group,
                         backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
@@ -151,21 +194,27 @@ def main(argv: list[str] | None = None) -> int:
                            lambda tree: load_optimizer_state(optimizer, tree))
     # How a committed step is applied: a catching-up group replays the steps it followed with it, so a long state
     # transfer never holds the healthy groups up.
-    manager.register_update(optimizer.step)
+    faults = Faults(args.fault, args.fault_file, write)
+
+    def update() -> None:
+        on_phase("replay")
+        optimizer.step()
+
+    manager.register_update(update)
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
-    log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
-    if log_file is not None:
-        log_file.write(json.dumps({"t": time.time(), "event": "ready", "replica_id": manager.replica_id,
-                                   "rank": manager.rank, "imports_done": imports_done}) + "\n")
+    write({"event": "ready", "imports_done": imports_done})
     try:
         while manager.step < args.steps:
             started = time.monotonic()
+            faults.refresh()
             manager.begin_step()
             batch_index = manager.next_batch_index
             x, y = make_batch(manager.replica_id, batch_index, manager.rank)
+            on_phase("forward")
             loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            on_phase("backward")
             loss.backward()
             pad = args.step_time_ms / 1000 - (time.monotonic() - started)
             if pad > 0:
@@ -173,20 +222,19 @@ def main(argv: list[str] | None = None) -> int:
             for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
                 x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
                 nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
-            if fault is not None and not manager.following:  # a step N fault: once this group holds step N
-                fault.fire_if(manager.step, "before", manager.rank)
+            # A step N fault fires once this group holds step N: while following, it holds only the steps it replays.
+            on_phase("follow" if manager.following else "before")
             manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
+            on_phase("commit")
             catch_ups, step_before = len(manager.catch_up_log), manager.step
             committed = manager.commit()
             if committed:
+                on_phase("optimizer")
                 optimizer.step()
             optimizer.zero_grad(set_to_none=False)
             if log_file is not None:
-                record = {
-                    "t": time.time(),
+                write({
                     "event": "commit" if committed else "follow" if manager.step > step_before else "discard",
-                    "replica_id": manager.replica_id,
-                    "rank": manager.rank,
                     "step": manager.step,
                     "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
                     "participants": len(manager.participants),
@@ -197,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                     "shares": manager.shares if committed else {},
                     "catch_up": manager.catch_up_log[-1] if len(manager.catch_up_log) > catch_ups else None,
                     "loss": float(loss.detach()),
-                }
-                log_file.write(json.dumps(record) + "\n")
+                })
     finally:
         manager.shutdown()
         if log_file is not None:
