@@ -104,6 +104,7 @@ def lighthouse() -> Iterator[Callable[..., str]]:
                   lost_state_wait_s: float = 10.0, **kw: Any) -> str:
             rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
                                 lost_state_wait_s=lost_state_wait_s)
+            kw.setdefault("startup_grace_ms", 0)  # a test's lighthouse replaces none: its groups may ask at once
             return stack.enter_context(LighthouseThread(rules=rules, heartbeat_timeout_ms=heartbeat_timeout_ms, **kw))
         yield start
 
@@ -142,7 +143,7 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     qc = Client(url)
     qc.send("POST", "/v1/quorum", qr("c", 0))
     wait_for(lambda: replica(obs.status(), "c")["pending"], 5, "c pending", interval_s=0.005)
-    a, b = form(url, "a", "b", step=1)
+    a, b = form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), committed_in=0)
     code, c = qc.recv()
     assert code == 200 and c == a == b
     assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["catch_up_from"] == {"c": "a"}
@@ -363,10 +364,10 @@ def test_shard_count_conflict_with_pending_requests(lighthouse: Callable[..., st
 
 
 def test_restarted_lighthouse_keeps_the_quorum_id(lighthouse: Callable[..., str]) -> None:
-    first = LighthouseThread(rules=QuorumRules(min_replicas=2), heartbeat_timeout_ms=30_000)
+    first = LighthouseThread(rules=QuorumRules(min_replicas=2), heartbeat_timeout_ms=30_000, startup_grace_ms=0)
     with first as url:
         assert form(url, "a", "b")[0]["quorum_id"] == 0
-        answer = form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), commit_failed=True)[0]
+        answer = form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), commit_failed=True, committed_in=0)[0]
     assert answer["quorum_id"] == 1
     port = urlsplit(url).port
     url2 = lighthouse(min_replicas=2, port=port)
@@ -425,12 +426,12 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
             beat.start()
         store = form(url, "a", "b")[0]["store"]
         wait_for(lambda: len(seen) == 2, 10, "a's and b's heartbeats to report quorum 0")
-        form(url, "a", "b", step=1, quorum_id=0)  # the same quorum again
+        form(url, "a", "b", step=1, quorum_id=0, committed_in=0)  # the same quorum again
         beats[2].start()
         joining = Client(url)
         joining.send("POST", "/v1/quorum", qr("c", 0))
         wait_for(lambda: replica(Client(url).status(), "c")["pending"], 10, "c's request to be held")
-        form(url, "a", "b", step=2, quorum_id=0)
+        form(url, "a", "b", step=2, quorum_id=0, committed_in=0)
         assert joining.recv()[0] == 200
         wait_for(lambda: len(seen) == 5, 10, "every heartbeat to report quorum 1")
         assert sorted(seen) == [("a", 0, 0, 2), ("a", 1, 0, 3), ("b", 0, 1, 2), ("b", 1, 1, 3), ("c", 1, 2, 3)]

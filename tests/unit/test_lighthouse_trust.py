@@ -38,7 +38,8 @@ def lighthouse() -> Iterator[Callable[..., LighthouseThread]]:
     """Start lighthouse threads (port 0, one replica suffices for a quorum); all are stopped after the test."""
     with contextlib.ExitStack() as stack:
         def start(**kw: Any) -> LighthouseThread:
-            thread = LighthouseThread(**{"rules": QuorumRules(min_replicas=1), "heartbeat_timeout_ms": 30_000, **kw})
+            thread = LighthouseThread(**{"rules": QuorumRules(min_replicas=1), "heartbeat_timeout_ms": 30_000,
+                                         "startup_grace_ms": 0, **kw})
             stack.enter_context(thread)
             return thread
         yield start

@@ -67,7 +67,10 @@ class Lighthouse:
     Both listen on ``host`` only. ``token``: when set, every request needs it in the ``Authorization`` header
     (Bearer, or Basic with the token as the password, for a browser), else 401; the groups also derive their
     rendezvous key prefixes on the store from it. ``request_timeout_s`` and ``idle_timeout_s`` bound slow and idle
-    connections (see ``lighthouse.http``).
+    connections (see ``lighthouse.http``). ``startup_grace_ms`` (default: the heartbeat timeout): a lighthouse that
+    may replace one that died forms no quorum of its own (it adopts one a healthy group holds) for this long after it
+    starts, so every live group has reconnected first; a fresh group asking at once must not start the job over from
+    step 0 while a group holding the job's state is still on its way back.
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
@@ -86,6 +89,7 @@ class Lighthouse:
         replica_ids: Iterable[str] | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        startup_grace_ms: int | None = None,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
@@ -93,6 +97,11 @@ class Lighthouse:
             if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"Lighthouse {name} must be a number of seconds > 0, got {value!r}")
         self._request_timeout_s, self._idle_timeout_s = float(request_timeout_s), float(idle_timeout_s)
+        startup_grace_ms = heartbeat_timeout_ms if startup_grace_ms is None else startup_grace_ms
+        if not isinstance(startup_grace_ms, int) or startup_grace_ms < 0:
+            raise ValueError(f"Lighthouse startup_grace_ms must be an integer >= 0, got {startup_grace_ms!r}")
+        self._startup_grace_s = startup_grace_ms / 1000
+        self._startup_timer: asyncio.TimerHandle | None = None
         declared = None if replica_ids is None else frozenset(_declared_id(rid) for rid in replica_ids)
         if declared is not None and not declared:
             raise ValueError("Lighthouse replica_ids is empty: name the job's replica ids, or pass None to admit any")
@@ -178,7 +187,7 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        for timer in (self._join_timer, self._lost_timer):
+        for timer in (self._join_timer, self._lost_timer, self._startup_timer):
             if timer is not None:
                 timer.cancel()
         if self._server is not None:
@@ -431,6 +440,11 @@ class Lighthouse:
             quorum, receivers = adopted
             log.info("adopting quorum %d (members %s) held by %s", quorum.quorum_id, ",".join(quorum.member_ids),
                      ",".join(sorted(receivers)))
+        elif self._previous is None and time.monotonic() < self._started_s + self._startup_grace_s:
+            quorum = None
+            if self._startup_timer is None:
+                self._startup_timer = asyncio.get_running_loop().call_at(self._started_s + self._startup_grace_s,
+                                                                         self._schedule_decide, True)
         else:
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
                             time.monotonic())
