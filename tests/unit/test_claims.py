@@ -172,4 +172,5 @@ def test_a_quorum_below_the_committed_step_reports_the_loss_after_the_wait(light
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 0))
     assert code == 200 and answer["max_step"] == 0 and time.monotonic() - start >= 0.5
     assert obs.status()["lost_steps"] == [{"quorum_id": answer["quorum_id"], "from_step": 0, "committed_step": 1,
-                                           "lost_steps": 1}]
+                                           "lost_steps": 1, "resumed_from": "live groups", "checkpoint": None}]
+    assert "resume_step" not in answer

@@ -48,8 +48,13 @@ def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: i
 def test_a_quorum_below_the_committed_step_is_recorded_as_lost() -> None:
     ledger = ledger_of((0, 0), (0, 7))
     lost = ledger.note_lost(quorum(1, 3))
-    assert lost.to_json() == {"quorum_id": 1, "from_step": 3, "committed_step": 7, "lost_steps": 4}
+    assert lost.to_json() == {"quorum_id": 1, "from_step": 3, "committed_step": 7, "lost_steps": 4,
+                              "resumed_from": "live groups", "checkpoint": None}
     assert ledger.lost == [lost]
+    # The job goes on from step 3: the next quorum, at step 4, is not below the committed step again.
+    ledger.record(quorum(1, 3))
+    assert ledger.committed_step == 3
+    assert ledger.refusal(7, 0, -1) is not None, "the lost steps' state is refused from now on"
 
 
 def test_incarnations_and_declared_ids() -> None:

@@ -43,8 +43,8 @@ from lightning_fthsdp.recovery.expected import Expected
 from lightning_fthsdp.recovery.snapshot import snapshot
 from lightning_fthsdp.recovery.wire import (
     StateTree,
-    byte_view,
     build_manifest,
+    byte_view,
     chunk_digests,
     join_tree,
     parse_manifest,
