@@ -138,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="durable checkpoints under this folder (shared by every group): the job resumes from the "
+                             "newest when no live group holds its committed state (default: none)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="write a checkpoint every this many committed steps (one group writes it; 0: none)")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
     add_timeout_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, process_group=process_group,
                         backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
-                        global_batches=args.global_batches)
+                        global_batches=args.global_batches, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)

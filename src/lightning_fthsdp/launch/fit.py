@@ -88,12 +88,22 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[s
             "strategy": {"class_path": STRATEGY,
                          "init_args": {"lr_scaling": recipe.ft.lr_scaling,
                                        "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts,
-                                       "validate_every_n_steps": trainer.val_every_n_steps}},
+                                       "validate_every_n_steps": trainer.val_every_n_steps,
+                                       **_checkpoint_args(recipe)}},
             "callbacks": callbacks,
         },
         "model": {"class_path": model_path, "init_args": {f: getattr(section, f) for f in model_fields}},
         "data": {"class_path": data_path, "init_args": {f: getattr(section, f) for f in data_fields}},
     }
+
+
+def _checkpoint_args(recipe: RecipeConfig) -> dict[str, Any]:
+    """The strategy's durable-checkpoint arguments (none when the recipe writes no checkpoints)."""
+    ft = recipe.ft
+    if not ft.checkpoint_dir:
+        return {}
+    return {"checkpoint_dir": ft.checkpoint_dir, "checkpoint_every_n_steps": ft.checkpoint_every_n_steps,
+            "checkpoint_keep": ft.checkpoint_keep}
 
 
 def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path | None = None) -> None:

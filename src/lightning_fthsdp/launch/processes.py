@@ -75,6 +75,9 @@ class Job:
     heartbeat_timeout_ms: int = 1_000
     join_timeout_ms: int = 2_000
     collective_timeout_ms: int = 20_000
+    lost_state_wait_ms: int | None = None
+    """How long the lighthouse waits for a holder of the committed step before resuming without one (None: its
+    default)."""
     replica_ids: tuple[str, ...] = ()
     """The job's replica ids, declared to the lighthouse (it refuses any other); empty: any id may join."""
     token: str | None = field(default_factory=lambda: os.environ.get(ENV_TOKEN) or secrets.token_urlsafe(32),
@@ -94,6 +97,8 @@ class Job:
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
         if self.replica_ids:
             cmd += ["--replica-ids", ",".join(self.replica_ids)]
+        if self.lost_state_wait_ms is not None:
+            cmd += ["--lost-state-wait-ms", str(self.lost_state_wait_ms)]
         self.lighthouse = self._spawn(cmd, out)
         match = wait_for(lambda: LISTENING.search(out.read_text()), 30, "the lighthouse's listening line")
         self.lighthouse_url, self._port = match.group(1), int(match.group(2))

@@ -37,6 +37,7 @@ class GroupState:
     status: str = STARTING
     incarnation: int = -1
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)  # when each restart started (Unix time)
     step: int = 0
     loss: float | None = None
     participants: list[str] = field(default_factory=list)
@@ -62,7 +63,9 @@ class Supervisor:
     out: Path
     replica_ids: list[str]
     max_restarts: int
+    """Restarts per group within any ``restart_window_s``: one more is refused (the group is marked failed)."""
     restart_delay_s: float
+    restart_window_s: float = 3600.0
     transitions: list[dict[str, Any]] = field(default_factory=list)
     groups: dict[str, GroupState] = field(default_factory=dict)
 
@@ -87,6 +90,7 @@ class Supervisor:
             if state.restart_at is not None and now >= state.restart_at:
                 state.restart_at = None
                 state.restarts += 1
+                state.restart_times.append(now)
                 self._start(state)
 
     def inject(self, injection: Injection) -> None:
@@ -120,6 +124,12 @@ class Supervisor:
                 self._signal(state, sig)
             self._set(state, ABANDONED)
         return [s.replica_id for s in stranded]
+
+    def restarts_in_window(self, state: GroupState, now: float | None = None) -> int:
+        """The group's restarts within the last ``restart_window_s``: failures spread over a long job never add up
+        to giving it up, a group that keeps dying within the window does."""
+        now = time.time() if now is None else now
+        return sum(1 for t in state.restart_times if now - t < self.restart_window_s)
 
     @property
     def training(self) -> list[str]:
@@ -179,7 +189,7 @@ class Supervisor:
         state.exit_codes.append(code)
         if code == 0 and state.params_sha256 is not None:
             self._set(state, DONE)
-        elif state.restarts < self.max_restarts:
+        elif self.restarts_in_window(state) < self.max_restarts:
             self._set(state, DOWN)
             state.restart_at = time.time() + self.restart_delay_s
         else:

@@ -272,3 +272,24 @@ class QuorumClient:
 
     def close(self) -> None:
         self._conn.close()
+
+
+class CheckpointReporter:
+    """The writing group leader's reports of complete durable checkpoints (``POST /v1/checkpoint``), for the group
+    incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step."""
+
+    def __init__(self, url: str, token: str | None, timeouts: Timeouts, replica_id: str, incarnation: str) -> None:
+        self._conn = _Connection(url, token)
+        self._timeouts = timeouts
+        self._identity = {"replica_id": replica_id, "incarnation": incarnation}
+        self._lock = threading.Lock()
+
+    def report(self, step: int, path: str) -> None:
+        """Raises LighthouseUnavailable (unreachable) or LighthouseRejected (e.g. 409: a step beyond the job's)."""
+        with self._lock:  # one connection, reports from whichever writer thread finished
+            self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
+                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000 + 5)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

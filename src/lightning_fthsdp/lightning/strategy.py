@@ -72,6 +72,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
             none) and after ``max_steps``, in every group alike (a group that catches up skips the multiples its
             step count jumps past); 0 needs ``max_steps``. None (default): Lightning's own schedule
             (``val_check_interval``, epoch ends), which counts this group's own batches and epochs.
+        checkpoint_dir, checkpoint_every_n_steps, checkpoint_keep: durable checkpoints of the fault-tolerant state
+            (model, optimizers, schedulers, loop counters, data positions), written by one contributing group in the
+            background, loaded by every group when no live group holds the job's committed step; see ``FTManager``.
+            Independent of Lightning's own ``ModelCheckpoint`` (``save_checkpoint``).
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
         num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``; giving both with different
@@ -96,6 +100,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         timeouts: Timeouts | None = None,
         auto_shard_min_params: int = DEFAULT_MIN_PARAMS,
         validate_every_n_steps: int | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_n_steps: int = 0,
+        checkpoint_keep: int = 2,
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -120,6 +127,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.auto_shard_min_params = auto_shard_min_params
         refusals.check_validate_every_n_steps(validate_every_n_steps)
         self.validate_every_n_steps = validate_every_n_steps
+        self._checkpointing = {"checkpoint_dir": checkpoint_dir, "checkpoint_every_n_steps": checkpoint_every_n_steps,
+                               "checkpoint_keep": checkpoint_keep}
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
@@ -184,7 +193,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             process_group=process_group if self.world_size > 1 else None,
             backend="gloo" if self.root_device.type == "cpu" else "nccl",
             device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
-            global_batches=self.replicas if self.keep_global_batch else None)
+            global_batches=self.replicas if self.keep_global_batch else None, **self._checkpointing)
         self._commit = StepCommit(manager, self.topology, self.root_device, self._logs, self._fire_fault)
         self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
                                                     on_counters_loaded=self._commit.mark_caught_up)
@@ -343,7 +352,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None and self._commit is not None and self._module_state is not None
         manager = self.manager
         params = [p for p in self.model.parameters() if p.requires_grad]
-        stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer))
+        stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer),
+                                               retrain=lambda: self._retrain_at_position(params, optimizer))
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
         # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
@@ -366,6 +376,18 @@ class FTHSDPStrategy(ModelParallelStrategy):
             if not isinstance(loss, torch.Tensor):
                 raise ValueError(f"FTHSDPStrategy(keep_global_batch=True) needs training_step to return the loss "
                                  f"(a tensor or a dict with 'loss'), got {type(output).__name__}")
+            self.backward(loss / accumulate, optimizer)
+
+    def _retrain_at_position(self, params: list[torch.nn.Parameter], optimizer: Optimizer) -> None:
+        """Forward and backward again, from no gradient, on the batch at this group's committed position: after a
+        durable checkpoint was loaded in this step, the gradients Lightning computed belong to the old weights and
+        the old position."""
+        for p in params:
+            p.grad = None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        for batch, batch_idx in self._stream.batches(self.manager.next_batch_index * accumulate, accumulate):
+            output = self.training_step(self.batch_to_device(batch), batch_idx)
+            loss = output["loss"] if isinstance(output, Mapping) else output
             self.backward(loss / accumulate, optimizer)
 
     def _replay_step(self) -> None:

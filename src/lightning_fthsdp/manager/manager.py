@@ -32,9 +32,10 @@ from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
-from lightning_fthsdp.lighthouse.client import Heartbeat, QuorumClient
+from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
+from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
 from lightning_fthsdp.manager.sources import serves
@@ -72,6 +73,14 @@ class FTManager:
             for a snapshot of the registered state in the background, so the first time this rank serves a
             catching-up group its snapshot copies at full speed (a group that caught up keeps, for that, the fetched
             tensors its loaders copied). False: allocate it when first serving.
+        checkpoint_dir: durable checkpoints of the registered state under this folder (one every group can read: a
+            shared file system on a cluster), the fallback when no live group holds the job's committed state; the
+            lighthouse then has every member load the newest complete one. None (default): none are written or
+            loaded. See ``manager.checkpoints``.
+        checkpoint_every_n_steps: write one every this many committed steps (one contributing group writes it, in
+            the background; 0: write none, only load). More often loses fewer steps when every holder fails at once
+            and costs the writer a CPU copy of its state (overlapped with forward and backward) and disk I/O.
+        checkpoint_keep: complete checkpoints kept (the oldest are removed).
     """
 
     def __init__(
@@ -89,6 +98,9 @@ class FTManager:
         global_batches: int | None = None,
         replay_buffer_mib: int = 1024,
         reserve_snapshot_memory: bool = True,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_n_steps: int = 0,
+        checkpoint_keep: int = 2,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         process_group = renamed_argument("FTManager", "process_group", process_group, "group", group)
@@ -135,6 +147,14 @@ class FTManager:
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
+        self._checkpoints: DurableCheckpoints | None = None
+        if checkpoint_dir:
+            self._checkpoints = DurableCheckpoints(
+                checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
+                replica_id=self.replica_id, rank=self.rank, shard_count=self.shard_count,
+                capture=self._catchup.capture, rlog=self._rlog,
+                reporter=CheckpointReporter(url, token, self.timeouts, self.replica_id, self.incarnation)
+                if self.is_leader else None)
         addresses = self._agreement.gather_addresses(self._catchup.address)
         self._requester: QuorumRequester | None = None
         if self.is_leader:
@@ -206,6 +226,12 @@ class FTManager:
         return self._follower.active
 
     @property
+    def checkpoint_loads(self) -> int:
+        """How many durable checkpoints this rank loaded (a quorum resumed from one): a front end whose step computed
+        its gradients before such a load must compute them again."""
+        return self._checkpoints.loads if self._checkpoints is not None else 0
+
+    @property
     def next_batch_index(self) -> int:
         """Position of this group's own data stream: batches of it already in a committed step."""
         return self.batches_committed.get(self.replica_id, 0)
@@ -239,6 +265,8 @@ class FTManager:
         """Open the step (if it is not open yet) and start its quorum request in the background (leader only)."""
         if self._current is None:
             self._current = StepState()
+            if self._checkpoints is not None and not self._follower.active:
+                self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in)
         if not self._heartbeat.started:
             # Heartbeating starts with the first step, not at construction: a group still building its model
             # is not yet a heartbeating group the others must wait for or count in their majority.
@@ -264,6 +292,9 @@ class FTManager:
         quorum = state.quorum
         if quorum is None:
             return False
+        if quorum.resume_step >= 0:
+            self._resume(quorum)
+            return False  # nobody exchanges in the step a quorum resumes: every member retrains it once loaded
         state.tensors = tensors
         source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
@@ -291,6 +322,8 @@ class FTManager:
                                                        not self._follower.failed)
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+        if self._checkpoints is not None:
+            self._checkpoints.wait_copied(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
         if ok and self._follower.active:
@@ -327,6 +360,8 @@ class FTManager:
         self._heartbeat.leave()
         self._comm.close()
         self._catchup.close()
+        if self._checkpoints is not None:
+            self._checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -360,6 +395,22 @@ class FTManager:
         self._comm.expect(quorum.quorum_id)
         self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
         return quorum
+
+    def _resume(self, quorum: Quorum) -> None:
+        """The quorum resumes from the durable checkpoint of ``quorum.resume_step`` (no live group held the job's
+        committed state): load it, unless this group holds that step already."""
+        if self.step == quorum.resume_step:
+            return
+        if self._checkpoints is None:
+            raise RuntimeError(
+                f"FTManager (group {self.replica_id}): quorum {quorum.quorum_id} resumes from the checkpoint of step "
+                f"{quorum.resume_step} ({quorum.resume_path}), but this group has no checkpoint_dir: give every group "
+                f"the same checkpoint settings")
+        self._follower.stop("the quorum resumes from a durable checkpoint")
+        self._rlog.warning("no live group holds the job's committed state: loading the checkpoint of step %d from %s",
+                           quorum.resume_step, self._checkpoints.root)
+        self._checkpoints.load(quorum.resume_step, lambda tree: self._catchup.load(tree, keep_memory=False))
+        self._progress.committed_in = -1
 
     def _replay(self, tensors: Sequence[torch.Tensor]) -> None:
         """Catch up: load the fetched state and replay the steps held since, through the registered update; the
