@@ -1,4 +1,5 @@
-"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds.
+"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds
+(or ``Timeouts.max_failed_commits`` attempts in a row failed: ``FTManager.commit`` then raises ``CommitsFailed``).
 
 A discarded attempt (a group died during the exchange, this group's lease ran out) is retried inside the same
 optimizer step, on the same batch: the weights did not change, so the gradient is restored from a copy made before
@@ -50,7 +51,8 @@ class StepCommit:
     def until_committed(self, params: list[torch.nn.Parameter], train_extra_batches: Callable[[int], None]) -> float:
         """Exchange the gradients of ``params`` and vote, until the step commits; returns the seconds spent in
         discarded attempts. ``train_extra_batches(n)`` trains this group's ``n`` extra batches of the attempt (a
-        degraded step with ``keep_global_batch``; 0 otherwise). Raises ValueError on a quorum larger than the job."""
+        degraded step with ``keep_global_batch``; 0 otherwise). Raises ValueError on a quorum larger than the job,
+        CommitsFailed once the manager's budget of failed commits in a row is spent."""
         manager = self._manager
         ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
         logged = self._logs.mark()
