@@ -138,3 +138,19 @@ def test_a_group_stopped_past_the_lighthouses_timeout_never_commits_what_the_oth
     for group in (a, b):
         assert_no_step_lost(group, steps)
     assert c.last_step() == steps
+
+
+@pytest.mark.parametrize("steps", [90, 110, 130])
+def test_survivors_exit_0_after_a_peer_stopped_for_good(job: Job, steps: int) -> None:
+    """c stops for good inside step 25: a and b abandon their allreduce with it, which stays pending in gloo until
+    its collective timeout (3 s here). The three lengths end the survivors' runs around that moment: before, while
+    and after their interpreters finalize. A native thread that reaches Python then used to kill the process
+    (SIGSEGV/SIGABRT) after a successful run; now each survivor exits 0."""
+    job.collective_timeout_ms = 3_000
+    job.start_lighthouse()
+    a, b = job.start_group("a", steps), job.start_group("b", steps)
+    job.start_group("c", steps, fault=f"sigstop:step={KILL_STEP}")
+    for group in (a, b):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+        assert_no_step_lost(group, steps)
+    assert_consistent(a, b)
