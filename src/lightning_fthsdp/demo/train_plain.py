@@ -166,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        group_timeout = args.timeouts.delta(args.timeouts.process_group_timeout_ms)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=group_timeout)
         # The commit vote and the quorum broadcast are small CPU messages: they need a gloo group.
-        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=group_timeout)
         mesh = init_device_mesh(device.type, (shard_count,), mesh_dim_names=("dp_shard",))
         for layer in model:
             if isinstance(layer, nn.Linear):

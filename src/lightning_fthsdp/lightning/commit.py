@@ -1,4 +1,5 @@
-"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds.
+"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds
+(or ``Timeouts.max_failed_commits`` attempts in a row failed: ``FTManager.commit`` then raises ``CommitsFailed``).
 
 A discarded attempt (a group died during the exchange, this group's lease ran out) is retried inside the same
 optimizer step, on the same batch: the weights did not change, so the gradient is restored from a copy made before
@@ -53,7 +54,8 @@ class StepCommit:
         discarded attempts. ``train_extra_batches(n)`` trains this group's ``n`` extra batches of the attempt (a
         degraded step with ``keep_global_batch``; 0 otherwise). ``retrain()`` computes the step's gradients afresh
         (after the quorum had this group load a durable checkpoint: the weights and the data position changed).
-        Raises ValueError on a quorum larger than the job."""
+        Raises ValueError on a quorum larger than the job, CommitsFailed once the manager's budget of failed commits
+        in a row is spent."""
         manager = self._manager
         ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
         loads, resumed = manager.checkpoint_loads, False

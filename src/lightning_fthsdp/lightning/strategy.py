@@ -9,6 +9,7 @@ is reached through ``private``. See docs/lightning.md for usage and semantics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,7 +66,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
             batches of their own streams (their share of the missing groups', e.g. 2 instead of 1 when 2 of 3 are
             healthy) so every optimizer step sees the global batch of a healthy job; steps take longer instead of
             the batch shrinking. Excludes ``lr_scaling`` (the batch no longer shrinks).
-        timeouts: the validated timeout hierarchy of the fault-tolerant path.
+        timeouts: the validated timeout hierarchy of the fault-tolerant path; its ``process_group_timeout_ms`` is
+            this group's own process group timeout (``timeout``) and ``max_failed_commits`` bounds the retries of a
+            step: then training stops with ``CommitsFailed`` naming the last cause.
         auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
             child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
         validate_every_n_steps: run the validation loop after every committed step that is a multiple of this (0:
@@ -77,7 +80,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
             background, loaded by every group when no live group holds the job's committed step; see ``FTManager``.
             Independent of Lightning's own ``ModelCheckpoint`` (``save_checkpoint``).
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
-        save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        save_distributed_checkpoint, process_group_backend: as for ``ModelParallelStrategy``.
+        timeout: this group's own process group timeout; default ``timeouts.process_group_timeout_ms``, whose place
+            in the hierarchy it must keep (it replaces that value).
         num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``; giving both with different
             values is a ValueError.
 
@@ -106,14 +111,19 @@ class FTHSDPStrategy(ModelParallelStrategy):
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = private.DEFAULT_PG_TIMEOUT,
+        timeout: timedelta | None = None,
         num_replica_groups: int | None = None,
         **kwargs: Any,
     ) -> None:
         refusals.refuse_foreign_arguments(kwargs)
         replicas = renamed_argument("FTHSDPStrategy", "replicas", replicas, "num_replica_groups", num_replica_groups)
+        self.timeouts = timeouts or Timeouts()
+        if timeout is not None:  # validated against the leader's quorum wait like the field it replaces
+            self.timeouts = dataclasses.replace(self.timeouts,
+                                                process_group_timeout_ms=int(timeout.total_seconds() * 1000))
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         process_group_backend=process_group_backend,
+                         timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
         self.replica_id = resolve(replica_id, ENV_REPLICA_ID, "FTHSDPStrategy replica_id",
                                   "a stable name per replica group, e.g. 'a'")
         self.lighthouse = resolve(lighthouse, ENV_LIGHTHOUSE, "FTHSDPStrategy lighthouse",
@@ -123,7 +133,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
         check_lr_scaling(lr_scaling, keep_global_batch)
         self.lr_scaling = lr_scaling
         self.keep_global_batch = keep_global_batch
-        self.timeouts = timeouts or Timeouts()
         self.auto_shard_min_params = auto_shard_min_params
         refusals.check_validate_every_n_steps(validate_every_n_steps)
         self.validate_every_n_steps = validate_every_n_steps
@@ -187,7 +196,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         refusals.refuse_loss_scaling(self.precision_plugin)
         super().setup(trainer)
         assert self.model is not None
-        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
         manager = self._manager = FTManager(
             replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
             process_group=process_group if self.world_size > 1 else None,
@@ -266,7 +276,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         The sync retries until a commit succeeds, so a discarded attempt never reaches ``optimizer.step()``, the LR
         schedulers or Lightning's step counters: it is retrained on the same batch (the weights did not change,
-        so its gradient is the one computed before the failed attempt, restored from a copy).
+        so its gradient is the one computed before the failed attempt, restored from a copy). After
+        ``timeouts.max_failed_commits`` failed attempts in a row it raises ``CommitsFailed`` naming the last cause.
         """
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)

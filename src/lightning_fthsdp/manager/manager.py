@@ -14,8 +14,11 @@ One step::
 
 Failure semantics: a peer crash or hang, a lighthouse-announced membership change, or a timeout during the
 step makes ``commit()`` return False on every rank of this group; nothing hangs (every wait is bounded by
-``Timeouts``). Errors inside the replica group itself (a shard rank died) propagate: the group dies whole and
-its launcher restarts it. Wrong configuration (shard counts that differ, a bad token) raises.
+``Timeouts``). After ``Timeouts.max_failed_commits`` such failures in a row ``commit()`` raises
+``CommitsFailed`` naming the last cause. Errors inside the replica group itself (a shard rank died) propagate: the
+group dies whole and its launcher restarts it. What no retry fixes raises at once, naming the fix: shard counts
+that differ, a token the lighthouse refuses, a cross-group backend that cannot work (``CrossGroupConfigError``).
+``shutdown()`` is bounded and never raises.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 
 _OWN_STATE = "fthsdp"
+
+
+class CommitsFailed(RuntimeError):
+    """``Timeouts.max_failed_commits`` commits in a row failed: training cannot make progress."""
 
 
 class FTManager:
@@ -129,6 +136,9 @@ class FTManager:
         self._store_address = ""
         self._deaths_at_quorum = 0
         self._commit_failed = False
+        self._failed_commits = 0  # in a row
+        self._failure = ""  # why the step under way failed so far (empty: it has not)
+        self._closed = False
         self._participants: tuple[str, ...] = ()
         self._shares: dict[str, int] = {}
         self._contributions: dict[str, int] = {}
@@ -291,6 +301,7 @@ class FTManager:
         state.exchanged = state.ready = False  # a repeated call's outcome replaces the last one's
         quorum = state.quorum
         if quorum is None:
+            self._failure = f"no quorum: {self._agreement.no_quorum_reason}"
             return False
         if quorum.resume_step >= 0:
             self._resume(quorum)
@@ -309,15 +320,24 @@ class FTManager:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
+            self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
             return False
         state.exchanged = True
         state.ready = not self._follower.active or self._follower.poll(can_replay=self._update is not None)
         return True
 
     def commit(self) -> bool:
-        """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
+        """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer.
+
+        Raises CommitsFailed, on every rank of the group alike, when this is the ``Timeouts.max_failed_commits``-th
+        failed commit in a row (steps followed during a catch-up are progress, not failures).
+        """
         state, self._current = self._current or StepState(), None
+        failure, self._failure = self._failure, ""
         lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
+        if not lease_ok and not failure:
+            failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
+                       f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
         ok, exchanged, fetch_ok = self._agreement.vote(state.ready and lease_ok, state.exchanged and lease_ok,
                                                        not self._follower.failed)
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
@@ -334,6 +354,7 @@ class FTManager:
             self._progress.advance(self._shares)
             self._progress.committed_in = state.quorum.quorum_id
             self._commit_failed = False
+            self._failed_commits = 0
             self.committed_steps += 1
             if self.committed_steps == 1 and self._reserve_snapshot_memory:
                 self._catchup.reserve_memory()
@@ -345,25 +366,50 @@ class FTManager:
             self._commit_failed = True
             self._comm.invalidate()
             self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
+            self._count_failure(failure or "the exchange failed on another rank of this group")
         elif self._follower.active:
             assert state.quorum is not None, "a step is exchanged only inside a quorum"
             self._follower.hold(state.tensors, self._shares, state.quorum.quorum_id)
             self._commit_failed = False
+            self._failed_commits = 0
         else:
             self._rlog.info("state not received this step; still behind, retrying next step")
+            self._count_failure(failure or "the catch-up state transfer did not deliver the state")
         return ok
 
     def shutdown(self) -> None:
-        """Leave the job gracefully (the lighthouse forgets this group without declaring it dead)."""
+        """Leave the job gracefully (the lighthouse forgets this group without declaring it dead), and end every
+        thread this manager started, each within a deadline from ``Timeouts``. Never raises (it runs after errors
+        whose report must stay the only one; a step that fails is logged) and is idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        closers: list[tuple[str, Callable[[], None]]] = [("the heartbeat", self._heartbeat.leave),
+                                                         ("the cross-group process groups", self._comm.close),
+                                                         ("catch-up", lambda: self._catchup.close(
+                                                             timeout_s=self.timeouts.collective_timeout_ms / 1000))]
         if self._requester is not None:
-            self._requester.close()
-        self._heartbeat.leave()
-        self._comm.close()
-        self._catchup.close()
-        if self._checkpoints is not None:
-            self._checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+            closers.insert(0, ("the quorum requests", self._requester.close))
+        checkpoints = self._checkpoints
+        if checkpoints is not None:
+            closers.append(("the checkpoint writer",
+                            lambda: checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)))
+        for what, close in closers:
+            try:
+                close()
+            except Exception:
+                self._elog.exception("shutdown: closing %s failed", what)
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    def _count_failure(self, cause: str) -> None:
+        self._failed_commits += 1
+        budget = self.timeouts.max_failed_commits
+        if self._failed_commits >= budget:
+            raise CommitsFailed(
+                f"FTManager (group {self.replica_id}): {self._failed_commits} commits in a row failed "
+                f"(Timeouts.max_failed_commits={budget}); the last cause: {cause}. Fix that cause, or raise "
+                f"max_failed_commits (recipe: ft.timeouts.max_failed_commits) to keep retrying longer")
 
     def _agreed_step(self) -> StepState:
         """The step under way, its quorum agreed once (the first of ``step_batches``/``sync_gradients`` asks)."""
