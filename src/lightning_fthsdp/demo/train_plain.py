@@ -26,7 +26,12 @@ to how many of its batches (one each, unless ``--global-batches`` keeps the glob
 degraded), so anyone can check that every group's stream was trained exactly once.
 
 and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
-restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``).
+restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``),
+and one ``"event": "phases"`` line with the first step this group trained: ``milestones`` (the anatomy of its start,
+see ``lightning_fthsdp.config.anatomy``).
+
+``--no-ft`` trains alone, without a lighthouse or ``FTManager`` (no ``--replica-id`` needed): the floor that
+``bench/bench_restart.py`` compares a restart with.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.manager import FTManager
@@ -103,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
+    parser.add_argument("--no-ft", action="store_true",
+                        help="train alone, no lighthouse and no fault tolerance (the floor of the restart bench)")
     add_timeout_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -114,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     imports_done = time.time()
+    anatomy.mark("imports", imports_done)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     shard_count = int(os.environ.get("WORLD_SIZE", "1"))
@@ -133,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    anatomy.mark("setup")  # the model is tiny: its build is in here, the "model" phase is the manager's
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.no_ft:
+        return _train_alone(args, model, optimizer, device)
     fault: Fault | None = args.fault
     manager: FTManager
 
@@ -155,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
+    anatomy.mark("model")
     log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
     if log_file is not None:
         log_file.write(json.dumps({"t": time.time(), "event": "ready", "replica_id": manager.replica_id,
@@ -199,11 +213,48 @@ def main(argv: list[str] | None = None) -> int:
                     "loss": float(loss.detach()),
                 }
                 log_file.write(json.dumps(record) + "\n")
+                trained = committed and manager.replica_id in manager.participants
+                if trained and "trained" not in anatomy.milestones():
+                    _write_phases(log_file, manager.replica_id, manager.rank, manager.step, record["t"])
     finally:
         manager.shutdown()
         if log_file is not None:
             log_file.close()
     return 0
+
+
+def _train_alone(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> int:
+    """``--no-ft``: the same model, batches and pace with no lighthouse, manager or cross-group exchange."""
+    anatomy.mark("model")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    replica_id = args.replica_id or os.environ.get("FTHSDP_REPLICA_ID") or "alone"
+    with (args.log_jsonl.open("a", buffering=1) if args.log_jsonl else open(os.devnull, "w")) as log_file:
+        for step in range(1, args.steps + 1):
+            started = time.monotonic()
+            x, y = make_batch(replica_id, step - 1, rank)
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
+            if pad > 0:
+                time.sleep(pad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            t = time.time()
+            log_file.write(json.dumps({"t": t, "event": "commit", "replica_id": replica_id, "rank": rank,
+                                       "step": step, "loss": float(loss.detach())}) + "\n")
+            if step == 1:
+                _write_phases(log_file, replica_id, rank, step, t)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _write_phases(log_file: TextIO, replica_id: str, rank: int, step: int, t: float) -> None:
+    """The anatomy of this start, once, with its first trained step (committed at ``t``)."""
+    anatomy.mark("trained", t)
+    log_file.write(json.dumps({"t": t, "event": "phases", "replica_id": replica_id,
+                               "rank": rank, "step": step, "milestones": anatomy.milestones()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -183,10 +183,37 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
     for lost in report["lost_steps"]:
         print(f"  LOST: quorum {lost['quorum_id']} restarted from step {lost['from_step']} although step "
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
-    print(f"  final parameters identical across groups: {report['final_params_identical']}")
+    _print_phases(report)
+    for g in report["unfinished"]:
+        print(f"  group {g['replica_id']} did not finish: {g['status']} when training ended at step {g['job_step']} "
+              f"(its last committed step {g['last_step']}, {g['restarts']} restarts); not compared below")
+    finished = sorted(set(report["groups"]) - {g["replica_id"] for g in report["unfinished"]})
+    print(f"  final parameters identical across the {len(finished)} finished groups ({', '.join(finished)}): "
+          f"{report['final_params_identical']}")
+    if report["diverged"]:
+        print(f"  DIVERGED (a defect): groups {', '.join(report['diverged'])} finished with other parameters")
     print(f"  effective training time: {report['effective_training_time']:.3f}")
     print(f"  report: {out / 'report.json'}, {out / 'report.png'}")
     return bool(report["final_params_identical"] and reached)
+
+
+def _print_phases(report: dict[str, Any]) -> None:
+    """Each restart's anatomy (seconds per phase), under the groups' first starts for reference."""
+    from lightning_fthsdp.config.anatomy import PHASES
+
+    rows = [(f"{r['replica_id']}.{r['incarnation']} after {r['after']}", r)
+            for r in report["restart_phases"]]
+    if not rows:
+        return
+    first = report["start_phases"]
+    if first:
+        mean = {p: sum(s["phases"][p] for s in first) / len(first) for p in PHASES}
+        rows.insert(0, ("first starts (mean)", {"phases": mean, "total_s": sum(mean.values()), "wait_s": None}))
+    print("  restart anatomy (s): " + " ".join(f"{p:>8.8}" for p in PHASES) + "    total  + wait")
+    for label, r in rows:
+        wait = f"{r['wait_s']:>7.2f}" if r.get("wait_s") is not None else f"{'':>7}"
+        print(f"  {label:<20} " + " ".join(f"{r['phases'][p]:>8.2f}" for p in PHASES) + f" {r['total_s']:>8.2f}"
+              f" {wait}")
 
 
 def _replica_ids(replicas: int) -> list[str]:

@@ -103,7 +103,10 @@ def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path 
     import lightning.pytorch as pl
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_fthsdp.config import anatomy
     from lightning_fthsdp.lightning import release_process_groups  # also registers strategy="fthsdp"
+
+    anatomy.mark("imports")
 
     config = json.dumps(lightning_config(recipe, record))  # JSON is YAML: jsonargparse reads it as a config string
     # We pass the translated recipe as args but must leave sys.argv alone: Lightning's launcher re-executes it to
