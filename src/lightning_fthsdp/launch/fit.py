@@ -37,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="an omegaconf recipe (recipes/*.yaml), validated against lightning_fthsdp.recipes")
     parser.add_argument("--record", type=Path, default=None, metavar="PATH",
                         help="append one JSON line per committed step to PATH (what fthsdp launch reads)")
+    parser.add_argument("--no-ft", action="store_true",
+                        help="train this group alone with Lightning's own strategy (ddp over --shard-count ranks), "
+                             "no lighthouse: the floor that bench/bench_restart.py compares a restart with")
     parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="key=value | --lightning.arg",
                         help="recipe overrides (key=value), then LightningCLI arguments (--trainer.x=y)")
     parser.set_defaults(func=run)
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.config, overrides)
     except RecipeError as err:
         raise SystemExit(f"fthsdp fit: error: {err}") from None
-    main(recipe, lightning_args, record=args.record)
+    main(recipe, lightning_args, record=args.record, ft=not args.no_ft)
     return 0
 
 
@@ -69,8 +72,9 @@ def split_rest(rest: Sequence[str]) -> tuple[list[str], list[str]]:
     return overrides, lightning_args
 
 
-def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[str, Any]:
-    """The LightningCLI ``fit`` config of ``recipe`` (class paths and init args)."""
+def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool = True) -> dict[str, Any]:
+    """The LightningCLI ``fit`` config of ``recipe`` (class paths and init args); ``ft=False``: Lightning's own
+    strategy instead of ``FTHSDPStrategy`` (``auto`` on one device, ``ddp`` over several)."""
     model_path, data_path, model_fields, data_fields = _TASKS[recipe.task]
     section = getattr(recipe, recipe.task)
     trainer = recipe.trainer
@@ -79,16 +83,19 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[s
         callbacks.append({"class_path": RECORDER, "init_args": {
             "jsonl": str(record) if record is not None else None, "min_step_time_s": trainer.min_step_time_s}})
     timeouts = {name: getattr(recipe.ft.timeouts, name) for name in recipe.ft.timeouts.__dataclass_fields__}
+    strategy: str | dict[str, Any] = {
+        "class_path": STRATEGY, "init_args": {"lr_scaling": recipe.ft.lr_scaling,
+                                              "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts,
+                                              "validate_every_n_steps": trainer.val_every_n_steps}}
+    if not ft:
+        strategy = "ddp" if recipe.launch.shard_count > 1 else "auto"
     return {
         "seed_everything": trainer.seed,
         "trainer": {
             "accelerator": trainer.accelerator, "devices": recipe.launch.shard_count, "num_nodes": 1,
             "precision": trainer.precision, "max_steps": trainer.max_steps,
             "gradient_clip_val": trainer.gradient_clip_val, "log_every_n_steps": trainer.log_every_n_steps,
-            "strategy": {"class_path": STRATEGY,
-                         "init_args": {"lr_scaling": recipe.ft.lr_scaling,
-                                       "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts,
-                                       "validate_every_n_steps": trainer.val_every_n_steps}},
+            "strategy": strategy,
             "callbacks": callbacks,
         },
         "model": {"class_path": model_path, "init_args": {f: getattr(section, f) for f in model_fields}},
@@ -96,8 +103,10 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None) -> dict[s
     }
 
 
-def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path | None = None) -> None:
-    """Run LightningCLI ``fit`` on ``recipe``; ``lightning_args`` win over it."""
+def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path | None = None,
+         ft: bool = True) -> None:
+    """Run LightningCLI ``fit`` on ``recipe``; ``lightning_args`` win over it; ``ft=False``: without fault
+    tolerance (see ``lightning_config``)."""
     import warnings
 
     import lightning.pytorch as pl
@@ -108,7 +117,7 @@ def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path 
 
     anatomy.mark("imports")
 
-    config = json.dumps(lightning_config(recipe, record))  # JSON is YAML: jsonargparse reads it as a config string
+    config = json.dumps(lightning_config(recipe, record, ft))  # JSON is YAML: jsonargparse reads it as a config string
     # We pass the translated recipe as args but must leave sys.argv alone: Lightning's launcher re-executes it to
     # start the group's other ranks. LightningCLI warns about exactly that combination.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
