@@ -96,7 +96,8 @@ def test_summary_and_png_name_the_unfinished_group_and_show_the_phases(tmp_path:
                       _group("b", range(1, 101), digest="x", status="done"), c])
     assert _summary(report, tmp_path) is False  # not every group reached the target
     out = capsys.readouterr().out
-    assert "group c did not finish: starting when training ended at step 100 (its last committed step 60" in out
+    assert ("group c did not finish: starting when training ended at step 100 (still restarting; its last committed "
+            "step 60") in out
     assert "identical across the 2 finished groups (a, b): True" in out and "DIVERGED" not in out
     assert "restart anatomy" in out and "c.1 after exit" in out
     write_png(report, tmp_path / "report.png")

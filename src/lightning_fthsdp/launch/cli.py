@@ -185,8 +185,9 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
     _print_phases(report)
     for g in report["unfinished"]:
+        why = _UNFINISHED.get(g["status"], "still restarting")
         print(f"  group {g['replica_id']} did not finish: {g['status']} when training ended at step {g['job_step']} "
-              f"(its last committed step {g['last_step']}, {g['restarts']} restarts); not compared below")
+              f"({why}; its last committed step {g['last_step']}, {g['restarts']} restarts); not compared below")
     finished = sorted(set(report["groups"]) - {g["replica_id"] for g in report["unfinished"]})
     print(f"  final parameters identical across the {len(finished)} finished groups ({', '.join(finished)}): "
           f"{report['final_params_identical']}")
@@ -195,6 +196,10 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
     print(f"  effective training time: {report['effective_training_time']:.3f}")
     print(f"  report: {out / 'report.json'}, {out / 'report.png'}")
     return bool(report["final_params_identical"] and reached)
+
+
+_UNFINISHED = {"abandoned": "still restarting when every other group had finished, no peer left to catch up from",
+               "failed": "its restarts (launch.max_restarts) used up", "hung": "stopped by the chaos schedule"}
 
 
 def _print_phases(report: dict[str, Any]) -> None:
