@@ -8,7 +8,9 @@ For each path, in the same run on this machine:
 - restart: a job of ``--replicas`` groups with a lighthouse, group b killed (SIGKILL) at ``--kill-at`` and started
   again at once (Lightning: by ``fthsdp launch``, whose ``launch.restart_delay_s`` is set to 0; plain: by this
   script), from the new process's start to its first trained step, split into its phases
-  (``lightning_fthsdp.config.anatomy``).
+  (``lightning_fthsdp.config.anatomy``);
+- standby (Lightning): the same with ``launch.standby`` (b's next incarnation started and imported ahead), from its
+  release to its first trained step.
 
 ``ratio`` = restart / floor (the target is <= 1.5). The restart competes for the CPU with the groups that keep
 training, the floor has the machine to itself (minus whatever else runs): on a loaded host the ratio is pessimistic.
@@ -70,10 +72,11 @@ def lightning_floor(recipe: Path, shard_count: int, workdir: Path) -> dict[str, 
 
 
 def lightning_restart(recipe: Path, shard_count: int, replicas: int, kill_at: int, steps: int, step_s: float,
-                      workdir: Path) -> dict[str, Any]:
-    out = workdir / "launch"
+                      standby: bool, workdir: Path) -> dict[str, Any]:
+    out = workdir / f"launch-{'standby' if standby else 'bare'}"
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(recipe), f"trainer.max_steps={steps}",
            f"trainer.min_step_time_s={step_s}", "launch.restart_delay_s=0", "trainer.val_every_n_steps=0",
+           f"launch.standby={str(standby).lower()}",
            "--replicas", str(replicas), "--shard-count", str(shard_count),
            "--chaos", f"kill:at=step{kill_at}:group=b", "--out", str(out), "--no-live"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -88,7 +91,8 @@ def lightning_restart(recipe: Path, shard_count: int, replicas: int, kill_at: in
     assert restarts, f"group b never trained again after its restart:\n{output[-3000:]}"
     first = restarts[0]
     recovery = next((r["recovery_s"] for r in report["recoveries"] if r["replica_id"] == "b"), None)
-    return {"path": "lightning", "run": "restart", "phases": first["phases"], "total_s": first["total_s"],
+    return {"path": "lightning", "run": "standby" if standby else "restart", "phases": first["phases"],
+            "total_s": first["total_s"], "ahead_s": first["ahead_s"], "standby": first["standby"],
             "wait_s": first["wait_s"], "caught_up": first["caught_up"], "kill_to_training_s": recovery,
             "finished": report["final_params_identical"] and not report["unfinished"]}
 
@@ -152,14 +156,18 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes" / "mlp.yaml", help="Lightning path recipe")
     parser.add_argument("--shard-count", type=int, default=1, help="ranks per group on the Lightning path")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--kill-at", type=int, default=20, help="kill group b once it committed this step")
-    parser.add_argument("--steps", type=int, default=600, help="steps of the job (enough to outlast a restart)")
+    parser.add_argument("--kill-at", type=int, default=300,
+                        help="kill group b once it committed this step (late enough for its standby to be ready)")
+    parser.add_argument("--steps", type=int, default=800, help="steps of the job (enough to outlast a restart)")
+    parser.add_argument("--standby", choices=("on", "off", "both"), default="both",
+                        help="Lightning path: restart with launch.standby (a next incarnation imported ahead), "
+                             "without (a bare process), or both")
     parser.add_argument("--step-ms", type=int, default=50, help="pace of a step (both paths)")
     parser.add_argument("--repeats", type=int, default=1, help="floor and restart pairs per path (median ratio)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     paths = ("lightning", "plain") if args.path == "both" else (args.path,)
-    ratios: dict[str, list[float]] = {p: [] for p in paths}
+    ratios: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp:
         for repeat in range(args.repeats):
             for path in paths:
@@ -167,18 +175,21 @@ def main() -> None:
                 workdir.mkdir()
                 if path == "lightning":
                     floor = lightning_floor(args.recipe.resolve(), args.shard_count, workdir)
-                    restart = lightning_restart(args.recipe.resolve(), args.shard_count, args.replicas, args.kill_at,
-                                                args.steps, args.step_ms / 1000, workdir)
+                    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.standby]
+                    restarts = [lightning_restart(args.recipe.resolve(), args.shard_count, args.replicas,
+                                                  args.kill_at, args.steps, args.step_ms / 1000, standby, workdir)
+                                for standby in modes]
                 else:
                     floor = plain_floor(workdir, args.step_ms)
-                    restart = plain_restart(args.replicas, args.kill_at, args.steps, args.step_ms, workdir)
-                restart["ratio"] = round(restart["total_s"] / floor["total_s"], 3)
-                ratios[path].append(restart["ratio"])
-                rows += [floor, restart]
+                    restarts = [plain_restart(args.replicas, args.kill_at, args.steps, args.step_ms, workdir)]
+                for restart in restarts:
+                    restart["ratio"] = round(restart["total_s"] / floor["total_s"], 3)
+                    ratios.setdefault(f"{path} {restart['run']}", []).append(restart["ratio"])
+                rows += [floor, *restarts]
     _print(rows)
     summary = {p: statistics.median(v) for p, v in ratios.items()}
     for path, ratio in summary.items():
-        print(f"{path}: restart / floor = {ratio:.2f} (median of {len(ratios[path])}; target <= 1.5)")
+        print(f"{path}: {ratio:.2f} x the floor (median of {len(ratios[path])}; target <= 1.5)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     result = {"recipe": str(args.recipe), "shard_count": args.shard_count, "replicas": args.replicas,
               "kill_at": args.kill_at, "step_ms": args.step_ms, "rows": rows, "median_ratio": summary,

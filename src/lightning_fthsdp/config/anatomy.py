@@ -19,16 +19,19 @@ ENV_SPAWNED_AT = "FTHSDP_SPAWNED_AT"
 """Unix time at which the launcher started this process (``fthsdp launch`` and the benches set it); unset: the
 ``process`` phase is unknown (0)."""
 
-MILESTONES = ("spawned", "interpreter", "imports", "setup", "model", "joined", "fetched", "replayed", "trained")
+MILESTONES = ("spawned", "interpreter", "imports", "released", "setup", "model", "joined", "fetched", "replayed",
+              "trained")
 """In the order a start passes them: the launcher started the process; Python runs our package's first line; torch
-(and Lightning) are imported; the framework is set up (the group's process group); the model and optimizer are
-built (sharded) and the fault-tolerance manager exists; the first quorum including this group arrived; the state of
-a peer arrived (catch-up only); the steps followed during the transfer are replayed (catch-up only); the first step
-this group trained (its own gradients in it) committed."""
+(and Lightning) are imported; a standby process was told to go on (``fthsdp launch`` with ``launch.standby``: it
+started and imported ahead, while the group's previous incarnation trained); the framework is set up (the group's
+process group); the model and optimizer are built (sharded) and the fault-tolerance manager exists; the first
+quorum including this group arrived; the state of a peer arrived (catch-up only); the steps followed during the
+transfer are replayed (catch-up only); the first step this group trained (its own gradients in it) committed."""
 
 PHASES = {
     "process": "process start (exec, interpreter)",
     "imports": "imports (torch, Lightning, ours)",
+    "standby": "standby (imported ahead, waiting for a failure)",
     "setup": "framework set-up (process groups, launcher)",
     "model": "model build (model, sharding, optimizer, manager)",
     "join": "join (first heartbeat and quorum)",
@@ -65,9 +68,16 @@ def milestones() -> dict[str, float]:
 def phases(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase (``PHASES`` order) from a start's ``marks``: each phase runs from the latest milestone
     before its own to its own; a phase whose milestone is missing is 0 (its time counts in the next phase present).
-    Empty when ``trained`` is missing (the start never trained)."""
+    Empty when ``trained`` is missing (the start never trained).
+
+    A standby start (``released``: when the launcher said go) counts from its release: what it did before (its
+    process start and imports, ``ahead`` has them) is 0 here, what it still did after (imports not finished yet) counts,
+    so the phases sum to the time from its release to training."""
     if "trained" not in marks:
         return {}
+    if "released" in marks:  # what happened before the release is not on this start's path, what followed is
+        released = marks["released"]
+        return phases({k: v for k, v in marks.items() if k != "released" and v > released} | {"spawned": released})
     out: dict[str, float] = {}
     last = marks.get("spawned", marks.get("interpreter"))
     for name, milestone in zip(PHASES, MILESTONES[1:], strict=True):
@@ -79,3 +89,14 @@ def phases(marks: dict[str, float]) -> dict[str, float]:
         out[name] = round(max(0.0, at - last), 3)
         last = max(last, at)
     return out
+
+
+def ahead(marks: dict[str, float]) -> dict[str, float]:
+    """A standby start's process start and imports done before its release (empty for any other start)."""
+    if "released" not in marks or "trained" not in marks:
+        return {}
+    released = marks["released"]
+    spawned = min(marks.get("spawned", released), released)
+    interpreter = min(marks.get("interpreter", spawned), released)
+    imports = min(marks.get("imports", interpreter), released)
+    return {"process": round(interpreter - spawned, 3), "imports": round(imports - interpreter, 3)}

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     if out.exists() and not out.is_dir():
         raise SystemExit(f"fthsdp launch: error: --out {args.out} is a file: name a folder (it is created if missing)")
-    for owned in ("groups", "logs", "lightning"):  # a previous run's records would mix with this run's
+    for owned in ("groups", "logs", "lightning", "standby"):  # a previous run's records would mix with this run's
         shutil.rmtree(out / owned, ignore_errors=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(to_yaml(recipe))
@@ -110,7 +110,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids))
     supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
-                            recipe.launch.restart_delay_s)
+                            recipe.launch.restart_delay_s, standby=recipe.launch.standby)
     view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
@@ -184,6 +184,10 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
         print(f"  LOST: quorum {lost['quorum_id']} restarted from step {lost['from_step']} although step "
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
     _print_phases(report)
+    ahead = [r for r in report["restart_phases"] if r.get("standby")]
+    if ahead:
+        done = ", ".join(f"{sum(r['ahead_s'].values()):.1f}" for r in ahead)
+        print(f"  (standby: process start and imports done ahead, before the failure: {done} s)")
     for g in report["unfinished"]:
         why = _UNFINISHED.get(g["status"], "still restarting")
         print(f"  group {g['replica_id']} did not finish: {g['status']} when training ended at step {g['job_step']} "
@@ -206,7 +210,7 @@ def _print_phases(report: dict[str, Any]) -> None:
     """Each restart's anatomy (seconds per phase), under the groups' first starts for reference."""
     from lightning_fthsdp.config.anatomy import PHASES
 
-    rows = [(f"{r['replica_id']}.{r['incarnation']} after {r['after']}", r)
+    rows = [(f"{r['replica_id']}.{r['incarnation']} after {r['after']}" + (" (standby)" if r.get("standby") else ""), r)
             for r in report["restart_phases"]]
     if not rows:
         return
@@ -214,10 +218,10 @@ def _print_phases(report: dict[str, Any]) -> None:
     if first:
         mean = {p: sum(s["phases"][p] for s in first) / len(first) for p in PHASES}
         rows.insert(0, ("first starts (mean)", {"phases": mean, "total_s": sum(mean.values()), "wait_s": None}))
-    print("  restart anatomy (s): " + " ".join(f"{p:>8.8}" for p in PHASES) + "    total  + wait")
+    print(f"  {'restart anatomy (s)':<28} " + " ".join(f"{p:>8.8}" for p in PHASES) + "    total  + wait")
     for label, r in rows:
         wait = f"{r['wait_s']:>7.2f}" if r.get("wait_s") is not None else f"{'':>7}"
-        print(f"  {label:<20} " + " ".join(f"{r['phases'][p]:>8.2f}" for p in PHASES) + f" {r['total_s']:>8.2f}"
+        print(f"  {label:<28} " + " ".join(f"{r['phases'][p]:>8.2f}" for p in PHASES) + f" {r['total_s']:>8.2f}"
               f" {wait}")
 
 

@@ -24,6 +24,9 @@ from typing import Any
 from lightning_fthsdp.recipes.schema import RecipeConfig
 
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
+ENV_STANDBY = "FTHSDP_STANDBY"
+"""A path: import everything, create ``PATH.ready`` (rank 0), then wait until ``PATH`` exists before training (how
+``fthsdp launch`` keeps a group's next incarnation ready, see ``launch.standby``); unset: train at once."""
 _LAUNCH_OPTIONS = ("--trainer.devices", "--trainer.num_nodes", "--trainer.strategy", "--trainer.accelerator",
                    "--print_config")  # a group started with any of these is left to Lightning's own launcher
 RECORDER = "lightning_fthsdp.launch.recorder.LaunchRecorder"
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"fthsdp fit: error: {err}") from None
     if _may_start_ranks_early(recipe.launch.shard_count, lightning_args):
         _watch(_start_other_ranks(recipe.launch.shard_count))
+    if os.environ.get(ENV_STANDBY):
+        _stand_by(Path(os.environ[ENV_STANDBY]), recipe)
     main(recipe, lightning_args, record=args.record, ft=not args.no_ft)
     return 0
 
@@ -181,3 +186,28 @@ def _watch(ranks: list[subprocess.Popen[bytes]]) -> None:
             threading.Event().wait(0.5)
 
     threading.Thread(target=watch, name="fthsdp-rank-watch", daemon=True).start()
+
+
+def _stand_by(go: Path, recipe: RecipeConfig) -> None:
+    """Do the imports a fit needs (Lightning, ours, the recipe's model and data modules), say so, and wait for
+    ``go`` (polling: the launcher creates it when this group's running incarnation has died)."""
+    import importlib
+    import time
+
+    import lightning.pytorch  # noqa: F401
+    from lightning.pytorch.cli import LightningCLI  # noqa: F401
+
+    from lightning_fthsdp.config import anatomy
+    from lightning_fthsdp.launch import recorder  # noqa: F401
+
+    for class_path in _TASKS[recipe.task][:2]:
+        importlib.import_module(class_path.rsplit(".", 1)[0])
+    anatomy.mark("imports")
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        go.with_name(go.name + ".ready").touch()
+    parent = os.getppid()
+    while not go.exists():
+        if os.getppid() != parent:  # the launcher (or rank 0) is gone: nobody will ever say go
+            raise SystemExit("fthsdp fit: standby ended: the process that started it exited")
+        time.sleep(0.02)
+    anatomy.mark("released", go.stat().st_mtime)  # when the launcher said go (maybe before our imports ended)

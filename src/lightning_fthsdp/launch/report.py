@@ -23,9 +23,11 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   on a tie); empty when ``final_params_identical``.
 - ``restart_phases``: one per restart that trained again, the anatomy of the restart
   (``lightning_fthsdp.config.anatomy``): ``replica_id``, ``incarnation``, ``after`` (``kill`` or the exit that
-  ended the previous incarnation), ``wait_s`` (from the launcher seeing it dead until it started the new process:
-  ``launch.restart_delay_s``), ``phases`` (seconds per phase, from the process start to its first
-  trained step), ``total_s`` (their sum), ``caught_up``, ``trained_at_step``. ``start_phases``: the same for every
+  ended the previous incarnation), ``wait_s`` (from the launcher seeing it dead until it started the new process,
+  or released its standby: ``launch.restart_delay_s``), ``standby`` (it was started ahead, ``launch.standby``: its
+  process start and imports, ``ahead_s``, were done before the failure and are 0 in its phases), ``phases``
+  (seconds per phase, from the process start, or the release of a standby, to its first trained step), ``total_s``
+  (their sum), ``caught_up``, ``trained_at_step``. ``start_phases``: the same for every
   group's first start (no failure: the in-run reference).
 - ``val_loss``: the held-out validation loss at the last step any group validated (``final``: the mean over the
   groups that validated it; they hold identical parameters) and ``val_losses`` every group's evaluations.
@@ -137,9 +139,11 @@ def _start_phases(groups: dict[str, GroupState], transitions: list[dict[str, Any
                           and e["incarnation"] == incarnation - 1]
                 injected = [e["event"] for e in before if e["event"] in ("kill", "hang")]
                 down = [e["t"] for e in before if e["event"] == "down"]
-                spawned = marks.get("spawned")
+                began = marks.get("released", marks.get("spawned"))
                 entry["after"] = injected[-1] if injected else "exit"
-                entry["wait_s"] = round(max(0.0, spawned - down[-1]), 3) if down and spawned is not None else None
+                entry["wait_s"] = round(max(0.0, began - down[-1]), 3) if down and began is not None else None
+            entry["standby"] = "released" in marks
+            entry["ahead_s"] = anatomy.ahead(marks)
             out.append(entry)
     return sorted(out, key=lambda e: (e["incarnation"], e["replica_id"]))
 
