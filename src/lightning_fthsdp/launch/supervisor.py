@@ -1,5 +1,7 @@
 """Supervises the replica groups of one local job: starts each as one ``fthsdp fit`` launch, follows its JSONL,
-restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group.
+restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group. With
+``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
+it (see ``launch.standby``).
 
 Processes are started and ended through ``lightning_fthsdp.launch.processes.Job`` (own session each, ended by
 process-group id, SIGCONT before SIGKILL). The supervisor never blocks: ``poll()`` does one bounded round of work
