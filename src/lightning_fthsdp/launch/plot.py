@@ -17,7 +17,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, member_ax, stall_ax, phase_ax) = plt.subplots(4, 1, figsize=(9, 12), constrained_layout=True)
+    fig, (loss_ax, member_ax, stall_ax, phase_ax) = plt.subplots(4, 1, figsize=(9, 13), constrained_layout=True)
     for replica_id, rows in report["losses"].items():
         if rows:
             loss_ax.plot([r[1] for r in rows], [r[2] for r in rows], ".", ms=3, label=f"group {replica_id}")
@@ -62,7 +62,7 @@ def _draw_phases(ax: Any, report: dict[str, Any]) -> None:
 
     starts = [*report.get("start_phases", []), *report.get("restart_phases", [])]
     labels = [f"{s['replica_id']}.{s['incarnation']}" + (f" after {s['after']}" if s["incarnation"] else " first")
-              for s in starts]
+              + (" (standby)" if s.get("standby") else "") for s in starts]
     left = [0.0] * len(starts)
     for name, what in PHASES.items():
         widths = [s["phases"][name] for s in starts]
@@ -70,6 +70,7 @@ def _draw_phases(ax: Any, report: dict[str, Any]) -> None:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_yticks(range(len(starts)), labels)
     ax.invert_yaxis()
-    ax.set(title="anatomy of each start, from the process start to its first trained step", xlabel="seconds")
+    ax.set(title="anatomy of each start: process start (a standby: its release) to first trained step",
+           xlabel="seconds")
     if starts:
-        ax.legend(loc="lower right", fontsize=7)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7)
