@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     if out.exists() and not out.is_dir():
         raise SystemExit(f"fthsdp launch: error: --out {args.out} is a file: name a folder (it is created if missing)")
-    for owned in ("groups", "logs", "lightning"):  # a previous run's records would mix with this run's
+    for owned in ("groups", "logs", "lightning", "standby"):  # a previous run's records would mix with this run's
         shutil.rmtree(out / owned, ignore_errors=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
@@ -116,7 +116,8 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
               lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)))
     supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
-                            recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s)
+                            recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
+                            standby=recipe.launch.standby)
     view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
@@ -230,10 +231,46 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
     for wait in report.get("quorum_waits", []):
         print(f"  waited {wait['waited_s']:.1f} s for a quorum: {wait['detail']}")
-    print(f"  final parameters identical across groups: {report['final_params_identical']}")
+    _print_phases(report)
+    ahead = [r for r in report["restart_phases"] if r.get("standby")]
+    if ahead:
+        done = ", ".join(f"{sum(r['ahead_s'].values()):.1f}" for r in ahead)
+        print(f"  (standby: process start and imports done ahead, before the failure: {done} s)")
+    for g in report["unfinished"]:
+        why = _UNFINISHED.get(g["status"], "still restarting")
+        print(f"  group {g['replica_id']} did not finish: {g['status']} when training ended at step {g['job_step']} "
+              f"({why}; its last committed step {g['last_step']}, {g['restarts']} restarts); not compared below")
+    finished = sorted(set(report["groups"]) - {g["replica_id"] for g in report["unfinished"]})
+    print(f"  final parameters identical across the {len(finished)} finished groups ({', '.join(finished)}): "
+          f"{report['final_params_identical']}")
+    if report["diverged"]:
+        print(f"  DIVERGED (a defect): groups {', '.join(report['diverged'])} finished with other parameters")
     print(f"  effective training time: {report['effective_training_time']:.3f}")
     print(f"  report: {out / 'report.json'}, {out / 'report.png'}")
     return bool(report["final_params_identical"] and reached)
+
+
+_UNFINISHED = {"abandoned": "still restarting when every other group had finished, no peer left to catch up from",
+               "failed": "its restarts (launch.max_restarts) used up", "hung": "stopped by the chaos schedule"}
+
+
+def _print_phases(report: dict[str, Any]) -> None:
+    """Each restart's anatomy (seconds per phase), under the groups' first starts for reference."""
+    from lightning_fthsdp.config.anatomy import PHASES
+
+    rows = [(f"{r['replica_id']}.{r['incarnation']} after {r['after']}" + (" (standby)" if r.get("standby") else ""), r)
+            for r in report["restart_phases"]]
+    if not rows:
+        return
+    first = report["start_phases"]
+    if first:
+        mean = {p: sum(s["phases"][p] for s in first) / len(first) for p in PHASES}
+        rows.insert(0, ("first starts (mean)", {"phases": mean, "total_s": sum(mean.values()), "wait_s": None}))
+    print(f"  {'restart anatomy (s)':<28} " + " ".join(f"{p:>8.8}" for p in PHASES) + "    total  + wait")
+    for label, r in rows:
+        wait = f"{r['wait_s']:>7.2f}" if r.get("wait_s") is not None else f"{'':>7}"
+        print(f"  {label:<28} " + " ".join(f"{r['phases'][p]:>8.2f}" for p in PHASES) + f" {r['total_s']:>8.2f}"
+              f" {wait}")
 
 
 def _replica_ids(replicas: int) -> list[str]:

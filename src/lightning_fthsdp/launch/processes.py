@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_fthsdp.config.anatomy import ENV_SPAWNED_AT
 from lightning_fthsdp.config.env import ENV_TOKEN
 
 PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
@@ -173,6 +174,7 @@ class Job:
         if self.token:
             env[ENV_TOKEN] = self.token
         env.update(extra_env or {})
+        env[ENV_SPAWNED_AT] = repr(time.time())  # the start of the process's anatomy (config.anatomy)
         with out.open("wb") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)

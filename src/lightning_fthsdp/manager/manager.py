@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.config import log
+from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
 from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -420,6 +420,7 @@ class FTManager:
             self._current.quorum = self._adopt(*agreed) if agreed is not None else None
             self._current.agreed = True
             if self._current.quorum is not None:
+                anatomy.mark("joined")
                 self._participants = self._current.quorum.participants
                 self._shares = split_batches(self._participants, self.global_batches)
         return self._current

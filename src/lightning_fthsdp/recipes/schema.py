@@ -164,6 +164,11 @@ class LaunchConfig:
     """Seed of the random choices of the chaos schedule (which group, when none is named)."""
     timeout_s: float = _at_least(900.0, 1.0)
     """Bound on the whole run; the launcher stops every process and reports failure when it passes."""
+    standby: bool = True
+    """Keep, per group, its next incarnation started and imported ahead (one at a time, once the group trains), so a
+    restart begins after the imports: its process start and imports (most of a Lightning start-up) are off the
+    restart's path. Costs each group an idle process per shard rank and their imports' CPU while it trains; false:
+    a restart starts from a bare process."""
 
 
 @dataclass
