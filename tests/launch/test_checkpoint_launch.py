@@ -3,16 +3,13 @@ durable checkpoint (not step 0), finishes with identical groups, and the report 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launch.launcher import run_launcher
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
@@ -26,18 +23,8 @@ def test_both_groups_killed_at_once_resume_from_the_newest_checkpoint(tmp_path: 
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", f"ft.checkpoint_every_n_steps={EVERY}",
            "ft.lost_state_wait_s=1", "--replicas", "2", "--chaos",
            f"kill:at=step{KILL}:group=a,kill:at=step{KILL}:group=b", "--out", str(out), "--no-live"]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-    try:
-        output, _ = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:  # SIGTERM first: the launcher then ends the groups it started
-            os.killpg(launcher.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode == 0, output[-4000:]
+    returncode, output = run_launcher(cmd)
+    assert returncode == 0, output[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert report["final_params_identical"] is True and report["committed_steps"] == STEPS
     [lost] = report["lost_steps"]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import pytest
 
 from lightning_fthsdp.config.anatomy import PHASES
 from lightning_fthsdp.sim.report import read_report
+from tests.launch.launcher import run_launcher
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
@@ -32,18 +30,8 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
            "--shard-count", "1", "--chaos", CHAOS, "--out", out.name, "--no-live"]
     # A token of our own (else the launcher makes one), to check it is never printed or written to the run's files.
     token = secrets.token_urlsafe(32)
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                                start_new_session=True, env={**os.environ, "FTHSDP_TOKEN": token})
-    try:
-        output, _ = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:  # SIGTERM first: the launcher then ends the groups it started
-            os.killpg(launcher.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode == 0, output[-4000:]
+    returncode, output = run_launcher(cmd, cwd=tmp_path, env={**os.environ, "FTHSDP_TOKEN": token})
+    assert returncode == 0, output[-4000:]
     leaks = [str(f) for f in out.rglob("*") if f.is_file() and token.encode() in f.read_bytes()]
     assert token not in output and not leaks, leaks
     report = json.loads((out / "report.json").read_text())

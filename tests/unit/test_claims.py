@@ -159,10 +159,9 @@ def test_stray_ids_are_forgotten_and_members_are_not(lighthouse: Callable[..., s
     assert replica(obs.status(), "a")["dead"]
 
 
-def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callable[..., str]) -> None:
-    """The holders of step 2 die; a fresh group c asks. The lighthouse waits for a holder; b comes back (a hang that
-    ended) within the wait, so the job goes on from step 2 and c catches up from b: nothing lost."""
-    url = lighthouse(lost_state_wait_s=30.0, replica_ids="abc")
+def holders_of_step_2_die(url: str) -> Client:
+    """a and b are answered quorum 0 at steps 0 and 1 (they hold step 2 once they commit), then both die (their
+    heartbeat connections RST); returns an observer."""
     obs = Client(url)
     beats = {rid: Client(url) for rid in "ab"}
     for rid, client in beats.items():
@@ -172,6 +171,14 @@ def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callab
     for client in beats.values():
         client.crash()
     wait_for(lambda: all(g["dead"] for g in obs.status()["groups"]), 5, "a and b dead", interval_s=0.005)
+    return obs
+
+
+def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callable[..., str]) -> None:
+    """The holders of step 2 die; a fresh group c asks. The lighthouse waits for a holder; b comes back (a hang that
+    ended) within the wait, so the job goes on from step 2 and c catches up from b: nothing lost."""
+    url = lighthouse(lost_state_wait_s=30.0, replica_ids="abc")
+    obs = holders_of_step_2_die(url)
     c = Client(url)
     c.send("POST", "/v1/quorum", qr("c", 0))
     wait_for(lambda: any(g["replica_id"] == "c" and g["pending"] for g in obs.status()["groups"]), 5,
@@ -184,15 +191,7 @@ def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callab
 
 def test_a_quorum_below_the_committed_step_reports_the_loss_after_the_wait(lighthouse: Callable[..., str]) -> None:
     url = lighthouse(lost_state_wait_s=0.5, replica_ids="abc")
-    obs = Client(url)
-    beats = {rid: Client(url) for rid in "ab"}
-    for rid, client in beats.items():
-        client.call("POST", "/v1/heartbeat", hb(rid))
-    form(url, "a", "b", step=0)
-    form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), committed_in=0)
-    for client in beats.values():
-        client.crash()
-    wait_for(lambda: all(g["dead"] for g in obs.status()["groups"]), 5, "a and b dead", interval_s=0.005)
+    obs = holders_of_step_2_die(url)
     start = time.monotonic()
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 0))
     assert code == 200 and answer["max_step"] == 0 and time.monotonic() - start >= 0.5
