@@ -57,7 +57,8 @@ class CommitLedger:
         """``quorum`` was answered."""
         first, last = self._steps.get(quorum.quorum_id, (quorum.max_step, quorum.max_step))
         self._steps[quorum.quorum_id] = (min(first, quorum.max_step), max(last, quorum.max_step))
-        self._members[quorum.quorum_id] = hash(frozenset(quorum.member_ids))
+        if quorum.quorum_id not in self._members:  # a quorum id names one member set: hash it once, not every step
+            self._members[quorum.quorum_id] = hash(frozenset(quorum.member_ids))
         self.committed_step = max(self.committed_step, quorum.max_step)
         self._newest = max(self._newest, quorum.quorum_id)
         if len(self._steps) > MAX_QUORUMS:
@@ -84,10 +85,8 @@ class CommitLedger:
         """
         if self._newest < 0:
             return None
-        held_id, held_members = held
-        foreign = held_id >= 0 and self._members.get(held_id) != hash(frozenset(held_members))
         if (now < self.settles_at and committed_in is not None and committed_in >= 0
-                and (foreign or committed_in not in self._steps)):
+                and (committed_in not in self._steps or self._foreign(held))):
             return None
         if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
             return None
@@ -112,3 +111,9 @@ class CommitLedger:
             return (f"claims step {step} committed in quorum {committed_in}, which committed steps {first}.."
                     f"{last + 1} only: that state was never committed by this job")
         return None
+
+    def _foreign(self, held: tuple[int, tuple[str, ...]]) -> bool:
+        """Whether the quorum a group holds is not the one this lighthouse formed under that id (a lighthouse before
+        it formed it). Hashes its members: asked only while the lighthouse settles, never on the steady path."""
+        held_id, held_members = held
+        return held_id >= 0 and self._members.get(held_id) != hash(frozenset(held_members))
