@@ -132,10 +132,7 @@ class Registry:
 
     def past_grace(self, now: float) -> list[str]:
         """The live groups that only heartbeat and stopped counting since their grace ended (see the class)."""
-        if self.declared is not None:
-            return []
-        cutoff = now - self.grace_s
-        return [rid for rid, r in self._records.items() if not r.dead and not r.member and r.joined_s <= cutoff]
+        return [rid for rid, r in self._records.items() if not r.dead and not self.counts(rid, False, now)]
 
     def answered(self, replica_id: str, quorum_id: int) -> None:
         """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""
