@@ -112,6 +112,7 @@ def main() -> None:
     print(f"{'FTHSDPStrategy, 2 groups x 2 ranks':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / baseline:>10.3f}")
     out = ROOT / "bench" / "results" / "lightning.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import time
 from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"
+
+_IMPORTED_AT = time.time()  # when Python reached our package (stdlib only above): anatomy's "interpreter" milestone
 
 _LIGHTNING = "lightning.pytorch"
 

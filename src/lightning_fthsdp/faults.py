@@ -2,7 +2,7 @@
 
 Grammar (one fault; ``--fault`` in the examples)::
 
-    SIGNAL:step=N[:phase=PHASE][:rank=R]
+    SIGNAL:step=N[:phase=PHASE][:rank=R][:for=SECONDS]
 
 The fault fires once, the first time this rank reaches PHASE at a step >= N (a group that catches up may jump
 over step N itself).
@@ -18,10 +18,12 @@ over step N itself).
             follow             at the exchange of a step this rank follows while its state transfer runs
             replay             as this rank, its state loaded, replays a step it followed
     rank    only this shard rank of the group fires (default 0)
+    for     sigstop only: resume after this many seconds (a helper in the process's own process group sends
+            SIGCONT), a hang that ends; without it the process stays stopped
 
 Which phases fire where is the trainer's doing: ``FTManager``'s ``on_phase`` hook fires allreduce, serve and fetch;
 the training loop the rest (``lightning_fthsdp.demo.train_plain`` fires every phase). A process that stops itself
-(SIGSTOP) stays stopped until someone sends SIGCONT; tests end it by PID.
+(SIGSTOP) for good (no ``for=``) stays stopped until someone sends SIGCONT; tests end it by PID.
 
 ``FaultFile`` lets a harness arm and disarm a fault while the process runs: the file holds one fault (or nothing)
 and is re-read whenever it changes.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,12 +67,13 @@ class Fault:
     step: int
     phase: str = "before"
     rank: int = 0
+    resume_after_s: float | None = None
     fired: bool = field(default=False, compare=False)
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        head, values = parse_options(spec, ("step", "phase", "rank"), "fault",
-                                     f"step=N, phase={'|'.join(PHASES)}, rank=R")
+        head, values = parse_options(spec, ("step", "phase", "rank", "for"), "fault",
+                                     f"step=N, phase={'|'.join(PHASES)}, rank=R, for=SECONDS")
         if head not in _SIGNALS:
             raise ValueError(f"fault {spec!r}: signal must be one of {sorted(_SIGNALS)}, got {head!r}")
         if "step" not in values or not values["step"].isdigit():
@@ -80,7 +84,16 @@ class Fault:
         rank = values.get("rank", "0")
         if not rank.isdigit():
             raise ValueError(f"fault {spec!r}: rank must be a non-negative integer, got {rank!r}")
-        return cls(head, int(values["step"]), phase, int(rank))
+        resume_after_s = None
+        if "for" in values:
+            try:
+                resume_after_s = float(values["for"])
+            except ValueError:
+                resume_after_s = -1.0
+            if head != "sigstop" or not resume_after_s > 0:
+                raise ValueError(f"fault {spec!r}: for=SECONDS (a number > 0) resumes a sigstop only, got "
+                                 f"{head}:for={values['for']}")
+        return cls(head, int(values["step"]), phase, int(rank), resume_after_s)
 
     def __str__(self) -> str:
         return f"{self.signal_name}:step={self.step}:phase={self.phase}:rank={self.rank}"
@@ -92,6 +105,10 @@ class Fault:
     def fire(self) -> None:
         """Send the signal to this very process (once)."""
         self.fired = True
+        if self.resume_after_s is not None:
+            # Started before the stop (a stopped process starts nothing); in our process group, so whoever ends the
+            # group by its id ends the helper too.
+            subprocess.Popen(["/bin/sh", "-c", f"sleep {self.resume_after_s}; kill -CONT {os.getpid()}"])
         os.kill(os.getpid(), _SIGNALS[self.signal_name])
 
     def fire_if(self, step: int, phase: str, rank: int) -> None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from lightning_fthsdp.launch.processes import Job, wait_for
-from tests.invariants import assert_consistent, assert_exactly_once, assert_no_step_lost
+from tests.invariants import assert_consistent, assert_exactly_once, assert_no_step_lost, kept_commits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -114,3 +114,43 @@ def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
         assert_no_step_lost(a, steps, rank=rank)
         assert len(assert_consistent(a, b, rank=rank)) >= 1, "b never committed a step with a"
     assert KILL_STEP <= b.last_step() < steps
+
+
+def test_a_group_stopped_past_the_lighthouses_timeout_never_commits_what_the_others_dropped(job: Job) -> None:
+    """The lighthouse declares a group dead after 1 s, the groups' own timeouts say 5 s. Group c stops inside its
+    allreduce of step 25 for 2.5 s: a and b abandon that exchange at the lighthouse's 1 s and train step 25 again
+    without c. When c resumes, its exchange can still complete (gloo's ops outlive an abandon), but its lease, which
+    follows the lighthouse's timeout, has run out: it discards the step and catches up, never committing a step in a
+    quorum the survivors superseded."""
+    job.start_lighthouse()  # heartbeat timeout 1 s
+    job.heartbeat_timeout_ms = 5_000  # the groups' own value, below their 20 s collective timeout
+    steps = 250  # a and b still train when c resumes (at 20 ms a step, about 100 steps later), so c rejoins them
+    a, b = job.start_group("a", steps), job.start_group("b", steps)
+    c = job.start_group("c", steps, fault=f"sigstop:step={KILL_STEP}:phase=allreduce:for=2.5")
+    for group in (a, b, c):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+    assert "the commit lease follows the lighthouse" in c.log.read_text()
+    kept = kept_commits(a, b)
+    lone = [r for r in c.records() if r["step"] in kept and r["quorum_id"] != kept[r["step"]]]
+    assert not lone, f"c committed steps the survivors trained again in another quorum: {lone}"
+    assert c.records("discard"), "c never discarded a step: the stop did not hit its exchange"
+    assert_consistent(a, b, c)
+    for group in (a, b):
+        assert_no_step_lost(group, steps)
+    assert c.last_step() == steps
+
+
+@pytest.mark.parametrize("steps", [90, 110, 130])
+def test_survivors_exit_0_after_a_peer_stopped_for_good(job: Job, steps: int) -> None:
+    """c stops for good inside step 25: a and b abandon their allreduce with it, which stays pending in gloo until
+    its collective timeout (3 s here). The three lengths end the survivors' runs around that moment: before, while
+    and after their interpreters finalize. A native thread that reaches Python then used to kill the process
+    (SIGSEGV/SIGABRT) after a successful run; now each survivor exits 0."""
+    job.collective_timeout_ms = 3_000
+    job.start_lighthouse()
+    a, b = job.start_group("a", steps), job.start_group("b", steps)
+    job.start_group("c", steps, fault=f"sigstop:step={KILL_STEP}")
+    for group in (a, b):
+        assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
+        assert_no_step_lost(group, steps)
+    assert_consistent(a, b)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from lightning_fthsdp.cli import build_parser, main
-from lightning_fthsdp.launch.fit import split_rest
+from lightning_fthsdp.launch.fit import _may_start_ranks_early, lightning_config, split_rest
+from lightning_fthsdp.recipes.loader import load_recipe
 from tests.paths import ROOT
 
 
@@ -52,6 +53,24 @@ def test_fit_splits_overrides_from_lightning_arguments() -> None:
     rest = ["trainer.max_steps=5", "--trainer.logger=false", "--trainer.max_epochs", "3", "--", "lm.lr=0.1"]
     assert split_rest(rest) == (["trainer.max_steps=5", "lm.lr=0.1"],
                                 ["--trainer.logger=false", "--trainer.max_epochs", "3"])
+
+
+def test_fit_no_ft_trains_with_lightnings_own_strategy() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "tiny_gpt.yaml", ["launch.shard_count=2"])
+    assert lightning_config(recipe)["trainer"]["strategy"]["class_path"] == "lightning_fthsdp.FTHSDPStrategy"
+    assert lightning_config(recipe, ft=False)["trainer"]["strategy"] == "ddp"
+    alone = load_recipe(ROOT / "recipes" / "mlp.yaml", ["launch.shard_count=1"])
+    assert lightning_config(alone, ft=False)["trainer"]["strategy"] == "auto"
+
+
+def test_fit_starts_the_other_ranks_itself_only_when_nobody_else_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _may_start_ranks_early(2, ["--trainer.enable_progress_bar=false"])
+    assert not _may_start_ranks_early(1, [])
+    assert not _may_start_ranks_early(2, ["--trainer.devices=4"])  # Lightning's launcher, on the devices given
+    assert not _may_start_ranks_early(2, ["--print_config"])
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun, SLURM or our own early start launched this rank
+    assert not _may_start_ranks_early(2, [])
 
 
 @pytest.mark.timeout(120)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lightning_fthsdp.config.anatomy import PHASES
 from lightning_fthsdp.sim.report import read_report
+from tests.launch.launcher import run_launcher
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
@@ -31,18 +30,8 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
            "--shard-count", "1", "--chaos", CHAOS, "--out", out.name, "--no-live"]
     # A token of our own (else the launcher makes one), to check it is never printed or written to the run's files.
     token = secrets.token_urlsafe(32)
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                                start_new_session=True, env={**os.environ, "FTHSDP_TOKEN": token})
-    try:
-        output, _ = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:  # SIGTERM first: the launcher then ends the groups it started
-            os.killpg(launcher.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode == 0, output[-4000:]
+    returncode, output = run_launcher(cmd, cwd=tmp_path, env={**os.environ, "FTHSDP_TOKEN": token})
+    assert returncode == 0, output[-4000:]
     leaks = [str(f) for f in out.rglob("*") if f.is_file() and token.encode() in f.read_bytes()]
     assert token not in output and not leaks, leaks
     report = json.loads((out / "report.json").read_text())
@@ -68,6 +57,18 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     assert all(vals["a"][s] == v for s, v in vals["b"].items()), vals
     assert report["val_loss"] == {"step": STEPS, "final": vals["a"][STEPS]}
     assert (out / "report.png").stat().st_size > 0
-    assert "final parameters identical across groups: True" in output
+    assert "final parameters identical across the 2 finished groups (a, b): True" in output
+    assert report["unfinished"] == [] and report["diverged"] == []
+    # The anatomy of b's restart: every phase from its process start to its first trained step, after a catch-up.
+    restart = next(r for r in report["restart_phases"] if r["replica_id"] == "b")
+    assert restart["after"] == "kill" and restart["caught_up"] and restart["wait_s"] is not None
+    assert set(restart["phases"]) == set(PHASES)
+    # launch.standby (on by default): b's next incarnation was started ahead; whatever of its imports had not ended
+    # when b was killed still counts in the restart's phases.
+    assert restart["standby"] and restart["ahead_s"]["imports"] + restart["phases"]["imports"] > 0
+    assert restart["total_s"] == pytest.approx(sum(restart["phases"].values()), abs=0.01)
+    assert restart["trained_at_step"] > killed[0]["rejoined_at_step"] - 1
+    assert {s["replica_id"] for s in report["start_phases"]} == {"a", "b"}
+    assert "restart anatomy (s)" in output and "b.1 after kill (standby)" in output
     calibration = read_report(out / "report.json")  # the simulator's --from-report accepts it
     assert calibration.failures_injected == 2 and calibration.recovery_count == len(report["recoveries"])

@@ -244,3 +244,11 @@ class ManualSkipsSteps(ManualOneOptimizer):
             optimizer = self.optimizers()
             optimizer.step()
             optimizer.zero_grad()
+
+
+class RaisesOnFirstStep(DirectSubmodules):
+    """A bug in the user's own ``training_step``: what they must see is that error, once per rank, and nothing of
+    ours (the strategy's teardown runs after it)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        raise ValueError("the user's own bug in training_step")

@@ -8,7 +8,6 @@ Most checks observe one tiny fit on Lightning's own single-device strategy (``fi
 
 from __future__ import annotations
 
-import inspect
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -173,11 +172,6 @@ def test_mesh_sizes_are_the_ones_model_parallel_setup_environment_builds(one_ran
     strategy.setup_environment()
     assert strategy.device_mesh.mesh_dim_names == ("data_parallel", "tensor_parallel")
     assert strategy.device_mesh["data_parallel"].size() == 1
-
-
-def test_default_pg_timeout_is_the_model_parallel_default() -> None:
-    default = inspect.signature(ModelParallelStrategy.__init__).parameters["timeout"].default
-    assert default is private.DEFAULT_PG_TIMEOUT
 
 
 def test_with_sampler_recreates_the_loader_around_another_sampler() -> None:

@@ -4,6 +4,7 @@ comparison, and a group killed and restarted that catches up and ends identical.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,15 @@ def test_manual_optimization_it_cannot_keep_consistent_is_refused_with_the_fix(
     log = a.log.read_text()
     for text in expected:
         assert text in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_module_raising_on_its_first_step_shows_only_its_own_error(job_alone_ok: Job) -> None:
+    """The strategy's teardown after the user's error (heartbeat, quorum request, process groups) raises nothing
+    of its own: every error line of both ranks' output is the user's."""
+    a = start_lightning_group(job_alone_ok, "a", devices=2, max_steps=3, script=ANY_MODULE,
+                              extra=("--model=shapes.RaisesOnFirstStep",))
+    assert job_alone_ok.wait_exit(a, 90) != 0
+    output = a.log.read_text()
+    errors = re.findall(r"^(?:\[rank\d+\]: )?(\w*(?:Error|Exception)\b.*)$", output, flags=re.MULTILINE)
+    assert errors and set(errors) == {"ValueError: the user's own bug in training_step"}, output[-4000:]

@@ -28,7 +28,7 @@ def source() -> Iterator[tuple[CatchUp, dict[str, torch.Tensor]]]:
     live = {"w": torch.arange(4096, dtype=torch.float32)}
     catchup.register("model", lambda: live, lambda tree: live["w"].copy_(tree["w"]))  # type: ignore[arg-type]
     yield catchup, live
-    catchup.close()
+    catchup.close(timeout_s=10)
 
 
 def hold_digests(catchup: CatchUp) -> threading.Event:
@@ -175,7 +175,7 @@ def test_a_loaded_state_lends_its_memory_to_the_next_snapshot_but_not_what_a_loa
         got = fetch_state(catchup.address, 5, token=TOKEN, timeout_s=10)
         assert torch.equal(got["adopted"]["w"], torch.full((1024,), 3.0))  # type: ignore[index,arg-type]
     finally:
-        catchup.close()
+        catchup.close(timeout_s=10)
 
 
 def test_tensors_an_optimizer_adopted_on_load_are_never_kept_for_a_snapshot() -> None:
@@ -207,7 +207,7 @@ def test_any_failure_of_a_fetch_leaves_the_group_behind_and_alive(monkeypatch: p
         assert "fetching the state of step 3 from a (http://127.0.0.1:1) failed unexpectedly" in caplog.text
         assert not catchup.fetch_done()  # nothing in flight: the next step's quorum starts a fresh fetch
     finally:
-        catchup.close()
+        catchup.close(timeout_s=10)
 
 
 @pytest.mark.parametrize("token", [None, "wrong"])

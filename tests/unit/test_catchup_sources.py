@@ -64,7 +64,7 @@ def recovering() -> Iterator[tuple[CatchUp, dict[str, torch.Tensor]]]:
     try:
         yield catchup, live
     finally:
-        catchup.close()
+        catchup.close(timeout_s=10)
 
 
 @pytest.fixture

@@ -195,8 +195,9 @@ def test_a_quorum_below_the_committed_step_reports_the_loss_after_the_wait(light
     start = time.monotonic()
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 0))
     assert code == 200 and answer["max_step"] == 0 and time.monotonic() - start >= 0.5
-    lost = [{"quorum_id": answer["quorum_id"], "from_step": 0, "committed_step": 1, "lost_steps": 1}]
-    assert obs.status()["lost_steps"] == lost
+    lost = [{"quorum_id": answer["quorum_id"], "from_step": 0, "committed_step": 1, "lost_steps": 1,
+             "resumed_from": "live groups", "checkpoint": None}]
+    assert obs.status()["lost_steps"] == lost and "resume_step" not in answer
     # The job goes on from step 0: its next step is answered at once, and is no new loss.
     start = time.monotonic()
     code, again = Client(url).call("POST", "/v1/quorum", qr("c", 1, quorum_id=answer["quorum_id"], members=("c",),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
+from lightning_fthsdp.exchange import comm as comm_module
+from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm, CrossGroupConfigError
 from lightning_fthsdp.launch.processes import wait_for
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=500, collective_timeout_ms=5_000,
@@ -143,10 +145,43 @@ def test_rendezvous_without_peer_is_bounded(store: dist.TCPStore) -> None:
         comm.configure(1, 0, 2, f"127.0.0.1:{store.port}")
 
 
-def test_bad_backend_is_refused(store: dist.TCPStore) -> None:
-    comm = CrossGroupComm("mpi", torch.device("cpu"), TIMEOUTS, shard_rank=0)
-    with pytest.raises(CollectiveAborted, match="'gloo' \\(CPU\\) or 'nccl'"):
-        comm.configure(1, 0, 2, f"127.0.0.1:{store.port}")
+def test_bad_backend_is_refused_at_once() -> None:
+    """No retry fixes a backend name: refused at construction, not turned into an aborted step retried forever."""
+    with pytest.raises(CrossGroupConfigError, match="'gloo' \\(CPU\\) or 'nccl' \\(GPU\\), got 'ncl'"):
+        CrossGroupComm("ncl", torch.device("cpu"), TIMEOUTS, shard_rank=0)
+
+
+@pytest.mark.skipif(dist.is_nccl_available() and torch.cuda.is_available(), reason="NCCL and a GPU are here")
+def test_nccl_without_nccl_or_a_gpu_is_refused_with_the_fix() -> None:
+    with pytest.raises(CrossGroupConfigError, match=r"nccl.*use backend 'gloo'"):
+        CrossGroupComm("nccl", torch.device("cpu"), TIMEOUTS, shard_rank=0)
+
+
+def test_a_build_error_no_retry_fixes_is_not_an_aborted_collective(store: dist.TCPStore,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise TypeError("ProcessGroupGloo() incompatible constructor arguments")
+
+    monkeypatch.setattr(comm_module, "new_backend", broken)
+    comm = CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0)
+    try:
+        with pytest.raises(CrossGroupConfigError, match="no retry can fix it: TypeError"):
+            comm.configure(1, 0, 2, f"127.0.0.1:{store.port}")
+    finally:
+        comm.close()
+
+
+def test_close_waits_for_a_rendezvous_whose_peer_never_came(store: dist.TCPStore) -> None:
+    """A rendezvous thread still blocked in native code when the interpreter finalizes kills the process (SIGABRT):
+    close() returns only once it ended, within its bound."""
+    short = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=100, collective_timeout_ms=200,
+                     quorum_timeout_ms=300, connect_timeout_ms=600, join_timeout_ms=100)
+    comm = CrossGroupComm("gloo", torch.device("cpu"), short, shard_rank=0)
+    comm.prepare(1, 0, 2, f"127.0.0.1:{store.port}")  # the peer never comes
+    started = time.monotonic()
+    comm.close()
+    assert time.monotonic() - started < 2 * short.connect_timeout_ms / 1000 + 1
+    assert not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"]
 
 
 @pytest.mark.timeout(300)

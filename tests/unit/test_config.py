@@ -26,10 +26,14 @@ def test_defaults_respect_the_hierarchy() -> None:
         ("join_timeout_ms", 60_000, "join_timeout_ms < quorum_timeout_ms, got join_timeout_ms=60000"),
         ("collective_timeout_ms", 0, "collective_timeout_ms must be a positive integer"),
         ("connect_timeout_ms", 1.5, "connect_timeout_ms must be a positive integer of milliseconds, got 1.5"),
+        ("process_group_timeout_ms", 150_000, "process_group_timeout_ms > connect_timeout_ms + quorum_timeout_ms + "
+                                              "10000 .*, got process_group_timeout_ms=150000, "
+                                              "connect_timeout_ms=120000 and quorum_timeout_ms=60000"),
+        ("max_failed_commits", 0, "max_failed_commits must be a positive integer (a count), got 0"),
     ],
 )
 def test_inconsistent_timeouts_are_refused_with_the_values(field: str, value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         Timeouts(**{field: value})  # type: ignore[arg-type]
 
 

@@ -61,7 +61,8 @@ def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: i
 def test_a_quorum_below_the_committed_step_is_recorded_as_lost_once() -> None:
     ledger = ledger_of((0, 0), (0, 7))
     lost = ledger.note_lost(quorum(1, 3))
-    assert lost.to_json() == {"quorum_id": 1, "from_step": 3, "committed_step": 7, "lost_steps": 4}
+    assert lost.to_json() == {"quorum_id": 1, "from_step": 3, "committed_step": 7, "lost_steps": 4,
+                              "resumed_from": "live groups", "checkpoint": None}
     ledger.record(quorum(1, 3))
     # The job goes on from step 3: its next steps are not below the committed step, nor is step 8 reachable.
     assert ledger.lost == [lost] and ledger.committed_step == 3

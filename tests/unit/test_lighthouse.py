@@ -263,7 +263,8 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     obs = Client(url, token="s3cret")
     obs.call("POST", "/v1/heartbeat", hb("a", step=4))
     status = obs.status()
-    assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "min_replicas",
+    assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "checkpoint", "waiting",
+                           "min_replicas",
                            "declared", "members", "groups", "catch_up_from", "store", "uptime_s"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None

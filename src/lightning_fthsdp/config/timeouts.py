@@ -1,9 +1,14 @@
-"""One validated source for every timeout of the fault-tolerant path.
+"""One validated source for every timeout of the fault-tolerant path, and the budget of failed commits.
 
 The hierarchy ``heartbeat_interval < heartbeat_timeout < collective_timeout < quorum_timeout < connect_timeout``
 is what keeps failure handling fast and never hung: a hang is detected by heartbeat expiry long before the
 collective timeout (the backstop) fires, a quorum request outlives a collective that is being aborted, and
 connecting a new cross-group process group may take as long as the slowest member needs to reach its quorum.
+The replica group's own process group outlasts the longest wait of its leader for a quorum
+(``connect_timeout + quorum_timeout`` plus slack), which every other rank of the group sits out in a broadcast.
+
+The lighthouse's ``--heartbeat-timeout-ms`` is the one that declares groups dead: a group's commit lease follows the
+lighthouse's value as soon as it answers (see ``lighthouse.client.Heartbeat.lease_valid``).
 """
 
 from __future__ import annotations
@@ -13,10 +18,15 @@ import itertools
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
+QUORUM_CLIENT_SLACK_MS = 10_000
+"""Beyond connect + quorum timeouts, what the leader's last quorum request may still take (its HTTP timeout adds 5 s
+to the quorum timeout, and a retry may start just before the connect deadline)."""
+
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Every bounded wait of the fault-tolerant path, in milliseconds."""
+    """Every bounded wait of the fault-tolerant path, in milliseconds, and the budget of consecutive failed commits.
+    Raises ValueError for a value that is not a positive integer or breaks the hierarchy, naming both values."""
 
     heartbeat_interval_ms: int = 100
     """How often every rank heartbeats to the lighthouse. Default 100 ms. Lower detects lighthouse pushes no faster
@@ -25,7 +35,9 @@ class Timeouts:
     heartbeat_timeout_ms: int = 2_000
     """A group silent for this long is declared dead (hang detection: SIGSTOP, a wedged GPU). Default 2 s.
     The survivors' stall after a hang is about this value; too low declares slow-but-alive groups dead.
-    Crashes are detected at once by the closed connection, independently of this value."""
+    Crashes are detected at once by the closed connection, independently of this value. The lighthouse's own value
+    (its --heartbeat-timeout-ms, which `fthsdp launch` sets from this one) is what declares groups dead, and the
+    commit lease follows it; this one bounds a heartbeat request and the lease until the lighthouse first answers."""
 
     collective_timeout_ms: int = 30_000
     """Backstop for one cross-group collective; normally a hang is aborted at heartbeat expiry first.
@@ -42,11 +54,26 @@ class Timeouts:
     """How long the lighthouse waits for heartbeating stragglers before forming a quorum without them.
     Default 30 s. Must be below quorum_timeout_ms."""
 
+    process_group_timeout_ms: int = 600_000
+    """Timeout of the replica group's own process group (FSDP collectives, the commit vote, the quorum broadcast
+    inside the group). Default 10 min. It is how long the other ranks of a group with a hung rank wait before the
+    group fails whole and is restarted; it must exceed the leader's longest wait for a quorum,
+    connect_timeout_ms + quorum_timeout_ms + 10 s, which the other ranks sit out in the quorum broadcast. Large
+    models whose first collectives build NCCL communicators at scale may need more."""
+
+    max_failed_commits: int = 20
+    """Consecutive failed commits (discarded steps, steps without a quorum, catch-ups whose transfer failed) after
+    which training stops with an error naming the last cause. Default 20. Every failed attempt is bounded by the
+    timeouts above, so a job gives up after at most about max_failed_commits x (connect_timeout_ms +
+    quorum_timeout_ms); a healthy job meets one or two per failure of another group. Raise it for jobs that should
+    wait longer for a lost lighthouse or for min_replicas groups."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"Timeouts.{f.name} must be a positive integer of milliseconds, got {value!r}")
+                unit = "of milliseconds" if f.name.endswith("_ms") else "(a count)"
+                raise ValueError(f"Timeouts.{f.name} must be a positive integer {unit}, got {value!r}")
         chain = ("heartbeat_interval_ms", "heartbeat_timeout_ms", "collective_timeout_ms", "quorum_timeout_ms",
                  "connect_timeout_ms")
         for lower, upper in itertools.pairwise(chain):
@@ -61,6 +88,20 @@ class Timeouts:
                 f"Timeouts need join_timeout_ms < quorum_timeout_ms, got join_timeout_ms={self.join_timeout_ms} "
                 f"and quorum_timeout_ms={self.quorum_timeout_ms}: a quorum request must outlive the join wait"
             )
+        if self.process_group_timeout_ms <= self.quorum_wait_ms:
+            raise ValueError(
+                f"Timeouts need process_group_timeout_ms > connect_timeout_ms + quorum_timeout_ms + "
+                f"{QUORUM_CLIENT_SLACK_MS} (the leader's longest wait for a quorum, which the group's other ranks sit "
+                f"out in a broadcast), got process_group_timeout_ms={self.process_group_timeout_ms}, "
+                f"connect_timeout_ms={self.connect_timeout_ms} and quorum_timeout_ms={self.quorum_timeout_ms}: raise "
+                f"process_group_timeout_ms above {self.quorum_wait_ms} or lower the others"
+            )
+
+    @property
+    def quorum_wait_ms(self) -> int:
+        """The leader's longest wait for one quorum answer: an unreachable lighthouse is retried for
+        connect_timeout_ms, then one request may take quorum_timeout_ms, plus the client's slack."""
+        return self.connect_timeout_ms + self.quorum_timeout_ms + QUORUM_CLIENT_SLACK_MS
 
     @staticmethod
     def delta(ms: int) -> timedelta:

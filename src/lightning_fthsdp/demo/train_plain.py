@@ -28,7 +28,12 @@ degraded), so anyone can check that every group's stream was trained exactly onc
 and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
 restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``),
 ``"event": "fault"`` lines when a fault is armed (``"action": "armed"``, ``"spec"``: the fault or null for none) or
-fires (``"action": "fired"``, with ``step`` and ``phase``; written just before the signal).
+fires (``"action": "fired"``, with ``step`` and ``phase``; written just before the signal), and one
+``"event": "phases"`` line with the first step this group trained: ``milestones`` (the anatomy of its start,
+see ``lightning_fthsdp.config.anatomy``).
+
+``--no-ft`` trains alone, without a lighthouse or ``FTManager`` (no ``--replica-id`` needed): the floor that
+``bench/bench_restart.py`` compares a restart with.
 """
 
 from __future__ import annotations
@@ -44,11 +49,13 @@ import time
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
@@ -138,6 +145,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="durable checkpoints under this folder (shared by every group): the job resumes from the "
+                             "newest when no live group holds its committed state (default: none)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="write a checkpoint every this many committed steps (one group writes it; 0: none)")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
+    parser.add_argument("--no-ft", action="store_true",
+                        help="train alone, no lighthouse and no fault tolerance (the floor of the restart bench)")
     add_timeout_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -149,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     imports_done = time.time()
+    anatomy.mark("imports", imports_done)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     shard_count = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,15 +176,20 @@ def main(argv: list[str] | None = None) -> int:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        group_timeout = args.timeouts.delta(args.timeouts.process_group_timeout_ms)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=group_timeout)
         # The commit vote and the quorum broadcast are small CPU messages: they need a gloo group.
-        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=group_timeout)
         mesh = init_device_mesh(device.type, (shard_count,), mesh_dim_names=("dp_shard",))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    anatomy.mark("setup")  # the model is tiny: its build is in here, the "model" phase is the manager's
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.no_ft:
+        return _train_alone(args, model, optimizer, device)
     log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
     log_lock = threading.Lock()  # fault records come from catch-up threads too
     manager: FTManager
@@ -186,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, process_group=process_group,
                         backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
-                        global_batches=args.global_batches)
+                        global_batches=args.global_batches, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)
@@ -204,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
+    anatomy.mark("model")
     write({"event": "ready", "imports_done": imports_done})
     try:
         while manager.step < args.steps:
@@ -246,11 +269,48 @@ def main(argv: list[str] | None = None) -> int:
                     "catch_up": manager.catch_up_log[-1] if len(manager.catch_up_log) > catch_ups else None,
                     "loss": float(loss.detach()),
                 })
+                if committed and manager.replica_id in manager.participants and "trained" not in anatomy.milestones():
+                    anatomy.mark("trained")
+                    write({"event": "phases", "step": manager.step, "milestones": anatomy.milestones()})
     finally:
         manager.shutdown()
         if log_file is not None:
             log_file.close()
     return 0
+
+
+def _train_alone(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> int:
+    """``--no-ft``: the same model, batches and pace with no lighthouse, manager or cross-group exchange."""
+    anatomy.mark("model")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    replica_id = args.replica_id or os.environ.get("FTHSDP_REPLICA_ID") or "alone"
+    with (args.log_jsonl.open("a", buffering=1) if args.log_jsonl else open(os.devnull, "w")) as log_file:
+        for step in range(1, args.steps + 1):
+            started = time.monotonic()
+            x, y = make_batch(replica_id, step - 1, rank)
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
+            if pad > 0:
+                time.sleep(pad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            t = time.time()
+            log_file.write(json.dumps({"t": t, "event": "commit", "replica_id": replica_id, "rank": rank,
+                                       "step": step, "loss": float(loss.detach())}) + "\n")
+            if step == 1:
+                _write_phases(log_file, replica_id, rank, step, t)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _write_phases(log_file: TextIO, replica_id: str, rank: int, step: int, t: float) -> None:
+    """The anatomy of this start, once, with its first trained step (committed at ``t``)."""
+    anatomy.mark("trained", t)
+    log_file.write(json.dumps({"t": t, "event": "phases", "replica_id": replica_id,
+                               "rank": rank, "step": step, "milestones": anatomy.milestones()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@ Aborting: gloo cannot cancel an in-flight collective (``abort()``/``shutdown()``
 blocked until its own timeout, and destroying the group blocks until then too). So every collective runs on
 a private staging buffer; on abort the rank walks away from it and parks the group in a graveyard that is
 emptied once its op has finished. NCCL's ``abort()`` does cancel, and is called.
+
+Interpreter exit: a native thread that calls into Python, or takes the GIL back, after the interpreter has
+finalized kills the process (SIGSEGV or SIGABRT, exit code -11 or -6 after a successful run). So no Python callback is
+ever attached to a collective (an abandoned one completes at its timeout, maybe during exit): completion is polled;
+and every rendezvous thread (blocked in native code until its peers come or connect_timeout) is joined by ``close``.
+
+Errors no retry can fix (a backend name that does not exist, NCCL missing) raise ``CrossGroupConfigError`` at once
+instead of aborting the step.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import hmac
+import logging
 import queue
 import threading
 import time
@@ -28,14 +37,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
 
-_NCCL_POLL_S = 0.001
-"""How often an NCCL collective is checked for completion (its future completes when it is queued, not done)."""
+_log = logging.getLogger(log.ERRORS)
+
+_POLL_S = (0.00005, 0.001)
+"""First and longest interval between checks of a collective's completion (doubling in between): short for the
+small exchanges of tiny models, bounded in CPU for long ones."""
+
+BACKENDS = ("gloo", "nccl")
 
 
 class CollectiveAborted(RuntimeError):
     """The collective was abandoned: a member died, hung, or the lighthouse announced a new membership."""
+
+
+class CrossGroupConfigError(ValueError):
+    """The cross-group process group cannot be built in this configuration: retrying cannot help."""
 
 
 @dataclass
@@ -103,6 +122,8 @@ class _Reaper:
         self._doomed: queue.Queue[list[object]] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
 
     def start(self) -> None:
         with self._lock:
@@ -113,18 +134,23 @@ class _Reaper:
     def destroy(self, doomed: list[object]) -> None:
         """Drop the last references to ``doomed`` (process groups, or what holds them) on the reaper thread."""
         self.start()
+        with self._idle:
+            self._pending += 1
         self._doomed.put(doomed)
 
-    def drain(self) -> None:
-        """Wait until everything handed over so far is destroyed."""
-        self._doomed.join()
+    def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until everything handed over so far is destroyed; whether it was."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
     def _run(self) -> None:
         while True:
             doomed = self._doomed.get()
             doomed.clear()  # the last references: the groups are destroyed here
             del doomed
-            self._doomed.task_done()
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
 
 _REAPER = _Reaper()
@@ -144,11 +170,30 @@ def new_backend(
         # Connect eagerly so a missing peer fails here, inside the bounded rendezvous, not in the first allreduce.
         pg.eager_connect_single_device(device)
         return pg
-    raise ValueError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+    raise CrossGroupConfigError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Refuse at once what no retry fixes: an unknown backend, NCCL without NCCL or without a CUDA device."""
+    if backend not in BACKENDS:
+        raise CrossGroupConfigError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+    if backend != "nccl":
+        return
+    if not dist.is_nccl_available():
+        raise CrossGroupConfigError(
+            f"CrossGroupComm backend 'nccl' needs a torch build with NCCL, and torch {torch.__version__} has none: "
+            "install a CUDA build of torch, or use backend 'gloo' (CPU tensors)")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise CrossGroupConfigError(
+            f"CrossGroupComm backend 'nccl' needs a CUDA device, got device {str(device)!r} (CUDA available: "
+            f"{torch.cuda.is_available()}): pass a cuda device, or use backend 'gloo' for CPU training")
 
 
 class CrossGroupComm:
-    """The cross-group collective of one rank, rebuilt when the quorum changes."""
+    """The cross-group collective of one rank, rebuilt when the quorum changes.
+
+    Raises CrossGroupConfigError at construction for a backend that cannot work here (see ``check_backend``).
+    """
 
     def __init__(
         self,
@@ -159,6 +204,7 @@ class CrossGroupComm:
         on_collective_started: Callable[[], None] | None = None,
         token: str | None = None,
     ) -> None:
+        check_backend(backend, device)
         self.backend_name = backend
         self._token = token.encode() if token else None
         self.device = device
@@ -178,6 +224,7 @@ class CrossGroupComm:
         # Failure-injection point (lightning_fthsdp.faults): runs while a collective is in flight.
         self._on_collective_started = on_collective_started
         self._closed = False
+        self._rendezvous: list[tuple[threading.Thread, float]] = []  # every build thread alive, and its deadline
         _REAPER.start()
 
     @property
@@ -220,7 +267,8 @@ class CrossGroupComm:
     def configure(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
         """Make this rank a member of quorum ``quorum_id``'s group; no-op if it already is.
 
-        Raises CollectiveAborted if the rendezvous is aborted or does not complete within connect_timeout.
+        Raises CollectiveAborted if the rendezvous is aborted, fails or does not complete within connect_timeout;
+        CrossGroupConfigError if it failed in a way no retry fixes.
         """
         if self._quorum_id == quorum_id and (self._backend is not None or size == 1):
             return
@@ -261,17 +309,11 @@ class CrossGroupComm:
             raise CollectiveAborted(f"allreduce could not start: {exc}") from exc
         if self._on_collective_started is not None:
             self._on_collective_started()
-        ready: Future[object] | Callable[[], bool]
-        if self.backend_name == "nccl":
-            # An NCCL work's future completes as soon as the kernel is queued: poll the work itself, so an abort
-            # (a peer declared dead) or the deadline still ends a collective the peer never joins.
-            ready = work.is_completed
-        else:
-            future: Future[object] = Future()
-            work.get_future().add_done_callback(lambda f: (future.set_result(None), self._wake.set()))
-            ready = future
         try:
-            self._wait(ready, self._timeouts.collective_timeout_ms)
+            # Polled, never a callback (see the module docstring); for NCCL also because its work's future completes
+            # as soon as the kernel is queued. An abort (a peer declared dead) or the deadline ends a collective the
+            # peer never joins.
+            self._wait(work.is_completed, self._timeouts.collective_timeout_ms)
             work.wait()
         except (CollectiveAborted, RuntimeError) as exc:
             self._retire(work)
@@ -280,13 +322,26 @@ class CrossGroupComm:
             raise CollectiveAborted(f"allreduce failed: {exc}") from exc
 
     def close(self) -> None:
+        """Release every group. Bounded: it waits for rendezvous still under way (each until its connect_timeout,
+        when its peer never comes) and for the destruction of retired groups (collective_timeout). Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True  # a late prepare() (heartbeat thread) builds nothing now
             prepared, self._prepared = self._prepared, None
+            rendezvous, self._rendezvous = self._rendezvous, []
         self._discard(prepared)
         self._retire(None)
+        for thread, deadline in rendezvous:
+            if thread.is_alive():
+                _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member never came): a thread "
+                          "inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._reap()
-        _REAPER.drain()  # groups are destroyed now, not among interpreter-exit destructors
+        # Groups are destroyed now, not among interpreter-exit destructors.
+        if not _REAPER.drain(self._timeouts.collective_timeout_ms / 1000):
+            _log.warning("retired cross-group process groups were not destroyed within collective_timeout_ms=%d",
+                         self._timeouts.collective_timeout_ms)
         self._stores.clear()  # their connections go now, not among interpreter-exit destructors
         # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
         # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
@@ -315,13 +370,21 @@ class CrossGroupComm:
                 future.set_exception(exc)
             self._wake.set()
 
-        threading.Thread(target=build, name="fthsdp-rendezvous", daemon=True).start()
+        # Not a daemon: should close() never run, the interpreter still waits for it (bounded by connect_timeout)
+        # rather than finalizing under it. The slack covers the store client's own connect.
+        thread = threading.Thread(target=build, name="fthsdp-rendezvous", daemon=False)
+        deadline = time.monotonic() + 2 * self._timeouts.connect_timeout_ms / 1000
+        with self._lock:
+            self._rendezvous = [(t, d) for t, d in self._rendezvous if t.is_alive()]
+            self._rendezvous.append((thread, deadline))
+        thread.start()
         return future
 
     def _wait(self, ready: Future | Callable[[], bool], timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
         """``ready``'s result once done (a Future wakes us; a predicate is polled), unless aborted or past the
         deadline: CollectiveAborted."""
         deadline = time.monotonic() + timeout_ms / 1000
+        poll_s = _POLL_S[0]
         while True:
             with self._lock:
                 if self._aborted:
@@ -334,12 +397,23 @@ class CrossGroupComm:
             elif ready.done():
                 try:
                     return ready.result()
+                except CrossGroupConfigError:
+                    raise
+                except (TypeError, AttributeError, NotImplementedError, ImportError) as exc:
+                    # Not a network or peer failure: this configuration cannot build a group, whatever the peers do.
+                    raise CrossGroupConfigError(
+                        f"building the cross-group process group failed, and no retry can fix it: "
+                        f"{type(exc).__name__}: {exc}") from exc
                 except Exception as exc:
                     raise CollectiveAborted(f"{type(exc).__name__}: {exc}") from exc
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveAborted(f"timed out after {timeout_ms} ms")
-            self._wake.wait(remaining if isinstance(ready, Future) else min(remaining, _NCCL_POLL_S))
+            if isinstance(ready, Future):
+                self._wake.wait(remaining)
+            else:
+                self._wake.wait(min(remaining, poll_s))
+                poll_s = min(2 * poll_s, _POLL_S[1])
 
     def _retire(self, work: object | None) -> None:
         if self._backend is not None:

@@ -1,7 +1,8 @@
 """``fthsdp launch``: a whole fault-tolerant job on this machine, with failure injection and a report.
 
 Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning's launcher starts the group's
-``--shard-count`` ranks), restarts a group that dies (up to ``launch.max_restarts``), injects the
+``--shard-count`` ranks), restarts a group that dies (up to ``launch.max_restarts`` per
+``launch.restart_window_s``), injects the
 ``--chaos`` schedule (grammar: ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the
 end writes ``DIR/report.json``, ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a
 summary. Exit code 0 when every group reached ``trainer.max_steps`` with identical final parameters.
@@ -86,9 +87,13 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.resolve()
     if out.exists() and not out.is_dir():
         raise SystemExit(f"fthsdp launch: error: --out {args.out} is a file: name a folder (it is created if missing)")
-    for owned in ("groups", "logs", "lightning"):  # a previous run's records would mix with this run's
+    for owned in ("groups", "logs", "lightning", "standby"):  # a previous run's records would mix with this run's
         shutil.rmtree(out / owned, ignore_errors=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
+        # Under --out, like every other output of the run; a previous run's checkpoints are not this job's.
+        recipe.ft.checkpoint_dir = str(out / recipe.ft.checkpoint_dir)
+        shutil.rmtree(recipe.ft.checkpoint_dir, ignore_errors=True)
     (out / "recipe.yaml").write_text(to_yaml(recipe))
     report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -108,9 +113,11 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
 
     timeouts = recipe.ft.timeouts
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
-              join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids))
+              join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
+              lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)))
     supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
-                            recipe.launch.restart_delay_s)
+                            recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
+                            standby=recipe.launch.standby)
     view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
@@ -118,6 +125,8 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     deadline = started + recipe.launch.timeout_s
     outcome = "finished"
     lost_steps: list[dict[str, int]] = []
+    waits = _Waits()
+    checkpoint = None
     try:
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
@@ -146,17 +155,52 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
                     view.event(f"group {event['replica_id']}: {event['event']} (step {event['step']})")
             seen = len(supervisor.transitions)
             view.update(supervisor.groups)
+            for line in waits.poll(job):
+                view.event(line)
             time.sleep(0.1)  # the launcher's polling pace; every wait above is non-blocking
         with contextlib.suppress(OSError):  # a lighthouse that is gone has nothing more to report
-            lost_steps = job.status()["lost_steps"]
+            status = job.status()
+            lost_steps, checkpoint = status["lost_steps"], status.get("checkpoint")
     finally:
         view.close()
         job.close()
     meta = {"recipe": str(out / "recipe.yaml"), "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
-            "failures_planned": schedule.planned, "lost_steps": lost_steps}
+            "failures_planned": schedule.planned, "lost_steps": lost_steps, "checkpoint": checkpoint,
+            "quorum_waits": waits.episodes}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=recipe.trainer.max_steps, meta=meta)
+
+
+class _Waits:
+    """The lighthouse's ``waiting`` field, polled about once a second: each episode in which groups that asked got
+    no quorum (too few for ``min_replicas``, or no live holder of the committed step), for the report."""
+
+    def __init__(self) -> None:
+        self.episodes: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._next_poll = 0.0
+
+    def poll(self, job: Any) -> list[str]:
+        """Lines for the live view: an episode begins."""
+        now = time.time()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + 1.0
+        try:
+            waiting = job.status().get("waiting")
+        except OSError:
+            return []
+        if waiting is None:
+            self._open = None
+            return []
+        if self._open is not None and self._open["reason"] == waiting["reason"]:
+            self._open["waited_s"] = max(self._open["waited_s"], waiting["since_s"])
+            return []
+        self._open = {"t": round(now - waiting["since_s"], 3), "reason": waiting["reason"],
+                      "detail": waiting["detail"], "waited_s": waiting["since_s"]}
+        self.episodes.append(self._open)
+        return [f"lighthouse waits: {waiting['detail']}"]
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -181,12 +225,52 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
         print(f"  group {r['replica_id']} ({r['kind']}) trained again after {r['recovery_s']:.2f} s at step "
               f"{r['rejoined_at_step']}: {how}")
     for lost in report["lost_steps"]:
-        print(f"  LOST: quorum {lost['quorum_id']} restarted from step {lost['from_step']} although step "
+        source = (f"the checkpoint {lost['checkpoint']}" if lost.get("resumed_from") == "checkpoint"
+                  else "the live groups' state")
+        print(f"  LOST: quorum {lost['quorum_id']} resumed from step {lost['from_step']} ({source}) although step "
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
-    print(f"  final parameters identical across groups: {report['final_params_identical']}")
+    for wait in report.get("quorum_waits", []):
+        print(f"  waited {wait['waited_s']:.1f} s for a quorum: {wait['detail']}")
+    _print_phases(report)
+    ahead = [r for r in report["restart_phases"] if r.get("standby")]
+    if ahead:
+        done = ", ".join(f"{sum(r['ahead_s'].values()):.1f}" for r in ahead)
+        print(f"  (standby: process start and imports done ahead, before the failure: {done} s)")
+    for g in report["unfinished"]:
+        why = _UNFINISHED.get(g["status"], "still restarting")
+        print(f"  group {g['replica_id']} did not finish: {g['status']} when training ended at step {g['job_step']} "
+              f"({why}; its last committed step {g['last_step']}, {g['restarts']} restarts); not compared below")
+    finished = sorted(set(report["groups"]) - {g["replica_id"] for g in report["unfinished"]})
+    print(f"  final parameters identical across the {len(finished)} finished groups ({', '.join(finished)}): "
+          f"{report['final_params_identical']}")
+    if report["diverged"]:
+        print(f"  DIVERGED (a defect): groups {', '.join(report['diverged'])} finished with other parameters")
     print(f"  effective training time: {report['effective_training_time']:.3f}")
     print(f"  report: {out / 'report.json'}, {out / 'report.png'}")
     return bool(report["final_params_identical"] and reached)
+
+
+_UNFINISHED = {"abandoned": "still restarting when every other group had finished, no peer left to catch up from",
+               "failed": "its restarts (launch.max_restarts) used up", "hung": "stopped by the chaos schedule"}
+
+
+def _print_phases(report: dict[str, Any]) -> None:
+    """Each restart's anatomy (seconds per phase), under the groups' first starts for reference."""
+    from lightning_fthsdp.config.anatomy import PHASES
+
+    rows = [(f"{r['replica_id']}.{r['incarnation']} after {r['after']}" + (" (standby)" if r.get("standby") else ""), r)
+            for r in report["restart_phases"]]
+    if not rows:
+        return
+    first = report["start_phases"]
+    if first:
+        mean = {p: sum(s["phases"][p] for s in first) / len(first) for p in PHASES}
+        rows.insert(0, ("first starts (mean)", {"phases": mean, "total_s": sum(mean.values()), "wait_s": None}))
+    print(f"  {'restart anatomy (s)':<28} " + " ".join(f"{p:>8.8}" for p in PHASES) + "    total  + wait")
+    for label, r in rows:
+        wait = f"{r['wait_s']:>7.2f}" if r.get("wait_s") is not None else f"{'':>7}"
+        print(f"  {label:<28} " + " ".join(f"{r['phases'][p]:>8.2f}" for p in PHASES) + f" {r['total_s']:>8.2f}"
+              f" {wait}")
 
 
 def _replica_ids(replicas: int) -> list[str]:

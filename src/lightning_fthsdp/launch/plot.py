@@ -1,4 +1,5 @@
-"""``report.png``: loss per group, the membership timeline with the injected failures, and the stalls."""
+"""``report.png``: loss per group, the membership timeline with the injected failures, the stalls, and the anatomy
+of every start (a stacked bar of its phases)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ _COLORS = {"training": "tab:green", "starting": "tab:gray", "hung": "tab:orange"
 
 
 def write_png(report: dict[str, Any], path: Path) -> None:
-    """Draw the three panels of ``report`` (as built by ``build_report``) into ``path`` (matplotlib, Agg)."""
+    """Draw the four panels of ``report`` (as built by ``build_report``) into ``path`` (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, member_ax, stall_ax) = plt.subplots(3, 1, figsize=(9, 9), constrained_layout=True)
+    fig, (loss_ax, member_ax, stall_ax, phase_ax) = plt.subplots(4, 1, figsize=(9, 13), constrained_layout=True)
     for replica_id, rows in report["losses"].items():
         if rows:
             loss_ax.plot([r[1] for r in rows], [r[2] for r in rows], ".", ms=3, label=f"group {replica_id}")
@@ -31,7 +32,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     end = max((e["t"] for e in report["timeline"]), default=0.0)
     for row, replica_id in enumerate(groups):
         events = [e for e in report["timeline"] if e["replica_id"] == replica_id and e["event"] in _COLORS]
-        for event, following in zip(events, [*events[1:], None], strict=True):
+        for event, following in zip(events, [*events[1:], None][:len(events)], strict=True):
             stop = following["t"] if following else end
             member_ax.barh(row, max(stop - event["t"], 0.0), left=event["t"], color=_COLORS[event["event"]],
                            height=0.6)
@@ -50,5 +51,26 @@ def write_png(report: dict[str, Any], path: Path) -> None:
     stall_ax.set_xticks(range(len(labels)), labels or [])
     stall_ax.set(title="per failure", ylabel="seconds")
     stall_ax.legend(loc="upper right")
+    _draw_phases(phase_ax, report)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _draw_phases(ax: Any, report: dict[str, Any]) -> None:
+    """One horizontal bar per start (first starts, then restarts), its phases stacked from the process start."""
+    from lightning_fthsdp.config.anatomy import PHASES
+
+    starts = [*report.get("start_phases", []), *report.get("restart_phases", [])]
+    labels = [f"{s['replica_id']}.{s['incarnation']}" + (f" after {s['after']}" if s["incarnation"] else " first")
+              + (" (standby)" if s.get("standby") else "") for s in starts]
+    left = [0.0] * len(starts)
+    for name, what in PHASES.items():
+        widths = [s["phases"][name] for s in starts]
+        ax.barh(range(len(starts)), widths, left=left, height=0.6, label=what)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_yticks(range(len(starts)), labels)
+    ax.invert_yaxis()
+    ax.set(title="anatomy of each start: process start (a standby: its release) to first trained step",
+           xlabel="seconds")
+    if starts:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7)

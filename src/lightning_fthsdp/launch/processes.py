@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_fthsdp.config.anatomy import ENV_SPAWNED_AT
 from lightning_fthsdp.config.env import ENV_TOKEN
 
 PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
@@ -75,6 +76,9 @@ class Job:
     heartbeat_timeout_ms: int = 1_000
     join_timeout_ms: int = 2_000
     collective_timeout_ms: int = 20_000
+    lost_state_wait_ms: int | None = None
+    """How long the lighthouse waits for a holder of the committed step before resuming without one (None: its
+    default)."""
     replica_ids: tuple[str, ...] = ()
     """The job's replica ids, declared to the lighthouse (it refuses any other); empty: any id may join."""
     token: str | None = field(default_factory=lambda: os.environ.get(ENV_TOKEN) or secrets.token_urlsafe(32),
@@ -94,6 +98,8 @@ class Job:
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
         if self.replica_ids:
             cmd += ["--replica-ids", ",".join(self.replica_ids)]
+        if self.lost_state_wait_ms is not None:
+            cmd += ["--lost-state-wait-ms", str(self.lost_state_wait_ms)]
         self.lighthouse = self._spawn(cmd, out)
         match = wait_for(lambda: LISTENING.search(out.read_text()), 30, "the lighthouse's listening line")
         self.lighthouse_url, self._port = match.group(1), int(match.group(2))
@@ -168,6 +174,7 @@ class Job:
         if self.token:
             env[ENV_TOKEN] = self.token
         env.update(extra_env or {})
+        env[ENV_SPAWNED_AT] = repr(time.time())  # the start of the process's anatomy (config.anatomy)
         with out.open("wb") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)

@@ -10,6 +10,8 @@ Records (``event``):
   ``stall_s`` (time of this step spent in discarded attempts);
 - ``val``: a validation during fit: ``step`` (the committed step it evaluated) and ``val_loss`` (the held-out
   loss the LightningModule logged as ``val_loss``);
+- ``phases``: once, with the first step this group trained (its own gradients in it): ``milestones``, the Unix time
+  at which this process reached each of ``lightning_fthsdp.config.anatomy.MILESTONES`` (the anatomy of its start);
 - ``end``: training finished; ``params_sha256`` digests the full (unsharded) parameters, so groups compare their
   final states from the outside.
 
@@ -29,6 +31,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_REPLICA_ID
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 
@@ -39,6 +42,14 @@ class LaunchRecorder(CommittedStepCallback):
     def __init__(self, jsonl: str | None = None, min_step_time_s: float = 0.0) -> None:
         self.jsonl, self.min_step_time_s = jsonl, min_step_time_s
         self._last_t = 0.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        anatomy.mark("setup")  # after the process group and the data module's setup, before the model is built
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        anatomy.mark("model")  # the strategy's setup ran: model sharded, optimizers and the FT manager built
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -63,6 +74,10 @@ class LaunchRecorder(CommittedStepCallback):
             if trained:
                 record["loss"] = float(loss)
             self._write(trainer, record)
+            if trained and "trained" not in anatomy.milestones():
+                anatomy.mark("trained", record["t"])
+                self._write(trainer, {"event": "phases", "step": trainer.global_step,
+                                      "milestones": anatomy.milestones()})
         if self.min_step_time_s:
             time.sleep(max(0.0, self.min_step_time_s - (time.monotonic() - self._last_t)))
         self._last_t = time.monotonic()

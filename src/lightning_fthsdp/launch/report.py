@@ -12,7 +12,23 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   expects; ``caught_up``: the target loaded a peer's state (rather than resuming on its own).
 - ``lost_steps``: each quorum the lighthouse restarted below the job's committed step, because no group holding
   it came back in time (``quorum_id``, ``from_step``, ``committed_step``, ``lost_steps``); empty when none was.
-- ``final_params_identical``: every group finished and their full final parameters have the same digest.
+- ``final_params_identical``: at least one group finished and every group that finished holds full final parameters
+  with the same digest. Groups that did not finish are not compared (they are in ``unfinished``); a finished group
+  with another digest than the rest is in ``diverged``, which is a defect.
+- ``unfinished``: each group that did not finish training (``replica_id``, ``status``: still ``starting`` or ``down``
+  when the run ended, ``abandoned`` once no peer was left to catch up from, ``failed`` with its restarts used up;
+  ``last_step``: its last committed step; ``job_step``: the job's committed step when training ended;
+  ``restarts``). Empty when every group finished.
+- ``diverged``: the finished groups whose final parameters differ from those most finished groups hold (all of them
+  on a tie); empty when ``final_params_identical``.
+- ``restart_phases``: one per restart that trained again, the anatomy of the restart
+  (``lightning_fthsdp.config.anatomy``): ``replica_id``, ``incarnation``, ``after`` (``kill`` or the exit that
+  ended the previous incarnation), ``wait_s`` (from the launcher seeing it dead until it started the new process,
+  or released its standby: ``launch.restart_delay_s``), ``standby`` (it was started ahead, ``launch.standby``: its
+  process start and imports, ``ahead_s``, were done before the failure and are 0 in its phases), ``phases``
+  (seconds per phase, from the process start, or the release of a standby, to its first trained step), ``total_s``
+  (their sum), ``caught_up``, ``trained_at_step``. ``start_phases``: the same for every
+  group's first start (no failure: the in-run reference).
 - ``val_loss``: the held-out validation loss at the last step any group validated (``final``: the mean over the
   groups that validated it; they hold identical parameters) and ``val_losses`` every group's evaluations.
 - ``effective_training_time``: useful work / wall time between the first and the last committed step, where a
@@ -26,6 +42,7 @@ import itertools
 import statistics
 from typing import Any
 
+from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.launch.supervisor import GroupState
 
 ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x median fault-free step time, divided by "
@@ -50,7 +67,9 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
                                "injected_at_s": round(event["t"] - t0, 3),
                                "recovery_s": round(mine[0]["t"] - event["t"], 3),
                                "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("catch_ups", 0) > 0})
-    finals = {g.replica_id: g.params_sha256 for g in groups.values()}
+    finals = {g.replica_id: g.params_sha256 for g in groups.values() if g.params_sha256 is not None}
+    job_step = max((r["step"] for r in steps), default=0)
+    starts = _start_phases(groups, transitions)
     losses = _loss_by_step(steps)
     vals = [r for g in groups.values() for r in g.records if r["event"] == "val"]
     val_step = max((r["step"] for r in vals), default=None)
@@ -60,12 +79,17 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         **meta,
         "replicas": replicas,
         "failures_injected": len(injections),
-        "committed_steps": max((r["step"] for r in steps), default=0),
+        "committed_steps": job_step,
         "target_steps": max_steps,
         "discarded_steps": sum(g.discarded for g in groups.values()),
         "stalls_s": stalls,
         "recoveries": recoveries,
-        "final_params_identical": None not in finals.values() and len(set(finals.values())) == 1,
+        "final_params_identical": len(set(finals.values())) == 1,
+        "unfinished": [{"replica_id": g.replica_id, "status": g.status, "last_step": g.step, "job_step": job_step,
+                        "restarts": g.restarts} for g in groups.values() if g.replica_id not in finals],
+        "diverged": _diverged(finals),
+        "restart_phases": [s for s in starts if s["incarnation"] > 0],
+        "start_phases": [s for s in starts if s["incarnation"] == 0],
         "effective_training_time": _ett(steps, replicas),
         "effective_training_time_definition": ETT_DEFINITION,
         "loss": {"first": _mean(head), "last": _mean(tail), "fell": bool(head and tail and _mean(tail) < _mean(head))},
@@ -80,6 +104,48 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
                                   for r in g.records if r["event"] == "commit" and "loss" in r]
                    for g in groups.values()},
     }
+
+
+def _diverged(finals: dict[str, str]) -> list[str]:
+    """The finished groups outside the largest set holding one digest (every finished group on a tie)."""
+    holders: dict[str, list[str]] = {}
+    for replica_id, digest in finals.items():
+        holders.setdefault(digest, []).append(replica_id)
+    if len(holders) < 2:
+        return []
+    sizes = sorted((len(ids) for ids in holders.values()), reverse=True)
+    if sizes[0] == sizes[1]:
+        return sorted(finals)
+    majority = max(holders.values(), key=len)
+    return sorted(r for r in finals if r not in majority)
+
+
+def _start_phases(groups: dict[str, GroupState], transitions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The anatomy of every start that trained (see the module docstring), from each incarnation's ``phases``
+    record and the launcher's timeline (what ended the incarnation before, when)."""
+    out = []
+    for g in groups.values():
+        for record in (r for r in g.records if r["event"] == "phases"):
+            incarnation = record["incarnation"]
+            marks = record["milestones"]
+            phases = anatomy.phases(marks)
+            if not phases:
+                continue
+            entry: dict[str, Any] = {"replica_id": g.replica_id, "incarnation": incarnation, "phases": phases,
+                                     "total_s": round(sum(phases.values()), 3), "caught_up": "fetched" in marks,
+                                     "trained_at_step": record["step"]}
+            if incarnation > 0:
+                before = [e for e in transitions if e["replica_id"] == g.replica_id
+                          and e["incarnation"] == incarnation - 1]
+                injected = [e["event"] for e in before if e["event"] in ("kill", "hang")]
+                down = [e["t"] for e in before if e["event"] == "down"]
+                began = marks.get("released", marks.get("spawned"))
+                entry["after"] = injected[-1] if injected else "exit"
+                entry["wait_s"] = round(max(0.0, began - down[-1]), 3) if down and began is not None else None
+            entry["standby"] = "released" in marks
+            entry["ahead_s"] = anatomy.ahead(marks)
+            out.append(entry)
+    return sorted(out, key=lambda e: (e["incarnation"], e["replica_id"]))
 
 
 def _loss_by_step(steps: list[dict[str, Any]]) -> list[float]:

@@ -1,5 +1,7 @@
 """Supervises the replica groups of one local job: starts each as one ``fthsdp fit`` launch, follows its JSONL,
-restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group.
+restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group. With
+``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
+it (see ``launch.standby``).
 
 Processes are started and ended through ``lightning_fthsdp.launch.processes.Job`` (own session each, ended by
 process-group id, SIGCONT before SIGKILL). The supervisor never blocks: ``poll()`` does one bounded round of work
@@ -21,12 +23,25 @@ from typing import Any
 
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
 from lightning_fthsdp.launch.chaos import Injection
+from lightning_fthsdp.launch.fit import ENV_STANDBY
 from lightning_fthsdp.launch.processes import Group, Job
 
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
 ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
 _ENDED = (DONE, FAILED, ABANDONED)
+
+
+@dataclass
+class Standby:
+    """A group's next incarnation, started ahead: it has imported everything and waits for ``go`` to exist."""
+
+    process: Group
+    go: Path
+
+    @property
+    def ready(self) -> bool:
+        return self.go.with_name(self.go.name + ".ready").exists()
 
 
 @dataclass
@@ -37,6 +52,7 @@ class GroupState:
     status: str = STARTING
     incarnation: int = -1
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)  # when each restart started (Unix time)
     step: int = 0
     loss: float | None = None
     participants: list[str] = field(default_factory=list)
@@ -46,6 +62,7 @@ class GroupState:
     exit_codes: list[int] = field(default_factory=list)
     params_sha256: str | None = None
     process: Group | None = None
+    standby: Standby | None = None  # the next incarnation, imported ahead (launch.standby)
     restart_at: float | None = None
     resume_at: float | None = None
     _offset: int = 0
@@ -62,9 +79,13 @@ class Supervisor:
     out: Path
     replica_ids: list[str]
     max_restarts: int
+    """Restarts per group within any ``restart_window_s``: one more is refused (the group is marked failed)."""
     restart_delay_s: float
+    restart_window_s: float = 3600.0
     transitions: list[dict[str, Any]] = field(default_factory=list)
     groups: dict[str, GroupState] = field(default_factory=dict)
+    standby: bool = False
+    """Keep each training group's next incarnation started ahead (see ``launch.standby``)."""
 
     def start_all(self) -> None:
         for replica_id in self.replica_ids:
@@ -87,7 +108,10 @@ class Supervisor:
             if state.restart_at is not None and now >= state.restart_at:
                 state.restart_at = None
                 state.restarts += 1
+                state.restart_times.append(now)
                 self._start(state)
+        if self.standby:
+            self._prepare_standby()
 
     def inject(self, injection: Injection) -> None:
         """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group)."""
@@ -121,6 +145,12 @@ class Supervisor:
             self._set(state, ABANDONED)
         return [s.replica_id for s in stranded]
 
+    def restarts_in_window(self, state: GroupState, now: float | None = None) -> int:
+        """The group's restarts within the last ``restart_window_s``: failures spread over a long job never add up
+        to giving it up, a group that keeps dying within the window does."""
+        now = time.time() if now is None else now
+        return sum(1 for t in state.restart_times if now - t < self.restart_window_s)
+
     @property
     def training(self) -> list[str]:
         return [r for r, s in self.groups.items() if s.status == TRAINING]
@@ -135,7 +165,31 @@ class Supervisor:
         state.incarnation += 1
         state._offset = 0
         state._base_discarded, state._base_catch_ups = state.discarded, state.catch_ups
-        name = f"{state.replica_id}.{state.incarnation}"
+        standby, state.standby = state.standby, None
+        if standby is not None and standby.process.proc.poll() is None:
+            standby.go.touch()  # it imported while the previous incarnation trained: it starts at set-up
+            state.process = standby.process
+        else:
+            state.process = self._spawn(state, state.incarnation)
+        self._set(state, STARTING)
+
+    def _prepare_standby(self) -> None:
+        """Start the next incarnation of one training group that has none, once no other is still importing (one at
+        a time: their imports take CPU from the training groups)."""
+        for state in self.groups.values():
+            if state.standby is not None and state.standby.process.proc.poll() is not None:
+                state.standby = None  # it died on its own: another is started below
+        if any(s.standby is not None and not s.standby.ready for s in self.groups.values()):
+            return
+        state = next((s for s in self.groups.values() if s.status == TRAINING and s.standby is None), None)
+        if state is not None:
+            go = self.out / "standby" / f"{state.replica_id}.{state.incarnation + 1}.go"
+            go.parent.mkdir(parents=True, exist_ok=True)
+            state.standby = Standby(self._spawn(state, state.incarnation + 1, go), go)
+
+    def _spawn(self, state: GroupState, incarnation: int, go: Path | None = None) -> Group:
+        """Start incarnation ``incarnation`` of the group (a standby waiting for ``go`` when given)."""
+        name = f"{state.replica_id}.{incarnation}"
         jsonl = self.out / "groups" / f"{name}.jsonl"
         jsonl.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(self.recipe_path),
@@ -147,9 +201,10 @@ class Supervisor:
                ENV_REPLICA_INDEX: str(self.replica_ids.index(state.replica_id)),
                # Each launch is its own torch.distributed world: its own rendezvous port on loopback.
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-        state.process = self.job.start_command(state.replica_id, cmd, jsonl=jsonl,
-                                               log=self.out / "logs" / f"{name}.log", env=env)
-        self._set(state, STARTING)
+        if go is not None:
+            env[ENV_STANDBY] = str(go)
+        return self.job.start_command(state.replica_id, cmd, jsonl=jsonl, log=self.out / "logs" / f"{name}.log",
+                                      env=env)
 
     def _read(self, state: GroupState) -> None:
         """Consume the complete new lines of the current incarnation's JSONL."""
@@ -179,7 +234,7 @@ class Supervisor:
         state.exit_codes.append(code)
         if code == 0 and state.params_sha256 is not None:
             self._set(state, DONE)
-        elif state.restarts < self.max_restarts:
+        elif self.restarts_in_window(state) < self.max_restarts:
             self._set(state, DOWN)
             state.restart_at = time.time() + self.restart_delay_s
         else:

@@ -108,6 +108,19 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str
                          committed_in, following), incarnation, timeout_ms
 
 
+MAX_CHECKPOINT_PATH = 4096
+
+
+def parse_checkpoint(request: Request) -> tuple[str, str, int, str]:
+    """``POST /v1/checkpoint``: (replica_id, incarnation, step, path) of a complete checkpoint its writer reports."""
+    body = request.json_object()
+    replica_id, incarnation, step = _replica_id(body), _incarnation(body), require_int(body, "step", 0)
+    path = require(body, "path", str, "the checkpoint's folder (a string)")
+    if not 0 < len(path) <= MAX_CHECKPOINT_PATH or any(ord(c) < 32 for c in path):
+        raise HttpError(400, f"field 'path' must be 1-{MAX_CHECKPOINT_PATH} printable characters, got {path[:80]!r}")
+    return replica_id, incarnation, step, path
+
+
 def parse_leave(request: Request) -> tuple[str, int, str]:
     """``POST /v1/leave``: (replica_id, rank, incarnation) of a rank finishing."""
     body = request.json_object()

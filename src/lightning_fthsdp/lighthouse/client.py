@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -63,10 +64,13 @@ class _Connection:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
+        self._aborted = False
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         data = json.dumps(body)
         for attempt in (1, 2):
+            if self._aborted:
+                raise LighthouseUnavailable(f"{path}: the connection was closed for good")
             reused = self._conn is not None and self._conn.sock is not None
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
@@ -98,6 +102,16 @@ class _Connection:
             self._conn.close()
             self._conn = None
 
+    def abort(self) -> None:
+        """Close for good, from any thread: a request blocked on the connection fails now (a plain close would not
+        wake it), and no later one is sent."""
+        self._aborted = True
+        conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
 
 class Heartbeat:
     """A daemon thread that heartbeats as long-polls and reports who the lighthouse declared dead.
@@ -108,6 +122,13 @@ class Heartbeat:
     ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
     this group dead, as of the last acknowledged heartbeat. ``incarnation``: this start of the group's processes
     (the same on every rank; see lighthouse.registry).
+
+    The lease lasts the lighthouse's heartbeat timeout (``lease_ms``, from every heartbeat answer), not
+    ``timeouts.heartbeat_timeout_ms``: the lighthouse is the one that declares a silent group dead, so only its
+    value tells how long an acknowledgement keeps us alive. Adopting it, rather than refusing to start on a
+    mismatch, keeps a job running when its lighthouse is restarted with another value, and a lighthouse value above
+    ours is as safe (it declares us dead later). Our own value bounds a heartbeat request, and the lease until the
+    first answer.
     """
 
     def __init__(
@@ -136,6 +157,9 @@ class Heartbeat:
         self._dead: frozenset[str] = frozenset()
         self._last_ack_sent = time.monotonic()
         self.deaths = 0
+        self.lease_ms = timeouts.heartbeat_timeout_ms
+        """The lighthouse's heartbeat timeout once it answered (ours until then): how long an acknowledgement lasts."""
+        self._started = False
         # "ok": acknowledged; "unverified": the connection broke (we may have been declared dead: find out before
         # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
         self._state = "unverified"
@@ -144,10 +168,11 @@ class Heartbeat:
 
     def start(self) -> None:
         self._thread.start()
+        self._started = True
 
     @property
     def started(self) -> bool:
-        return self._thread.ident is not None
+        return self._started
 
     @property
     def dead(self) -> frozenset[str]:
@@ -164,7 +189,7 @@ class Heartbeat:
             return False
         if self._state == "away":
             return True
-        fresh = time.monotonic() - self._last_ack_sent < self._timeouts.heartbeat_timeout_ms / 1000
+        fresh = time.monotonic() - self._last_ack_sent < self.lease_ms / 1000
         return fresh and self.deaths == deaths_before
 
     def _run(self) -> None:
@@ -196,8 +221,11 @@ class Heartbeat:
                 # A request the lighthouse refuses (e.g. wrong token) never becomes valid by retrying fast.
                 self._stop.wait(interval_s)
                 continue
-            self._last_ack_sent = sent
+            # Deaths and the lease length before the acknowledgement time: lease_valid (another thread) that sees
+            # the new time must see what the same answer says of them.
             self.deaths = int(dict(answer.get("deaths", {})).get(self._replica_id, 0))
+            self._adopt_lease(answer.get("heartbeat_timeout_ms"))
+            self._last_ack_sent = sent
             self._state = "ok"
             self._settled.set()
             self._epoch = int(answer.get("epoch", -1))
@@ -213,6 +241,14 @@ class Heartbeat:
                                     str(answer["store"]))
                 except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
                     _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+
+    def _adopt_lease(self, lighthouse_ms: object) -> None:
+        if not isinstance(lighthouse_ms, int) or lighthouse_ms <= 0 or lighthouse_ms == self.lease_ms:
+            return
+        _qlog.warning("the lighthouse declares a silent group dead after heartbeat_timeout_ms=%d, this group's "
+                      "timeouts say %d: the commit lease follows the lighthouse (set both alike)", lighthouse_ms,
+                      self._timeouts.heartbeat_timeout_ms)
+        self.lease_ms = lighthouse_ms
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
@@ -271,4 +307,26 @@ class QuorumClient:
 
 
     def close(self) -> None:
-        self._conn.close()
+        """End the connection for good, waking a request blocked on it (from any thread)."""
+        self._conn.abort()
+
+
+class CheckpointReporter:
+    """The writing group leader's reports of complete durable checkpoints (``POST /v1/checkpoint``), for the group
+    incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step."""
+
+    def __init__(self, url: str, token: str | None, timeouts: Timeouts, replica_id: str, incarnation: str) -> None:
+        self._conn = _Connection(url, token)
+        self._timeouts = timeouts
+        self._identity = {"replica_id": replica_id, "incarnation": incarnation}
+        self._lock = threading.Lock()
+
+    def report(self, step: int, path: str) -> None:
+        """Raises LighthouseUnavailable (unreachable) or LighthouseRejected (e.g. 409: a step beyond the job's)."""
+        with self._lock:  # one connection, reports from whichever writer thread finished
+            self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
+                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000 + 5)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

@@ -25,15 +25,31 @@ MAX_QUORUMS = 4096
 
 @dataclass
 class LostState:
-    """A quorum that restarted below the job's committed step: no group holding that state was left."""
+    """A quorum that restarted below the job's committed step: no group holding that state was left. It resumed from
+    the newest durable checkpoint (``checkpoint``: its path) when one was newer than what the live groups held."""
 
     quorum_id: int
     from_step: int
     committed_step: int
+    checkpoint: str | None = None
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, object]:
         return {"quorum_id": self.quorum_id, "from_step": self.from_step, "committed_step": self.committed_step,
-                "lost_steps": self.committed_step - self.from_step}
+                "lost_steps": self.committed_step - self.from_step,
+                "resumed_from": "checkpoint" if self.checkpoint is not None else "live groups",
+                "checkpoint": self.checkpoint}
+
+
+@dataclass(frozen=True)
+class DurableCheckpoint:
+    """The newest complete checkpoint a writing group reported."""
+
+    step: int
+    path: str
+    writer: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "path": self.path, "writer": self.writer}
 
 
 @dataclass
@@ -48,6 +64,8 @@ class CommitLedger:
     """The highest step the job's quorum was answered at (-1: none yet): every member of it held that many steps.
     After a loss it is the step the job restarted from."""
     lost: list[LostState] = field(default_factory=list)
+    checkpoint: DurableCheckpoint | None = None
+    """The newest complete durable checkpoint (None: none reported to this lighthouse)."""
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _members: dict[int, int] = field(default_factory=dict)
     """Quorum id -> a hash of its member ids: which quorum a group holds, beyond the id."""
@@ -66,12 +84,32 @@ class CommitLedger:
             del self._steps[oldest], self._members[oldest]
 
     def note_lost(self, quorum: Quorum) -> LostState:
-        """``quorum`` is answered below the committed step (after the bounded wait for a holder): the job goes on
-        from its step, which is the job's committed step from now on."""
-        lost = LostState(quorum.quorum_id, quorum.max_step, self.committed_step)
+        """``quorum`` is answered below the committed step (after the bounded wait for a holder): the job goes on from
+        its step, which becomes the committed step (the steps above it are gone; a state claiming them is refused)."""
+        resumed = quorum.resume_step >= 0
+        lost = LostState(quorum.quorum_id, quorum.max_step, self.committed_step,
+                         quorum.resume_path if resumed else None)
         self.lost.append(lost)
         self.committed_step = quorum.max_step
         return lost
+
+    def note_checkpoint(self, step: int, path: str, writer: str) -> str | None:
+        """Record a complete checkpoint of ``step``; returns why it is refused (None: recorded, or older than the one
+        known, which is kept). A checkpoint holds a committed state: at most the committed step + 1 (its writer
+        committed in the newest quorum)."""
+        if self._newest >= 0 and step > self.committed_step + 1:
+            return (f"reports a checkpoint of step {step}, beyond the job's committed step {self.committed_step} + 1: "
+                    f"that state was never committed by this job")
+        if self.checkpoint is None or step >= self.checkpoint.step:
+            self.checkpoint = DurableCheckpoint(step, path, writer)
+        return None
+
+    def resume_point(self, quorum: Quorum) -> DurableCheckpoint | None:
+        """The checkpoint a quorum below the committed step resumes from: the newest, when it is ahead of what the
+        quorum's members hold."""
+        if self.checkpoint is not None and self.checkpoint.step > quorum.max_step:
+            return self.checkpoint
+        return None
 
     def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
                 held: tuple[int, tuple[str, ...]] = (-1, ())) -> str | None:

@@ -73,6 +73,12 @@ class Quorum:
     """Members behind ``max_step`` -> the up-to-date member they recover from (shard rank to shard rank)."""
     following: frozenset[str] = frozenset()
     """Members following the job while their state transfer runs on (they contribute zeros)."""
+    resume_step: int = -1
+    """The step of the durable checkpoint every member loads before this step (-1: none). Set when no live group
+    held the job's committed state: ``max_step`` is then the checkpoint's step, and this step commits nothing (the
+    members retrain it from the loaded state)."""
+    resume_path: str = ""
+    """Where the writer put that checkpoint (for the logs: each member reads the step under its own checkpoint root)."""
 
     @cached_property
     def member_ids(self) -> tuple[str, ...]:
@@ -106,7 +112,7 @@ class Quorum:
             "shard_count": self.shard_count,
             "catch_up_from": dict(self.catch_up_from),
             "following": sorted(self.following),
-        }
+        } | ({"resume_step": self.resume_step, "resume_path": self.resume_path} if self.resume_step >= 0 else {})
 
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> Quorum:
@@ -121,6 +127,8 @@ class Quorum:
             shard_count=int(data["shard_count"]),  # type: ignore[arg-type]
             catch_up_from={str(k): str(v) for k, v in dict(data.get("catch_up_from", {})).items()},  # type: ignore[call-overload]
             following=frozenset(str(r) for r in data.get("following", ())),  # type: ignore[union-attr]
+            resume_step=int(data.get("resume_step", -1)),  # type: ignore[call-overload]
+            resume_path=str(data.get("resume_path", "")),
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -28,6 +29,7 @@ from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.api import (
     authorize,
     check_shard_count,
+    parse_checkpoint,
     parse_heartbeat,
     parse_leave,
     parse_quorum,
@@ -74,7 +76,8 @@ class Lighthouse:
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
-    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``GET /status``, ``GET /``.
+    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/checkpoint`` (a
+    writing group reports a complete durable checkpoint), ``GET /status``, ``GET /``.
     Bad input is answered 4xx with ``{"error": ...}`` naming the field, the value and the fix.
     """
 
@@ -139,6 +142,7 @@ class Lighthouse:
             "/v1/heartbeat": ("POST", self._heartbeat),
             "/v1/quorum": ("POST", self._quorum),
             "/v1/leave": ("POST", self._leave),
+            "/v1/checkpoint": ("POST", self._checkpoint),
             "/status": ("GET", self._status),
             "/": ("GET", self._page),
         }
@@ -307,6 +311,17 @@ class Lighthouse:
         self._schedule_decide(force=True)
         return json_response({})
 
+    async def _checkpoint(self, request: Request) -> Response:
+        replica_id, incarnation, step, path = parse_checkpoint(request)
+        self._registry.owner(replica_id, incarnation)
+        reason = self._ledger.note_checkpoint(step, path, replica_id)
+        if reason is not None:
+            log.warning("refused the checkpoint of replica %s: it %s", replica_id, reason)
+            raise HttpError(409, f"replica {replica_id!r} {reason}")
+        log.info("replica %s wrote the checkpoint of step %d at %s", replica_id, step, path)
+        checkpoint = self._ledger.checkpoint
+        return json_response({"checkpoint": checkpoint.to_json() if checkpoint else None})
+
     async def _status(self, request: Request) -> Response:
         return json_response(self.status())
 
@@ -316,7 +331,9 @@ class Lighthouse:
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none);
         ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
-        below it; ``declared`` the job's replica ids (null: any id may join)."""
+        below it (and whether it resumed from a checkpoint); ``checkpoint`` the newest complete durable checkpoint
+        (null: none reported); ``waiting`` why groups that asked get no quorum yet (null: none waits), with how long
+        the oldest has waited; ``declared`` the job's replica ids (null: any id may join)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         catch_up_from = quorum.catch_up_from if quorum else {}
@@ -326,6 +343,8 @@ class Lighthouse:
             "max_step": max((r.step for _, r in self._registry.items()), default=-1),
             "committed_step": self._ledger.committed_step,
             "lost_steps": [lost.to_json() for lost in self._ledger.lost],
+            "checkpoint": self._ledger.checkpoint.to_json() if self._ledger.checkpoint else None,
+            "waiting": self._waiting(now),
             "min_replicas": self.rules.min_replicas,
             "declared": sorted(self._registry.declared) if self._registry.declared is not None else None,
             "members": list(quorum.member_ids) if quorum else [],
@@ -339,6 +358,21 @@ class Lighthouse:
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
         }
+
+    def _waiting(self, now: float) -> dict[str, object] | None:
+        """Why the groups that asked get no quorum yet: too few of them for ``min_replicas`` (the job waits rather
+        than training a lone group from scratch), or no live group holds the committed step (the bounded wait for a
+        holder before resuming from a checkpoint or an older step). None when nobody waits for either."""
+        oldest = self._readiness.oldest()
+        asked = self._readiness.asked
+        if self._lost_since is not None:
+            return {"reason": "lost_state", "since_s": round(now - self._lost_since, 3), "asked": asked,
+                    "detail": f"no live group holds the committed step {self._ledger.committed_step}: waiting up to "
+                              f"{self.rules.lost_state_wait_s:g} s for one"}
+        if oldest is not None and asked < self.rules.min_replicas:
+            return {"reason": "min_replicas", "since_s": round(now - oldest, 3), "asked": asked,
+                    "detail": f"{asked} of min_replicas={self.rules.min_replicas} groups asked for a quorum"}
+        return None
 
     # ---- state changes ----
 
@@ -454,11 +488,18 @@ class Lighthouse:
             quorum = None
         if quorum is not None:
             if quorum.max_step < self._ledger.committed_step:
+                quorum = self._resume_from_checkpoint(quorum)
                 lost = self._ledger.note_lost(quorum)
-                log.error("quorum %d restarts from step %d although step %d was committed: no group holding that "
-                          "state came back within %.0f s, so %d steps are lost; resume every group from a durable "
-                          "checkpoint to keep them", quorum.quorum_id, quorum.max_step, lost.committed_step,
-                          self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
+                if lost.checkpoint is not None:
+                    log.error("quorum %d resumes from the checkpoint of step %d (%s) although step %d was committed: "
+                              "no group holding that state came back within %.0f s, so %d steps are lost",
+                              quorum.quorum_id, quorum.max_step, lost.checkpoint, lost.committed_step,
+                              self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
+                else:
+                    log.error("quorum %d restarts from step %d although step %d was committed: no group holding that "
+                              "state came back within %.0f s and no newer durable checkpoint was reported, so %d "
+                              "steps are lost", quorum.quorum_id, quorum.max_step, lost.committed_step,
+                              self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
             self._end_lost_wait()
             self._ledger.record(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
@@ -478,6 +519,18 @@ class Lighthouse:
                     waiter.set_result(answer)
             self._bump_epoch()
         self._arm_join_timer()
+
+    def _resume_from_checkpoint(self, quorum: Quorum) -> Quorum:
+        """``quorum`` (below the committed step, after the wait for a holder) resuming from the newest checkpoint when
+        that is ahead of every member: each loads it, nobody catches up from a peer, and all contribute once loaded."""
+        checkpoint = self._ledger.resume_point(quorum)
+        if checkpoint is None:
+            return quorum
+        # A new quorum id: the members' cross-group groups of the old one must not be reused across a load.
+        quorum_id = quorum.quorum_id + 1 if self._previous is not None and quorum.quorum_id == \
+            self._previous.quorum_id else quorum.quorum_id
+        return dataclasses.replace(quorum, quorum_id=quorum_id, max_step=checkpoint.step, catch_up_from={},
+                                   following=frozenset(), resume_step=checkpoint.step, resume_path=checkpoint.path)
 
     def _arm_join_timer(self) -> None:
         """Wake at the oldest candidate's join deadline (never for a deadline already past: no busy loop)."""

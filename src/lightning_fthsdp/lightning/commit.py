@@ -1,4 +1,5 @@
-"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds.
+"""StepCommit: one optimizer step's gradients exchanged across the replica groups, retried until a commit succeeds
+(or ``Timeouts.max_failed_commits`` attempts in a row failed: ``FTManager.commit`` then raises ``CommitsFailed``).
 
 A discarded attempt (a group died during the exchange, this group's lease ran out) is retried inside the same
 optimizer step, on the same batch: the weights did not change, so the gradient is restored from a copy made before
@@ -47,12 +48,17 @@ class StepCommit:
         """Called by the loop-counter loader of catch-up, inside the commit that loads a peer's state."""
         self.caught_up = True
 
-    def until_committed(self, params: list[torch.nn.Parameter], train_extra_batches: Callable[[int], None]) -> float:
+    def until_committed(self, params: list[torch.nn.Parameter], train_extra_batches: Callable[[int], None],
+                        retrain: Callable[[], None] | None = None) -> float:
         """Exchange the gradients of ``params`` and vote, until the step commits; returns the seconds spent in
         discarded attempts. ``train_extra_batches(n)`` trains this group's ``n`` extra batches of the attempt (a
-        degraded step with ``keep_global_batch``; 0 otherwise). Raises ValueError on a quorum larger than the job."""
+        degraded step with ``keep_global_batch``; 0 otherwise). ``retrain()`` computes the step's gradients afresh
+        (after the quorum had this group load a durable checkpoint: the weights and the data position changed).
+        Raises ValueError on a quorum larger than the job, CommitsFailed once the manager's budget of failed commits
+        in a row is spent."""
         manager = self._manager
         ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
+        loads, resumed = manager.checkpoint_loads, False
         logged = self._logs.mark()
         started, stall_s = time.monotonic(), 0.0
         while True:
@@ -69,6 +75,12 @@ class StepCommit:
             self.caught_up = False
             if manager.commit():
                 break
+            if manager.checkpoint_loads != loads and retrain is not None:
+                loads, resumed = manager.checkpoint_loads, True
+                retrain()
+                ours = [local(p.grad).clone() if p.grad is not None else None for p in params]
+                stall_s = time.monotonic() - started
+                continue
             for p, own in zip(params, ours, strict=True):
                 if own is None:
                     p.grad = None
@@ -76,6 +88,7 @@ class StepCommit:
                     local(p.grad).copy_(own)
             self._logs.rewind(logged)  # the extra batches are trained (and log) again
             stall_s = time.monotonic() - started
+        self.caught_up = self.caught_up or resumed  # the position moved: Lightning's loop follows it
         self.drop_missing_gradients()
         return stall_s
 

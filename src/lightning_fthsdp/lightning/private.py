@@ -10,8 +10,6 @@ Lightning, strategy and data:
 - ``ModelParallelStrategy._data_parallel_size`` / ``_tensor_parallel_size``: the mesh shape its ``setup_environment``
   builds; a replica group shards over all of its devices, a count known only once the devices are (the constructor
   arguments take the sizes before that).
-- ``lightning.fabric.plugins.collectives.torch_collective.default_pg_timeout``: ``ModelParallelStrategy``'s default
-  ``timeout``, which ours keeps.
 - ``lightning.pytorch.utilities.data._update_dataloader(dataloader, sampler)``: re-creates a user's DataLoader
   (subclasses and their arguments included) with our sampler, as Lightning does when it injects its own.
 - ``Strategy._lightning_optimizers``: the ``LightningOptimizer`` wrappers Lightning hands to the LightningModule's
@@ -65,7 +63,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer import call
@@ -76,8 +73,6 @@ from torch.utils.data import DataLoader, Sampler
 
 if TYPE_CHECKING:
     from lightning.pytorch.loops.progress import _ProcessedTracker, _Progress, _ReadyCompletedTracker
-
-DEFAULT_PG_TIMEOUT = default_pg_timeout
 
 # ------------------------------------------------------------------------------------------- strategy and data
 

@@ -9,6 +9,7 @@ is reached through ``private``. See docs/lightning.md for usage and semantics.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,15 +66,23 @@ class FTHSDPStrategy(ModelParallelStrategy):
             batches of their own streams (their share of the missing groups', e.g. 2 instead of 1 when 2 of 3 are
             healthy) so every optimizer step sees the global batch of a healthy job; steps take longer instead of
             the batch shrinking. Excludes ``lr_scaling`` (the batch no longer shrinks).
-        timeouts: the validated timeout hierarchy of the fault-tolerant path.
+        timeouts: the validated timeout hierarchy of the fault-tolerant path; its ``process_group_timeout_ms`` is
+            this group's own process group timeout (``timeout``) and ``max_failed_commits`` bounds the retries of a
+            step: then training stops with ``CommitsFailed`` naming the last cause.
         auto_shard_min_params: for a LightningModule without ``configure_model``: the size from which a direct
             child is its own FSDP unit (see ``lightning_fthsdp.lightning.policy``).
         validate_every_n_steps: run the validation loop after every committed step that is a multiple of this (0:
             none) and after ``max_steps``, in every group alike (a group that catches up skips the multiples its
             step count jumps past); 0 needs ``max_steps``. None (default): Lightning's own schedule
             (``val_check_interval``, epoch ends), which counts this group's own batches and epochs.
+        checkpoint_dir, checkpoint_every_n_steps, checkpoint_keep: durable checkpoints of the fault-tolerant state
+            (model, optimizers, schedulers, loop counters, data positions), written by one contributing group in the
+            background, loaded by every group when no live group holds the job's committed step; see ``FTManager``.
+            Independent of Lightning's own ``ModelCheckpoint`` (``save_checkpoint``).
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
-        save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        save_distributed_checkpoint, process_group_backend: as for ``ModelParallelStrategy``.
+        timeout: this group's own process group timeout; default ``timeouts.process_group_timeout_ms``, whose place
+            in the hierarchy it must keep (it replaces that value).
         num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``; giving both with different
             values is a ValueError.
 
@@ -96,17 +105,25 @@ class FTHSDPStrategy(ModelParallelStrategy):
         timeouts: Timeouts | None = None,
         auto_shard_min_params: int = DEFAULT_MIN_PARAMS,
         validate_every_n_steps: int | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_n_steps: int = 0,
+        checkpoint_keep: int = 2,
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = private.DEFAULT_PG_TIMEOUT,
+        timeout: timedelta | None = None,
         num_replica_groups: int | None = None,
         **kwargs: Any,
     ) -> None:
         refusals.refuse_foreign_arguments(kwargs)
         replicas = renamed_argument("FTHSDPStrategy", "replicas", replicas, "num_replica_groups", num_replica_groups)
+        self.timeouts = timeouts or Timeouts()
+        if timeout is not None:  # validated against the leader's quorum wait like the field it replaces
+            self.timeouts = dataclasses.replace(self.timeouts,
+                                                process_group_timeout_ms=int(timeout.total_seconds() * 1000))
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         process_group_backend=process_group_backend,
+                         timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
         self.replica_id = resolve(replica_id, ENV_REPLICA_ID, "FTHSDPStrategy replica_id",
                                   "a stable name per replica group, e.g. 'a'")
         self.lighthouse = resolve(lighthouse, ENV_LIGHTHOUSE, "FTHSDPStrategy lighthouse",
@@ -116,10 +133,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
         check_lr_scaling(lr_scaling, keep_global_batch)
         self.lr_scaling = lr_scaling
         self.keep_global_batch = keep_global_batch
-        self.timeouts = timeouts or Timeouts()
         self.auto_shard_min_params = auto_shard_min_params
         refusals.check_validate_every_n_steps(validate_every_n_steps)
         self.validate_every_n_steps = validate_every_n_steps
+        self._checkpointing = {"checkpoint_dir": checkpoint_dir, "checkpoint_every_n_steps": checkpoint_every_n_steps,
+                               "checkpoint_keep": checkpoint_keep}
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
@@ -178,13 +196,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
         refusals.refuse_loss_scaling(self.precision_plugin)
         super().setup(trainer)
         assert self.model is not None
-        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
         manager = self._manager = FTManager(
             replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
             process_group=process_group if self.world_size > 1 else None,
             backend="gloo" if self.root_device.type == "cpu" else "nccl",
             device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
-            global_batches=self.replicas if self.keep_global_batch else None)
+            global_batches=self.replicas if self.keep_global_batch else None, **self._checkpointing)
         self._commit = StepCommit(manager, self.topology, self.root_device, self._logs, self._fire_fault)
         self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
                                                     on_counters_loaded=self._commit.mark_caught_up)
@@ -257,7 +276,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
         The sync retries until a commit succeeds, so a discarded attempt never reaches ``optimizer.step()``, the LR
         schedulers or Lightning's step counters: it is retrained on the same batch (the weights did not change,
-        so its gradient is the one computed before the failed attempt, restored from a copy).
+        so its gradient is the one computed before the failed attempt, restored from a copy). After
+        ``timeouts.max_failed_commits`` failed attempts in a row it raises ``CommitsFailed`` naming the last cause.
         """
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
@@ -343,7 +363,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None and self._commit is not None and self._module_state is not None
         manager = self.manager
         params = [p for p in self.model.parameters() if p.requires_grad]
-        stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer))
+        stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer),
+                                               retrain=lambda: self._retrain_at_position(params, optimizer))
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
         # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
@@ -366,6 +387,18 @@ class FTHSDPStrategy(ModelParallelStrategy):
             if not isinstance(loss, torch.Tensor):
                 raise ValueError(f"FTHSDPStrategy(keep_global_batch=True) needs training_step to return the loss "
                                  f"(a tensor or a dict with 'loss'), got {type(output).__name__}")
+            self.backward(loss / accumulate, optimizer)
+
+    def _retrain_at_position(self, params: list[torch.nn.Parameter], optimizer: Optimizer) -> None:
+        """Forward and backward again, from no gradient, on the batch at this group's committed position: after a
+        durable checkpoint was loaded in this step, the gradients Lightning computed belong to the old weights and
+        the old position."""
+        for p in params:
+            p.grad = None
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        for batch, batch_idx in self._stream.batches(self.manager.next_batch_index * accumulate, accumulate):
+            output = self.training_step(self.batch_to_device(batch), batch_idx)
+            loss = output["loss"] if isinstance(output, Mapping) else output
             self.backward(loss / accumulate, optimizer)
 
     def _replay_step(self) -> None:

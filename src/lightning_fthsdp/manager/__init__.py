@@ -5,8 +5,8 @@
 side of catch-up).
 """
 
-from lightning_fthsdp.manager.manager import FTManager
+from lightning_fthsdp.manager.manager import CommitsFailed, FTManager
 from lightning_fthsdp.manager.request import QuorumUnavailable
 from lightning_fthsdp.manager.step import split_batches
 
-__all__ = ["FTManager", "QuorumUnavailable", "split_batches"]
+__all__ = ["CommitsFailed", "FTManager", "QuorumUnavailable", "split_batches"]

@@ -12,11 +12,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_fthsdp.config import log
+from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.lighthouse.client import LighthouseRejected
 from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.request import QuorumUnavailable
 
 _GATEWAY_TIMEOUT = 504
+_UNAUTHORIZED = 401
 
 
 class GroupAgreement:
@@ -30,6 +32,8 @@ class GroupAgreement:
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.size = dist.get_world_size(process_group) if process_group is not None else 1
         self._qlog = log.ReplicaLogger(log.QUORUM, replica_id, self.rank, step)
+        self.no_quorum_reason = ""
+        """Why the last ``quorum()`` returned None."""
 
     @property
     def is_leader(self) -> bool:
@@ -61,7 +65,7 @@ class GroupAgreement:
                 message = {"error": "the lighthouse client did not return within connect + quorum timeouts",
                            "fatal": True}
             except LighthouseRejected as exc:
-                message = {"error": str(exc), "fatal": exc.status != _GATEWAY_TIMEOUT}
+                message = {"error": _with_fix(exc), "fatal": exc.status != _GATEWAY_TIMEOUT}
             except QuorumUnavailable as exc:
                 message = {"error": str(exc), "fatal": True}
         message = self._broadcast_from_leader(message)
@@ -69,6 +73,7 @@ class GroupAgreement:
             if message.get("fatal"):
                 raise RuntimeError(f"FTManager (group {self._replica_id}): {message['error']}")
             self._qlog.warning("no quorum this step: %s", message["error"])
+            self.no_quorum_reason = str(message["error"])
             return None
         return Quorum.from_json(message["quorum"]), str(message["store"])  # type: ignore[arg-type]
 
@@ -90,3 +95,11 @@ class GroupAgreement:
             int(size.item()), dtype=torch.uint8)
         dist.broadcast(data, group_src=0, group=self._process_group)
         return json.loads(bytes(data.tolist()).decode()) if not self.is_leader else message
+
+
+def _with_fix(exc: LighthouseRejected) -> str:
+    """The lighthouse's refusal, with what to change where the lighthouse's own words do not say it."""
+    if exc.status == _UNAUTHORIZED:
+        return (f"{exc}. The lighthouse refuses this group's token: give every group the lighthouse's token "
+                f"(${ENV_TOKEN}, or FTManager(token=...) / FTHSDPStrategy(token=...))")
+    return str(exc)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_fthsdp.config import log
+from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.sources import sources
@@ -106,6 +106,7 @@ class Follower:
             fetched = self._catchup.finish_fetch(timeout_s=self._timeout_s)
             if fetched is not None:
                 follow.tree, follow.delivered_by = fetched.tree, fetched.source
+                anatomy.mark("fetched")
             follow.failed = fetched is None
         return follow.tree is not None
 
@@ -135,6 +136,7 @@ class Follower:
                 apply(shares)
             for tensor, grad in zip(tensors, current, strict=True):
                 tensor.detach().copy_(grad)
+        anatomy.mark("replayed")
         self.catch_up_log.append({"source": follow.delivered_by, "step": follow.base_step,
                                 "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
         self._rlog.info("caught up: loaded the state of step %d from %s and replayed %d steps", follow.base_step,

@@ -14,8 +14,11 @@ One step::
 
 Failure semantics: a peer crash or hang, a lighthouse-announced membership change, or a timeout during the
 step makes ``commit()`` return False on every rank of this group; nothing hangs (every wait is bounded by
-``Timeouts``). Errors inside the replica group itself (a shard rank died) propagate: the group dies whole and
-its launcher restarts it. Wrong configuration (shard counts that differ, a bad token) raises.
+``Timeouts``). After ``Timeouts.max_failed_commits`` such failures in a row ``commit()`` raises
+``CommitsFailed`` naming the last cause. Errors inside the replica group itself (a shard rank died) propagate: the
+group dies whole and its launcher restarts it. What no retry fixes raises at once, naming the fix: shard counts
+that differ, a token the lighthouse refuses, a cross-group backend that cannot work (``CrossGroupConfigError``).
+``shutdown()`` is bounded and never raises.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.config import log
+from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
 from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
-from lightning_fthsdp.lighthouse.client import Heartbeat, QuorumClient
+from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
+from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
 from lightning_fthsdp.manager.sources import serves
@@ -43,6 +47,10 @@ from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 
 _OWN_STATE = "fthsdp"
+
+
+class CommitsFailed(RuntimeError):
+    """``Timeouts.max_failed_commits`` commits in a row failed: training cannot make progress."""
 
 
 class FTManager:
@@ -72,6 +80,14 @@ class FTManager:
             for a snapshot of the registered state in the background, so the first time this rank serves a
             catching-up group its snapshot copies at full speed (a group that caught up keeps, for that, the fetched
             tensors its loaders copied). False: allocate it when first serving.
+        checkpoint_dir: durable checkpoints of the registered state under this folder (one every group can read: a
+            shared file system on a cluster), the fallback when no live group holds the job's committed state; the
+            lighthouse then has every member load the newest complete one. None (default): none are written or
+            loaded. See ``manager.checkpoints``.
+        checkpoint_every_n_steps: write one every this many committed steps (one contributing group writes it, in
+            the background; 0: write none, only load). More often loses fewer steps when every holder fails at once
+            and costs the writer a CPU copy of its state (overlapped with forward and backward) and disk I/O.
+        checkpoint_keep: complete checkpoints kept (the oldest are removed).
     """
 
     def __init__(
@@ -89,6 +105,9 @@ class FTManager:
         global_batches: int | None = None,
         replay_buffer_mib: int = 1024,
         reserve_snapshot_memory: bool = True,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_n_steps: int = 0,
+        checkpoint_keep: int = 2,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         process_group = renamed_argument("FTManager", "process_group", process_group, "group", group)
@@ -117,6 +136,9 @@ class FTManager:
         self._store_address = ""
         self._deaths_at_quorum = 0
         self._commit_failed = False
+        self._failed_commits = 0  # in a row
+        self._failure = ""  # why the step under way failed so far (empty: it has not)
+        self._closed = False
         self._participants: tuple[str, ...] = ()
         self._shares: dict[str, int] = {}
         self._contributions: dict[str, int] = {}
@@ -135,6 +157,14 @@ class FTManager:
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
+        self._checkpoints: DurableCheckpoints | None = None
+        if checkpoint_dir:
+            self._checkpoints = DurableCheckpoints(
+                checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
+                replica_id=self.replica_id, rank=self.rank, shard_count=self.shard_count,
+                capture=self._catchup.capture, rlog=self._rlog,
+                reporter=CheckpointReporter(url, token, self.timeouts, self.replica_id, self.incarnation)
+                if self.is_leader else None)
         addresses = self._agreement.gather_addresses(self._catchup.address)
         self._requester: QuorumRequester | None = None
         if self.is_leader:
@@ -206,6 +236,12 @@ class FTManager:
         return self._follower.active
 
     @property
+    def checkpoint_loads(self) -> int:
+        """How many durable checkpoints this rank loaded (a quorum resumed from one): a front end whose step computed
+        its gradients before such a load must compute them again."""
+        return self._checkpoints.loads if self._checkpoints is not None else 0
+
+    @property
     def next_batch_index(self) -> int:
         """Position of this group's own data stream: batches of it already in a committed step."""
         return self.batches_committed.get(self.replica_id, 0)
@@ -239,6 +275,8 @@ class FTManager:
         """Open the step (if it is not open yet) and start its quorum request in the background (leader only)."""
         if self._current is None:
             self._current = StepState()
+            if self._checkpoints is not None and not self._follower.active:
+                self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in)
         if not self._heartbeat.started:
             # Heartbeating starts with the first step, not at construction: a group still building its model
             # is not yet a heartbeating group the others must wait for or count in their majority.
@@ -263,7 +301,11 @@ class FTManager:
         state.exchanged = state.ready = False  # a repeated call's outcome replaces the last one's
         quorum = state.quorum
         if quorum is None:
+            self._failure = f"no quorum: {self._agreement.no_quorum_reason}"
             return False
+        if quorum.resume_step >= 0:
+            self._resume(quorum)
+            return False  # nobody exchanges in the step a quorum resumes: every member retrains it once loaded
         state.tensors = tensors
         source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
@@ -278,19 +320,30 @@ class FTManager:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
+            self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
             return False
         state.exchanged = True
         state.ready = not self._follower.active or self._follower.poll(can_replay=self._update is not None)
         return True
 
     def commit(self) -> bool:
-        """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer."""
+        """Vote inside the replica group: True (all ranks' exchanges succeeded) means step the optimizer.
+
+        Raises CommitsFailed, on every rank of the group alike, when this is the ``Timeouts.max_failed_commits``-th
+        failed commit in a row (steps followed during a catch-up are progress, not failures).
+        """
         state, self._current = self._current or StepState(), None
+        failure, self._failure = self._failure, ""
         lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
+        if not lease_ok and not failure:
+            failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
+                       f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
         ok, exchanged, fetch_ok = self._agreement.vote(state.ready and lease_ok, state.exchanged and lease_ok,
                                                        not self._follower.failed)
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+        if self._checkpoints is not None:
+            self._checkpoints.wait_copied(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
         if ok and self._follower.active:
@@ -301,6 +354,7 @@ class FTManager:
             self._progress.advance(self._shares)
             self._progress.committed_in = state.quorum.quorum_id
             self._commit_failed = False
+            self._failed_commits = 0
             self.committed_steps += 1
             if self.committed_steps == 1 and self._reserve_snapshot_memory:
                 self._catchup.reserve_memory()
@@ -312,23 +366,50 @@ class FTManager:
             self._commit_failed = True
             self._comm.invalidate()
             self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
+            self._count_failure(failure or "the exchange failed on another rank of this group")
         elif self._follower.active:
             assert state.quorum is not None, "a step is exchanged only inside a quorum"
             self._follower.hold(state.tensors, self._shares, state.quorum.quorum_id)
             self._commit_failed = False
+            self._failed_commits = 0
         else:
             self._rlog.info("state not received this step; still behind, retrying next step")
+            self._count_failure(failure or "the catch-up state transfer did not deliver the state")
         return ok
 
     def shutdown(self) -> None:
-        """Leave the job gracefully (the lighthouse forgets this group without declaring it dead)."""
+        """Leave the job gracefully (the lighthouse forgets this group without declaring it dead), and end every
+        thread this manager started, each within a deadline from ``Timeouts``. Never raises (it runs after errors
+        whose report must stay the only one; a step that fails is logged) and is idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        closers: list[tuple[str, Callable[[], None]]] = [("the heartbeat", self._heartbeat.leave),
+                                                         ("the cross-group process groups", self._comm.close),
+                                                         ("catch-up", lambda: self._catchup.close(
+                                                             timeout_s=self.timeouts.collective_timeout_ms / 1000))]
         if self._requester is not None:
-            self._requester.close()
-        self._heartbeat.leave()
-        self._comm.close()
-        self._catchup.close()
+            closers.insert(0, ("the quorum requests", self._requester.close))
+        checkpoints = self._checkpoints
+        if checkpoints is not None:
+            closers.append(("the checkpoint writer",
+                            lambda: checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)))
+        for what, close in closers:
+            try:
+                close()
+            except Exception:
+                self._elog.exception("shutdown: closing %s failed", what)
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    def _count_failure(self, cause: str) -> None:
+        self._failed_commits += 1
+        budget = self.timeouts.max_failed_commits
+        if self._failed_commits >= budget:
+            raise CommitsFailed(
+                f"FTManager (group {self.replica_id}): {self._failed_commits} commits in a row failed "
+                f"(Timeouts.max_failed_commits={budget}); the last cause: {cause}. Fix that cause, or raise "
+                f"max_failed_commits (recipe: ft.timeouts.max_failed_commits) to keep retrying longer")
 
     def _agreed_step(self) -> StepState:
         """The step under way, its quorum agreed once (the first of ``step_batches``/``sync_gradients`` asks)."""
@@ -339,6 +420,7 @@ class FTManager:
             self._current.quorum = self._adopt(*agreed) if agreed is not None else None
             self._current.agreed = True
             if self._current.quorum is not None:
+                anatomy.mark("joined")
                 self._participants = self._current.quorum.participants
                 self._shares = split_batches(self._participants, self.global_batches)
         return self._current
@@ -360,6 +442,22 @@ class FTManager:
         self._comm.expect(quorum.quorum_id)
         self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
         return quorum
+
+    def _resume(self, quorum: Quorum) -> None:
+        """The quorum resumes from the durable checkpoint of ``quorum.resume_step`` (no live group held the job's
+        committed state): load it, unless this group holds that step already."""
+        if self.step == quorum.resume_step:
+            return
+        if self._checkpoints is None:
+            raise RuntimeError(
+                f"FTManager (group {self.replica_id}): quorum {quorum.quorum_id} resumes from the checkpoint of step "
+                f"{quorum.resume_step} ({quorum.resume_path}), but this group has no checkpoint_dir: give every group "
+                f"the same checkpoint settings")
+        self._follower.stop("the quorum resumes from a durable checkpoint")
+        self._rlog.warning("no live group holds the job's committed state: loading the checkpoint of step %d from %s",
+                           quorum.resume_step, self._checkpoints.root)
+        self._checkpoints.load(quorum.resume_step, lambda tree: self._catchup.load(tree, keep_memory=False))
+        self._progress.committed_in = -1
 
     def _replay(self, tensors: Sequence[torch.Tensor]) -> None:
         """Catch up: load the fetched state and replay the steps held since, through the registered update; the

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
 
@@ -51,6 +53,7 @@ class QuorumRequester:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum")
         self._pending: Future[tuple[Quorum, str]] | None = None
         self._lighthouse_away = False
+        self._closed = threading.Event()
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
               following: bool) -> None:
@@ -71,14 +74,18 @@ class QuorumRequester:
         assert self._pending is not None, "answer() follows start()"
         try:
             # Outlasts every attempt _request makes (connect timeout, then one quorum request).
-            return self._pending.result(timeout=(self._timeouts.connect_timeout_ms
-                                                 + self._timeouts.quorum_timeout_ms) / 1000 + 30)
+            return self._pending.result(timeout=self._timeouts.quorum_wait_ms / 1000)
         finally:
             self._pending = None
 
     def close(self) -> None:
+        """Drop the request in flight and end the quorum thread, within a heartbeat timeout (its connection is shut
+        under it)."""
+        self._closed.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+        if self._pending is not None:
+            futures.wait([self._pending], timeout=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
                  following: bool) -> tuple[Quorum, str]:
@@ -90,6 +97,8 @@ class QuorumRequester:
                 answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
                                               commit_failed, current, committed_in, following)
             except LighthouseUnavailable as exc:
+                if self._closed.is_set():
+                    raise QuorumUnavailable("FTManager is shutting down") from exc
                 # Only a group that committed the last step of its quorum may keep it, as a plain quorum of
                 # up-to-date members: last step's recovery assignments must not be replayed.
                 if current is not None and not commit_failed and step == current.max_step + 1:
@@ -109,13 +118,14 @@ class QuorumRequester:
                         f"{self._timeouts.connect_timeout_ms}: {exc}. Start it with `fthsdp lighthouse` and check "
                         f"the URL ({ENV_LIGHTHOUSE})"
                     ) from exc
-                time.sleep(backoff_s)
+                self._closed.wait(backoff_s)
                 continue
             except LighthouseRejected as exc:
                 # A restart quicker than the heartbeat timeout: our previous incarnation is not declared dead yet.
-                if exc.status != HTTPStatus.SERVICE_UNAVAILABLE or time.monotonic() >= deadline:
+                if (exc.status != HTTPStatus.SERVICE_UNAVAILABLE or time.monotonic() >= deadline
+                        or self._closed.is_set()):
                     raise
-                time.sleep(backoff_s)
+                self._closed.wait(backoff_s)
                 continue
             if self._lighthouse_away:
                 self._qlog.info("lighthouse is back")

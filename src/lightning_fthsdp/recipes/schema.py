@@ -121,6 +121,26 @@ class FTConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     """The bounded waits (milliseconds), validated as heartbeat < collective < quorum < connect;
     see docs/timeouts.md."""
+    checkpoint_dir: str = ""
+    """Durable checkpoints of every group's state go under this folder (every group must reach it: a shared file
+    system on a cluster); "" writes none. The fallback when every group holding the job's committed step is down at
+    once: the lighthouse waits for one (its lost-state wait), then every group loads the newest complete checkpoint
+    instead of restarting from step 0. ``fthsdp launch`` puts a relative folder under its --out folder."""
+    checkpoint_every_n_steps: int = _at_least(0, 0)
+    """Write a checkpoint every this many committed steps (0: none, only load one). One contributing group writes
+    it in the background (a CPU copy overlapped with forward and backward, then the disk): more often loses fewer
+    steps when every holder fails at once, and costs that group more copies and I/O. Needs checkpoint_dir."""
+    lost_state_wait_s: float = _at_least(30.0, 0.0)
+    """When no live group holds the job's committed step, the lighthouse waits this long for one (a hung holder may
+    come back) before resuming from the newest checkpoint (or, without one, an older step) and reporting the steps
+    lost. Longer keeps more work after a transient failure of every holder; shorter trains again sooner."""
+    checkpoint_keep: int = _at_least(2, 1)
+    """Complete checkpoints kept; older ones are removed once a newer one is complete."""
+
+    def check(self, key: str) -> None:
+        if self.checkpoint_every_n_steps and not self.checkpoint_dir:
+            raise ValueError(f"{key}.checkpoint_every_n_steps={self.checkpoint_every_n_steps} needs "
+                             f"{key}.checkpoint_dir: name the folder the checkpoints go to")
 
 
 @dataclass
@@ -131,8 +151,11 @@ class LaunchConfig:
     """Replica groups (--replicas wins). Each holds a full copy of the model and optimizer state."""
     shard_count: int = _at_least(1, 1)
     """Shard ranks per replica group, one device each (--shard-count wins); every group uses the same."""
-    max_restarts: int = _at_least(3, 0)
-    """Restarts per group before the launcher gives up on it (a crash or an injected kill counts)."""
+    max_restarts: int = _at_least(10, 0)
+    """Restarts per group within any launch.restart_window_s before the launcher gives up on it (a crash or an
+    injected kill counts). Failures spread over a long job never add up to giving a group up."""
+    restart_window_s: float = _at_least(3600.0, 1.0)
+    """The window launch.max_restarts counts in, e.g. 3600: at most max_restarts per group in any hour."""
     restart_delay_s: float = _at_least(1.0, 0.0)
     """Pause before restarting a dead group (a real scheduler takes longer to find it a node)."""
     chaos: str = ""
@@ -141,6 +164,11 @@ class LaunchConfig:
     """Seed of the random choices of the chaos schedule (which group, when none is named)."""
     timeout_s: float = _at_least(900.0, 1.0)
     """Bound on the whole run; the launcher stops every process and reports failure when it passes."""
+    standby: bool = True
+    """Keep, per group, its next incarnation started and imported ahead (one at a time, once the group trains), so a
+    restart begins after the imports: its process start and imports (most of a Lightning start-up) are off the
+    restart's path. Costs each group an idle process per shard rank and their imports' CPU while it trains; false:
+    a restart starts from a bare process."""
 
 
 @dataclass

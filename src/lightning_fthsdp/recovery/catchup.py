@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.expected import Expected, expect
@@ -27,6 +27,7 @@ from lightning_fthsdp.recovery.server import PreparedState, StateServer
 from lightning_fthsdp.recovery.snapshot import reserve, snapshot, unshared
 from lightning_fthsdp.recovery.torch_state import StateTree
 
+T = TypeVar("T")
 StateGetter = Callable[[], StateTree]
 StateLoader = Callable[[StateTree], None]
 
@@ -81,6 +82,7 @@ class CatchUp:
         self._log = log
         self._entries: dict[str, tuple[StateGetter, StateLoader]] = {}
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="fthsdp-catchup")
+        self._submitted: list[Future[object]] = []  # the executor's work not known to be done (``close`` waits)
         self._serving: _Serving | None = None
         self._fetch: tuple[tuple[tuple[Source, ...], int], Future[Fetched], threading.Event] | None = None
         self._lock = threading.Lock()
@@ -123,7 +125,7 @@ class CatchUp:
             if self._serving is not None and self._serving.step == step:
                 return
             serving = self._serving = _Serving(step)
-        self._executor.submit(self._take, serving)
+        self._submit(self._take, serving)
 
     def _take(self, serving: _Serving) -> None:
         """Executor thread: copy (the only part the live state waits for), then digest, then publish if due."""
@@ -162,7 +164,7 @@ class CatchUp:
             if spare is not None:
                 self._keep_spare(spare)
 
-        return self._executor.submit(fill)
+        return self._submit(fill)
 
     def _take_spare(self) -> StateTree | None:
         """The spare memory, taken rather than read: nothing else may copy into it while its taker does."""
@@ -237,7 +239,7 @@ class CatchUp:
             future = Future()
             future.set_exception(exc)
         else:
-            future = self._executor.submit(self._fetch_any, key[0], step, timeout_s, abort, expected)
+            future = self._submit(self._fetch_any, key[0], step, timeout_s, abort, expected)
         self._fetch = (key, future, abort)
         if self._on_phase is not None:
             self._on_phase("fetch")
@@ -293,9 +295,20 @@ class CatchUp:
             self._fetch[2].set()
             self._fetch = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float) -> None:
+        """Stop serving and fetching; wait up to ``timeout_s`` for the background work under way to end (a fetch
+        ends at its next chunk once cancelled, a snapshot once copied and digested)."""
         with self._lock:
             self._serving = None  # a snapshot still being digested is not published on a closed server
         self.cancel_fetch()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._server.close()
+        _, running = futures.wait(self._submitted, timeout=timeout_s)
+        if running:
+            self._log.warning("%d catch-up task(s) still running %.0f s after shutdown", len(running), timeout_s)
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        self._submitted = [f for f in self._submitted if not f.done()]
+        future = self._executor.submit(fn, *args)
+        self._submitted.append(future)  # type: ignore[arg-type]
+        return future
