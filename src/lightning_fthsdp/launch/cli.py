@@ -221,7 +221,8 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
     print(f"  failures injected: {report['failures_injected']}; stalls of the healthy groups (s): "
           f"{report['stalls_s']}")
     for r in report["recoveries"]:
-        how = "caught up from a peer" if r["caught_up"] else "resumed on its own"
+        how = ("caught up from a peer" if r["caught_up"] else "loaded the quorum's durable checkpoint"
+               if r.get("from_checkpoint") else "resumed on its own")
         print(f"  group {r['replica_id']} ({r['kind']}) trained again after {r['recovery_s']:.2f} s at step "
               f"{r['rejoined_at_step']}: {how}")
     for lost in report["lost_steps"]:

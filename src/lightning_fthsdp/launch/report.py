@@ -9,7 +9,8 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   (the healthy groups' standstill: failure detection, the failed step's retry, reconfiguration).
 - ``recoveries``: one per failure whose target trained again: ``recovery_s`` from the injection until the
   target's first committed step after it (restart and catch-up included), as ``fthsdp simulate --from-report``
-  expects; ``caught_up``: the target loaded a peer's state (rather than resuming on its own).
+  expects; ``caught_up``: the target loaded a peer's state; ``from_checkpoint``: it loaded the durable checkpoint a
+  quorum resumed from (no live group held the job's state); neither: it resumed from its own state.
 - ``lost_steps``: each quorum the lighthouse restarted below the job's committed step, because no group holding
   it came back in time (``quorum_id``, ``from_step``, ``committed_step``, ``lost_steps``); empty when none was.
 - ``final_params_identical``: at least one group finished and every group that finished holds full final parameters
@@ -66,7 +67,8 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
             recoveries.append({"replica_id": event["replica_id"], "kind": event["event"],
                                "injected_at_s": round(event["t"] - t0, 3),
                                "recovery_s": round(mine[0]["t"] - event["t"], 3),
-                               "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("catch_ups", 0) > 0})
+                               "rejoined_at_step": mine[0]["step"], "caught_up": mine[0].get("catch_ups", 0) > 0,
+                               "from_checkpoint": mine[0].get("checkpoint_loads", 0) > 0})
     finals = {g.replica_id: g.params_sha256 for g in groups.values() if g.params_sha256 is not None}
     job_step = max((r["step"] for r in steps), default=0)
     starts = _start_phases(groups, transitions)

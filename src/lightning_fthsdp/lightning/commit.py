@@ -41,6 +41,8 @@ class StepCommit:
         self._logs, self._fire_fault = logs, fire_fault
         self.caught_up = False
         """Whether the last commit loaded a peer's state (set through ``mark_caught_up``)."""
+        self.resumed = False
+        """Whether the last commit's quorum had this group load a durable checkpoint."""
         self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
         self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
 
@@ -88,7 +90,7 @@ class StepCommit:
                     local(p.grad).copy_(own)
             self._logs.rewind(logged)  # the extra batches are trained (and log) again
             stall_s = time.monotonic() - started
-        self.caught_up = self.caught_up or resumed  # the position moved: Lightning's loop follows it
+        self.resumed = resumed
         self.drop_missing_gradients()
         return stall_s
 

@@ -7,7 +7,8 @@ a group holds the same values):
 - ``fthsdp/participants``: groups whose gradients went into it (progress bar; below ``quorum_size`` while a group
   catches up, below ``replicas`` while degraded);
 - ``fthsdp/discarded_steps``: attempts whose commit vote failed so far (each was retried on the same batch);
-- ``fthsdp/catch_ups``: catch-ups this group performed;
+- ``fthsdp/catch_ups``: catch-ups this group performed (loads of a peer's state);
+- ``fthsdp/checkpoint_loads``: durable checkpoints this group loaded (a quorum no live group held the job's state for);
 - ``fthsdp/stall_s``: seconds the last step spent in attempts that were discarded (0 when fault-free).
 """
 
@@ -33,6 +34,7 @@ class FTMetrics:
     participants: int = 0
     discarded_steps: int = 0
     catch_ups: int = 0
+    checkpoint_loads: int = 0
     stall_s: float = 0.0
 
     def record_commit(self, manager: FTManager, *, caught_up: bool, stall_s: float) -> None:
@@ -43,6 +45,7 @@ class FTMetrics:
         self.quorum_size = len(manager.quorum.members) if manager.quorum is not None else 0
         self.participants = len(manager.participants)
         self.discarded_steps = manager.discarded_steps
+        self.checkpoint_loads = manager.checkpoint_loads
         self.stall_s = stall_s
 
 

@@ -372,7 +372,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self.lightning_module.automatic_optimization:
             self._logs.flush(self.lightning_module, trained=participated)
         caught_up = self._commit.caught_up
-        self._stream.committed(trainer, manager.next_batch_index, moved=caught_up or not participated)
+        # A catch-up or a checkpoint moved the stream position: Lightning's loop follows it.
+        moved = caught_up or self._commit.resumed or not participated
+        self._stream.committed(trainer, manager.next_batch_index, moved=moved)
         self.ft_metrics.record_commit(manager, caught_up=caught_up, stall_s=stall_s)
         self._degraded_lr.scale(optimizer, len(manager.participants))
 
