@@ -323,7 +323,8 @@ class CrossGroupComm:
 
     def close(self) -> None:
         """Release every group. Bounded: it waits for rendezvous still under way (each until its connect_timeout,
-        when its peer never comes) and for the destruction of retired groups (collective_timeout). Idempotent."""
+        when its peer never comes), for the pending op of a retired group to end and for the destruction of retired
+        groups (collective_timeout each). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -337,14 +338,20 @@ class CrossGroupComm:
                 _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member never came): a thread "
                           "inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
             thread.join(max(0.0, deadline - time.monotonic()))
+        # A retired group whose op is still pending (a peer hung inside it) would have gloo's threads inside that op
+        # while the interpreter finalizes; the op ends at its collective timeout at the latest: wait for it.
+        deadline = time.monotonic() + self._timeouts.collective_timeout_ms / 1000
         self._reap()
+        while self._graveyard and time.monotonic() < deadline:
+            time.sleep(_POLL_S[-1])
+            self._reap()
         # Groups are destroyed now, not among interpreter-exit destructors.
         if not _REAPER.drain(self._timeouts.collective_timeout_ms / 1000):
             _log.warning("retired cross-group process groups were not destroyed within collective_timeout_ms=%d",
                          self._timeouts.collective_timeout_ms)
         self._stores.clear()  # their connections go now, not among interpreter-exit destructors
-        # Groups still blocked on a hung peer would block interpreter shutdown until their collective timeout
-        # (destroying a gloo group joins its worker threads): keep them alive for the life of the process.
+        # A group still blocked past that deadline would block interpreter shutdown (destroying a gloo group joins
+        # its worker threads): keep it alive for the life of the process.
         for parked in self._graveyard:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(parked.backend))
         self._graveyard.clear()

@@ -7,7 +7,8 @@ Records (``event``):
   micro-batch; absent from a step this group only followed while catching up: computed on weights it had not
   loaded yet, it is no training loss), ``quorum_size``, ``participants`` (ids whose gradients went into it),
   ``discarded`` (failed commit attempts of this process so far), ``catch_ups`` (catch-ups of this process),
-  ``checkpoint_loads`` (durable checkpoints this process loaded), ``stall_s`` (time of this step spent in discarded attempts);
+  ``checkpoint_loads`` (durable checkpoints this process loaded), ``stall_s`` (time of this step spent in
+  discarded attempts);
 - ``val``: a validation during fit: ``step`` (the committed step it evaluated) and ``val_loss`` (the held-out
   loss the LightningModule logged as ``val_loss``);
 - ``phases``: once, with the first step this group trained (its own gradients in it): ``milestones``, the Unix time
