@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -143,6 +144,47 @@ def test_rendezvous_without_peer_is_bounded(store: dist.TCPStore) -> None:
     comm = CrossGroupComm("gloo", torch.device("cpu"), short, shard_rank=0)
     with pytest.raises(CollectiveAborted, match="time"):
         comm.configure(1, 0, 2, f"127.0.0.1:{store.port}")
+
+
+def gone_address() -> str:
+    """An address on loopback where nothing listens (the store of a lighthouse that died): connecting to it is
+    retried until connect_timeout."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_rendezvous_on_a_store_that_went_away_is_abandoned_when_the_lighthouse_is_lost() -> None:
+    """The heartbeat lost the lighthouse while configure() waits for a rendezvous on its store: the wait ends with
+    the reason, not at connect_timeout; a rendezvous prepared before the loss is refused at configure."""
+    # close() still joins the rendezvous threads (until connect_timeout): a short one keeps the test short.
+    timeouts = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=500, collective_timeout_ms=1_000,
+                        quorum_timeout_ms=1_500, connect_timeout_ms=2_000, join_timeout_ms=1_000)
+    comm = CrossGroupComm("gloo", torch.device("cpu"), timeouts, shard_rank=0)
+    errors: list[BaseException] = []
+
+    def configure() -> None:
+        try:
+            comm.configure(1, 0, 2, gone_address())
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    try:
+        waiter = threading.Thread(target=configure, daemon=True)
+        waiter.start()
+        wait_for(lambda: comm._awaiting_build, 10, "configure() to wait for the rendezvous")
+        comm.abort_rendezvous("the lighthouse went away")
+        waiter.join(timeouts.connect_timeout_ms / 2000)
+        assert not waiter.is_alive(), "configure() still waits for a store that is gone"
+        [error] = errors
+        assert isinstance(error, CollectiveAborted) and "the lighthouse went away" in str(error)
+        prepared_at = gone_address()
+        comm.prepare(2, 0, 2, prepared_at)
+        comm.abort_rendezvous("the lighthouse went away")
+        with pytest.raises(CollectiveAborted, match="quorum 2 began before the lighthouse went away"):
+            comm.configure(2, 0, 2, prepared_at)
+    finally:
+        comm.close()
 
 
 def test_bad_backend_is_refused_at_once() -> None:

@@ -412,6 +412,26 @@ def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
             proc.wait(10)
 
 
+def test_the_heartbeat_reports_once_that_the_lighthouse_went_away() -> None:
+    """What abandons a rendezvous on the store of a lighthouse that died: the heartbeat thread's ``on_lost``, once
+    per loss, not on every failed heartbeat after it."""
+    timeouts = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=1_000, collective_timeout_ms=2_000,
+                        quorum_timeout_ms=3_000, connect_timeout_ms=4_000, join_timeout_ms=1_000)
+    losses: list[float] = []
+    with LighthouseThread(rules=QuorumRules(min_replicas=1), heartbeat_timeout_ms=1_000, startup_grace_ms=0) as url:
+        beat = Heartbeat(url, None, "a", inc("a"), 0, 1, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+                         on_lost=lambda: losses.append(time.monotonic()), on_quorum=lambda *_: None)
+        beat.start()
+        assert beat.lease_valid(0), "the lighthouse never acknowledged a heartbeat"
+    try:
+        wait_for(lambda: losses, 10, "the heartbeat to report the lost lighthouse")
+        beats_after = 10 * timeouts.heartbeat_interval_ms / 1000
+        wait_for(lambda: time.monotonic() - losses[0] > beats_after, 10, "more failed heartbeats")
+        assert len(losses) == 1
+    finally:
+        beat.leave()
+
+
 def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: Callable[..., str]) -> None:
     """What the manager starts early rendezvous from: each member's heartbeat thread reports a quorum the moment it
     is decided, once, with the member's rank; the same quorum answered again each step is not news."""
@@ -420,6 +440,7 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
                         quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
     seen: list[tuple[str, int, int, int]] = []
     beats = [Heartbeat(url, None, rid, inc(rid), 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+                       on_lost=lambda: None,
                        on_quorum=lambda q, rank, size, store, rid=rid: seen.append((rid, q, rank, size)))
              for rid in "abc"]
     try:

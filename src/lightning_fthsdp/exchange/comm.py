@@ -68,6 +68,8 @@ class _Prepared:
     key: tuple[int, int, int, str]
     """quorum_id, rank, size, store address"""
     build: Future[dist.ProcessGroup]
+    store_losses: int
+    """``CrossGroupComm.store_losses`` when the build began: a build begun before the store went away never ends."""
 
 
 def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
@@ -218,6 +220,8 @@ class CrossGroupComm:
         self._stores = _StorePool(timeouts.connect_timeout_ms)
         self._newest = -1  # the newest quorum configured or prepared: an older one is never built again
         self._target: int | None = None  # the quorum being configured or in use (for abort)
+        self._store_losses = 0  # how often the lighthouse, whose store every rendezvous meets on, went away
+        self._awaiting_build = False  # configure() waits for a rendezvous (what abort_rendezvous ends)
         self._wake = threading.Event()
         self._aborted = False
         self._lock = threading.Lock()
@@ -244,6 +248,19 @@ class CrossGroupComm:
             self._abort_reason = reason
         self._wake.set()
 
+    def abort_rendezvous(self, reason: str) -> None:
+        """The lighthouse, and with it the store every rendezvous meets on, went away (callable from any thread, e.g.
+        the heartbeat's): a rendezvous begun before can never complete (connecting to a store that is gone retries
+        until connect_timeout). Abandon the one ``configure`` waits for, and refuse those begun before; a collective
+        on a built group goes on (it needs no store)."""
+        with self._lock:
+            self._store_losses += 1
+            if not self._awaiting_build:
+                return
+            self._aborted = True
+            self._abort_reason = reason
+        self._wake.set()
+
     def invalidate(self) -> None:
         """Never use the current group again (after an error anywhere in the step)."""
         self._retire(None)
@@ -260,7 +277,8 @@ class CrossGroupComm:
             if quorum_id <= self._newest or self._closed:
                 return
             self._newest = quorum_id
-            superseded, self._prepared = self._prepared, _Prepared((quorum_id, rank, size, store_address), build)
+            superseded = self._prepared
+            self._prepared = _Prepared((quorum_id, rank, size, store_address), build, self._store_losses)
         self._discard(superseded)
         self._build_in_thread(quorum_id, rank, size, store_address, build)  # outside the lock: a thread start waits
 
@@ -283,12 +301,25 @@ class CrossGroupComm:
                 self._prepared = None  # one for a newer quorum stays prepared for it
             self._newest = max(self._newest, quorum_id)
         if prepared is not None and prepared.key == key:
-            build = prepared.build
+            build, began_at = prepared.build, prepared.store_losses
         else:
             self._discard(prepared)
+            began_at = self._store_losses
             build = self._build_in_thread(*key, Future()) if size > 1 else None
         if build is not None:
-            self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
+            with self._lock:
+                stale = began_at != self._store_losses
+                self._awaiting_build = not stale
+            if stale:
+                self._discard(_Prepared(key, build, began_at))
+                raise CollectiveAborted(f"the rendezvous of quorum {quorum_id} began before the lighthouse went away")
+            try:
+                self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
+            except CollectiveAborted:
+                self._discard(_Prepared(key, build, began_at))  # destroyed once its rendezvous ends, if ever
+                raise
+            finally:
+                self._awaiting_build = False
         self._quorum_id = quorum_id
         self._size = size
 

@@ -118,7 +118,8 @@ class Heartbeat:
 
     ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes;
     ``on_quorum(quorum_id, rank, size, store_address)`` when the lighthouse decides a new quorum with this group in
-    it (this group's rank among ``size`` members; the store hosts the quorum's rendezvous).
+    it (this group's rank among ``size`` members; the store hosts the quorum's rendezvous); ``on_lost()`` when an
+    answering lighthouse stops answering (it died or restarts, and its store with it).
     ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
     this group dead, as of the last acknowledged heartbeat. ``incarnation``: this start of the group's processes
     (the same on every rank; see lighthouse.registry).
@@ -143,6 +144,7 @@ class Heartbeat:
         step: Callable[[], int],
         on_dead: Callable[[frozenset[str]], None],
         on_quorum: Callable[[int, int, int, str], None],
+        on_lost: Callable[[], None],
     ) -> None:
         self._conn = _Connection(url, token)
         self._replica_id, self._shard_count = replica_id, shard_count
@@ -151,6 +153,7 @@ class Heartbeat:
         self._step = step
         self._on_dead = on_dead
         self._on_quorum = on_quorum
+        self._on_lost = on_lost
         self._quorum_id = -1
         self._stop = threading.Event()
         self._epoch = -1
@@ -207,6 +210,8 @@ class Heartbeat:
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:
+                if self._state == "ok":
+                    self._on_lost()
                 if exc.refused:
                     self._state = "away"
                     self._settled.set()
@@ -228,7 +233,10 @@ class Heartbeat:
             self._last_ack_sent = sent
             self._state = "ok"
             self._settled.set()
-            self._epoch = int(answer.get("epoch", -1))
+            epoch = int(answer.get("epoch", -1))
+            if epoch < self._epoch:
+                self._on_lost()  # a new lighthouse (epochs only grow within one) answered our resent request
+            self._epoch = epoch
             dead = frozenset(str(d) for d in answer.get("dead", ()))
             if dead != self._dead:
                 self._dead = dead

@@ -151,7 +151,8 @@ class FTManager:
         self.incarnation = self._agreement.incarnation()
         self._heartbeat = Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count,
                                     self.timeouts, step=lambda: self.step, on_dead=self._on_dead,
-                                    on_quorum=self._comm.prepare)
+                                    on_quorum=self._comm.prepare,
+                                    on_lost=lambda: self._comm.abort_rendezvous("the lighthouse went away"))
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
