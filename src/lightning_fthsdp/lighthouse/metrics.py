@@ -51,8 +51,8 @@ class LighthouseMetrics:
                                  "failed and it retrains the step), counted per group", registry=registry)
         self.lost_steps = Counter("fthsdp_lost_steps", "Committed steps lost because no live group held them "
                                   "(resumed from a checkpoint or an older step)", registry=registry)
-        self.stall = Histogram("fthsdp_stall_seconds", "From a quorum member's death to the next quorum the "
-                               "lighthouse answered", buckets=STALL_BUCKETS_S, registry=registry)
+        self.stall = Histogram("fthsdp_stall_seconds", "From a quorum member's death to the job's next "
+                               "commit (see docs/metrics.md)", buckets=STALL_BUCKETS_S, registry=registry)
         self.recovery = Histogram("fthsdp_recovery_seconds", "From a group's death to the first quorum in which it "
                                   "contributes gradients again", buckets=RECOVERY_BUCKETS_S, registry=registry)
         self.catch_up = Histogram("fthsdp_catch_up_seconds", "From the quorum that sent a group to catch up to the "

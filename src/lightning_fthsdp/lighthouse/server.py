@@ -442,11 +442,13 @@ class Lighthouse:
 
     def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
         """A sign of life: record it; revive a dead replica (epoch change)."""
+        restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
         record.step, record.last_seen = step, time.monotonic()
         if record.dead:
             record.dead = False
             log.info("replica %s is alive again at step %d", replica_id, step)
-            self._watch.alive(replica_id, step)
+            if not restarted:
+                self._watch.alive(replica_id, step)
             self._bump_epoch()
         self._sync_alive(replica_id)
 
@@ -463,7 +465,7 @@ class Lighthouse:
         # A hung process stopped at or after its last heartbeat; a crashed one as its connection closed.
         self._watch.died(replica_id, cause, reason, record.step, record.last_seen if cause == "hang" else
                          record.dead_since, self._previous is not None and replica_id in self._previous,
-                         record.member)
+                         record.member, self._ledger.committed_step)
         self._bump_epoch()
         self._schedule_decide(force=True)
 

@@ -5,10 +5,11 @@ The server tells a :class:`Watch` of each event as it handles it; the watch neve
 the lighthouse can measure truthfully is bounded by what it sees: deaths (when it declares them), quorums (when it
 answers them) and what the groups' leaders say in their quorum requests. The durations:
 
-- **stall**: from a quorum member's death to the next quorum the lighthouse answers. The death is when the lighthouse
-  saw the group's heartbeat connection close (a crash), or the group's last heartbeat (a hang: the process stopped
-  at or after it, so this errs long by up to one heartbeat interval). The groups' own stall (the launcher's
-  ``stalls_s``) adds the step they retrain.
+- **stall**: from a quorum member's death to the job's next commit: the first quorum the lighthouse answers at a
+  step beyond the one committed when the member died (a survivor asks for it once it committed that step). The death
+  is when the lighthouse saw the group's heartbeat connection close (a crash), or the group's last heartbeat (a
+  hang: the process stopped at or after it, so this errs long by up to one heartbeat interval). It includes the
+  step the survivors retrain, one step's time even for an instant recovery, like the launcher's ``stalls_s``.
 - **recovery**: from a group's death to the first quorum in which the group (its next incarnation) contributes
   gradients again: restart, rejoin and catch-up together.
 - **catch-up**: from the first quorum that names a group behind (``catch_up_from``) or following to the first quorum
@@ -57,7 +58,7 @@ class Watch:
         self._quorums: deque[dict[str, object]] = deque(maxlen=MAX_QUORUMS)
         self._durations: dict[str, deque[dict[str, object]]] = {
             kind: deque(maxlen=MAX_DURATIONS) for kind in ("stall", "recovery", "catch_up")}
-        self._stalls: dict[str, float] = {}  # dead member -> its death, until the next quorum
+        self._stalls: dict[str, tuple[float, int]] = {}  # dead member -> its death and the step committed then
         self._recoveries: dict[str, float] = {}  # dead group -> its death, until it contributes again
         self._catch_ups: dict[str, _CatchUp] = {}  # member behind -> since when, until it contributes
         self._discarded: dict[str, int] = {}  # group -> the step it last reported discarded (reported once)
@@ -77,16 +78,16 @@ class Watch:
         self._add("alive", replica_id, f"{replica_id} is alive again at step {step}", step=step)
 
     def died(self, replica_id: str, cause: str, reason: str, step: int, since: float, member: bool,
-             ever_member: bool) -> None:
+             ever_member: bool, committed_step: int) -> None:
         """The lighthouse declared ``replica_id`` dead: ``cause`` is ``crash`` or ``hang``; ``since`` its death
         (monotonic, see the module docstring); ``member`` whether it was in the current quorum, ``ever_member``
-        whether it ever was in one."""
+        whether it ever was in one; ``committed_step`` the job's then."""
         self._add("death", replica_id, f"{replica_id} died at step {step} ({cause}: {reason})", cause=cause, step=step)
         if self.metrics is not None:
             self.metrics.failures.labels(cause).inc()
         self._catch_ups.pop(replica_id, None)
         if member:
-            self._stalls[replica_id] = since
+            self._stalls[replica_id] = (since, committed_step)
         if ever_member:
             self._recoveries.setdefault(replica_id, since)
 
@@ -123,9 +124,8 @@ class Watch:
         """The lighthouse answered ``quorum`` (a new one, or the current one for another step)."""
         now = self._clock()
         self._sample_rate(now, quorum.max_step)
-        for replica_id, since in self._stalls.items():
-            self._measure("stall", replica_id, now - since)
-        self._stalls.clear()
+        for replica_id in [rid for rid, (_, step) in self._stalls.items() if quorum.max_step > step]:
+            self._measure("stall", replica_id, now - self._stalls.pop(replica_id)[0])
         self._note_catch_ups(quorum, now)
         for replica_id in [rid for rid in self._recoveries if _contributes(quorum, rid)]:
             seconds = now - self._recoveries.pop(replica_id)
