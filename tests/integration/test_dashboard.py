@@ -9,6 +9,7 @@ written to the test's own tmp folder (``dashboard-kill.png``, ``dashboard-recove
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -140,6 +141,10 @@ def test_dashboard_shows_a_kill_and_the_recovery(job: Job, chromium: str, tmp_pa
     kinds = [(kind, rid) for kind, rid, _ in events]
     after_death = kinds[kinds.index(("death", "c")):]
     assert {("rejoin", "c"), ("catch_up", "c"), ("caught_up", "c"), ("recovered", "c")} <= set(after_death), events
+    # c's leader reported its catch-up: the source, the bytes and the time.
+    fetched = [text for kind, rid, text in events[kinds.index(("death", "c")):] if (kind, rid) == ("fetched", "c")]
+    report = r"c fetched [\d.]+ (B|KiB|MiB) of the state of step \d+ from [ab] in [\d.]+ s"
+    assert len(fetched) == 1 and re.search(report + "$", fetched[0]), fetched  # the row: time, kind, text
     quorums = [text for kind, _, text in events[kinds.index(("death", "c")):] if kind == "quorum"]
     assert any("2 members (a, b); -c" in q for q in quorums) and "3 members (a, b, c); +c" in quorums[-1], quorums
     # The membership history, oldest first: c a member, then not (the kill), then a member again (it may have joined

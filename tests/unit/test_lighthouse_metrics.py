@@ -97,14 +97,16 @@ def test_metrics_parse_and_follow_a_death_and_a_recovery(lighthouse: Callable[..
 
     # All three committed step 4 in that quorum (c loaded the state of step 3 first): c contributes again.
     q2 = answer["quorum_id"]
-    ask(url, {rid: qr(rid, 4, q2, ("a", "b", "c"), committed_in=q2,
-                      incarnation="c-second" if rid == "c" else None) for rid in "abc"})
+    bodies = {rid: qr(rid, 4, q2, ("a", "b", "c"), committed_in=q2, incarnation="c-second" if rid == "c" else None)
+              for rid in "abc"}
+    bodies["c"]["caught_up"] = {"source": answer["catch_up_from"]["c"], "step": 3, "bytes": 5 << 20, "fetch_s": 0.25}
+    ask(url, bodies)
     done = scrape(url)
     assert done["fthsdp_recovery_seconds_count"][()] == 1 and done["fthsdp_recoveries_total"][()] == 1
     assert done["fthsdp_catch_up_seconds_count"][()] == 1 and done["fthsdp_catch_ups_total"][()] == 1
     assert done["fthsdp_recovery_seconds_bucket"][(("le", "+Inf"),)] == 1
     assert done["fthsdp_quorum_participants"][()] == 3 and done["fthsdp_committed_step"][()] == 4
-    assert done["fthsdp_stall_seconds_count"][()] == 1
+    assert done["fthsdp_stall_seconds_count"][()] == 1 and done["fthsdp_catch_up_bytes_total"][()] == 5 << 20
 
     code, _, text = get(url, "/events")
     events = json.loads(text)
@@ -113,12 +115,26 @@ def test_metrics_parse_and_follow_a_death_and_a_recovery(lighthouse: Callable[..
     for expected in (("rejoin", "c"), ("catch_up", "c"), ("caught_up", "c"), ("recovered", "c")):
         assert after_death_kinds.count(expected) == 1, (expected, kinds)
     assert kinds.count(("discard", "a")) == kinds.count(("discard", "b")) == 1, kinds
+    (fetched,) = [e for e in events["events"] if e["kind"] == "fetched"]
+    assert (fetched["replica_id"], fetched["bytes"], fetched["step"]) == ("c", 5 << 20, 3), fetched
+    assert "c fetched 5.0 MiB of the state of step 3 from" in fetched["text"], fetched
     assert ("alive", "c") not in kinds, "a new incarnation's first heartbeat is its rejoin, not a revival"
     assert [q["members"] for q in events["quorums"]] == [["a", "b", "c"], ["a", "b"], ["a", "b", "c"]]
     assert [s["replica_id"] for s in events["stalls"]] == ["c"] == [r["replica_id"] for r in events["recoveries"]]
     code, _, text = get(url, f"/events?after={events['last_seq']}")
     assert code == 200 and json.loads(text)["events"] == []
     assert get(url, "/events?after=-1")[0] == 400
+
+
+def test_a_malformed_catch_up_report_is_refused_naming_the_field(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(token=TOKEN)
+    for report, field in (({"source": "a", "step": 1, "bytes": -1, "fetch_s": 1.0}, "'bytes'"),
+                          ({"source": "a b", "step": 1, "bytes": 1, "fetch_s": 1.0}, "caught_up.source"),
+                          ({"source": "a", "step": 1, "bytes": 1, "fetch_s": float("nan")}, "'fetch_s'"),
+                          ("fast", "'caught_up'")):
+        body = qr("x", 0) | {"caught_up": report}
+        code, answer = Client(url, token=TOKEN).call("POST", "/v1/quorum", raw=json.dumps(body).encode())
+        assert code == 400 and field in answer["error"], (report, answer)
 
 
 def test_the_token_guards_metrics_and_events(lighthouse: Callable[..., str]) -> None:

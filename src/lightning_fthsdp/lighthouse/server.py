@@ -274,7 +274,7 @@ class Lighthouse:
         return Response(200, self._heartbeat_body)
 
     async def _quorum(self, request: Request) -> Response:
-        asked, incarnation, timeout_ms = parse_quorum(request, time.monotonic())
+        asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
         self._registry.check(replica_id, incarnation, 0)
@@ -282,6 +282,8 @@ class Lighthouse:
         self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
+        if caught_up is not None:
+            self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
         if self._answer is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)

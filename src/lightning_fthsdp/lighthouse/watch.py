@@ -62,6 +62,7 @@ class Watch:
         self._recoveries: dict[str, float] = {}  # dead group -> its death, until it contributes again
         self._catch_ups: dict[str, _CatchUp] = {}  # member behind -> since when, until it contributes
         self._discarded: dict[str, int] = {}  # group -> the step it last reported discarded (reported once)
+        self._fetched: dict[str, int] = {}  # group -> the step of its last catch-up report (reported once)
         self._rate: deque[tuple[float, int]] = deque()
         self._members: tuple[str, ...] = ()
         self._quorum_id = -1
@@ -93,7 +94,7 @@ class Watch:
 
     def left(self, replica_id: str) -> None:
         self._add("leave", replica_id, f"{replica_id} left")
-        for pending in (self._stalls, self._recoveries, self._catch_ups, self._discarded):
+        for pending in (self._stalls, self._recoveries, self._catch_ups, self._discarded, self._fetched):
             pending.pop(replica_id, None)
 
     def discarded(self, replica_id: str, step: int) -> None:
@@ -108,6 +109,9 @@ class Watch:
     def caught_up(self, replica_id: str, source: str, step: int, nbytes: int, fetch_s: float) -> None:
         """``replica_id``'s leader reports a finished catch-up: ``nbytes`` of the state of ``step`` from
         ``source`` in ``fetch_s`` seconds (its own shard rank's part)."""
+        if self._fetched.get(replica_id) == step:
+            return  # the same report, sent again (a retried quorum request)
+        self._fetched[replica_id] = step
         self._add("fetched", replica_id, f"{replica_id} fetched {_size(nbytes)} of the state of step {step} from "
                   f"{source} in {fetch_s:.2f} s", source=source, step=step, bytes=nbytes, seconds=round(fetch_s, 3))
         if self.metrics is not None:
