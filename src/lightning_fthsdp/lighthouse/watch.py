@@ -138,7 +138,7 @@ class Watch:
                       seconds=round(seconds, 3))
             if self.metrics is not None:
                 self.metrics.recoveries.inc()
-        if quorum.quorum_id != self._quorum_id or quorum.member_ids != self._members:
+        if quorum.quorum_id != self._quorum_id:  # new members, a failed commit or a new incarnation (quorum.decide)
             self._quorum_changed(quorum)
 
     # ---- what people and Prometheus read ----
@@ -209,7 +209,7 @@ class Watch:
                   joined=joined, gone=gone, step=quorum.max_step)
         self._quorums.append({"quorum_id": quorum.quorum_id, "t": round(self._wall(), 3), "step": quorum.max_step,
                               "members": list(members)})
-        if self.metrics is not None and quorum.quorum_id != self._quorum_id:
+        if self.metrics is not None:
             self.metrics.quorum_changes.inc()
         self._members, self._quorum_id = members, quorum.quorum_id
 
