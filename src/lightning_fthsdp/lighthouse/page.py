@@ -1,8 +1,9 @@
 """The lighthouse's status page (``GET /``): one static HTML file whose script polls ``/status`` and ``/events`` and
 updates the page in place (no reload, no CDN, every value set as text).
 
-The page is the same bytes for everyone, read once: it carries no data, so the token guards the data, not the page's
-markup, and a browser that logged in for the page sends the same credentials with its polls.
+The page is the same bytes for everyone, read once at import: it carries no data. Like every path it needs the token
+(a browser asks for it: HTTP Basic, the token as the password), and the browser sends the same credentials with the
+page's polls.
 """
 
 from __future__ import annotations

@@ -94,6 +94,11 @@ class Watch:
 
     def left(self, replica_id: str) -> None:
         self._add("leave", replica_id, f"{replica_id} left")
+        self.forget(replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        """Keep nothing more of ``replica_id`` (it left, or the lighthouse forgot it as a stray): nothing it began
+        will end."""
         for pending in (self._stalls, self._recoveries, self._catch_ups, self._discarded, self._fetched):
             pending.pop(replica_id, None)
 
