@@ -360,7 +360,10 @@ class Lighthouse:
         ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
         below it (and whether it resumed from a checkpoint); ``checkpoint`` the newest complete durable checkpoint
         (null: none reported); ``waiting`` why groups that asked get no quorum yet (null: none waits), with how long
-        the oldest has waited; ``declared`` the job's replica ids (null: any id may join)."""
+        the oldest has waited; ``declared`` the job's replica ids (null: any id may join); ``participants`` the
+        members contributing gradients; ``step_rate`` committed steps per second over the last minute; per group its
+        ``state`` (``lighthouse.metrics.GROUP_STATES``), ``lag`` behind the committed step, ``incarnations`` (starts of
+        its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         catch_up_from = quorum.catch_up_from if quorum else {}
