@@ -55,7 +55,11 @@ def test_the_answer_is_the_clients_and_the_request_says_what_the_group_holds() -
     try:
         request.start(4, True, None, "", 3, True)
         assert request.answer() == (QUORUM, "store:1")
-        assert client.asked == [("a", 4, 2, "h:1,h:2", True, None, 3, True)]
+        assert client.asked == [("a", 4, 2, "h:1,h:2", True, None, 3, True, None)]
+        caught_up = {"source": "b", "step": 3, "bytes": 10, "fetch_s": 0.5}  # reported with the next request
+        assert request.start(5, False, QUORUM, "store:1", 7, False, caught_up)
+        assert request.answer() == (QUORUM, "store:1")
+        assert client.asked[-1] == ("a", 5, 2, "h:1,h:2", False, QUORUM, 7, False, caught_up)
     finally:
         request.close()
     assert client.closed

@@ -38,6 +38,20 @@ class HeartbeatRequest:
     wait_ms: int
 
 
+@dataclass(frozen=True)
+class CaughtUp:
+    """A quorum request's optional ``caught_up``: the group's leader finished a catch-up since its last request."""
+
+    source: str
+    """The group that delivered the state."""
+    step: int
+    """The step whose state it loaded."""
+    nbytes: int
+    """Bytes of state the leader (shard rank 0) fetched: its own shard's part of the group's state."""
+    fetch_s: float
+    """Seconds from the start of the transfer to the state loaded and the steps held since replayed."""
+
+
 def authorize(request: Request, token: bytes | None) -> None:
     """Refuse (401) a request without the lighthouse's token, when it has one.
 
@@ -84,9 +98,9 @@ def parse_heartbeat(request: Request) -> HeartbeatRequest:
     return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms)
 
 
-def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int]:
-    """``POST /v1/quorum``: the quorum request, the requester's incarnation, and how long (ms) it waits for the
-    answer."""
+def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int, CaughtUp | None]:
+    """``POST /v1/quorum``: the quorum request, the requester's incarnation, how long (ms) it waits for the answer,
+    and the catch-up it reports (optional field ``caught_up``: ``source``, ``step``, ``bytes``, ``fetch_s``)."""
     body = request.json_object()
     replica_id, incarnation = _replica_id(body), _incarnation(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
@@ -105,7 +119,21 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str
         except ValueError as e:
             raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
     return QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id, tuple(members),
-                         committed_in, following), incarnation, timeout_ms
+                         committed_in, following), incarnation, timeout_ms, _caught_up(body)
+
+
+def _caught_up(body: dict[str, object]) -> CaughtUp | None:
+    if body.get("caught_up") is None:
+        return None
+    report = require(body, "caught_up", dict, "an object with source, step, bytes and fetch_s (or null)")
+    try:
+        source = check_replica_id(require(report, "source", str, "the replica id that delivered the state"))
+    except ValueError as e:
+        raise HttpError(400, f"field 'caught_up.source': {e}") from None
+    fetch_s = require(report, "fetch_s", float | int, "a number of seconds >= 0")
+    if not 0 <= fetch_s < float("inf"):
+        raise HttpError(400, f"field 'fetch_s' of 'caught_up' must be a number of seconds >= 0, got {fetch_s!r}")
+    return CaughtUp(source, require_int(report, "step", 0), require_int(report, "bytes", 0), float(fetch_s))
 
 
 MAX_CHECKPOINT_PATH = 4096

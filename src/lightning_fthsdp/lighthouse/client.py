@@ -291,8 +291,11 @@ class QuorumClient:
         current: Quorum | None,
         committed_in: int,
         following: bool,
+        caught_up: dict[str, object] | None = None,
     ) -> tuple[Quorum, str]:
-        """Return the next quorum and the rendezvous store address ``HOST:PORT``.
+        """Return the next quorum and the rendezvous store address ``HOST:PORT``. ``caught_up``: the catch-up this
+        group finished since its last request (``source``, ``step``, ``bytes``, ``fetch_s``), for the lighthouse's
+        event log and metrics.
 
         Raises LighthouseUnavailable (unreachable) or LighthouseRejected (an error answer, 504 on timeout).
         """
@@ -310,6 +313,8 @@ class QuorumClient:
             "following": following,
             "timeout_ms": timeout_ms,
         }
+        if caught_up is not None:
+            body["caught_up"] = caught_up
         answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
         return Quorum.from_json(answer), str(answer["store"])
 

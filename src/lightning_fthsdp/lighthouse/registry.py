@@ -39,6 +39,11 @@ class GroupRecord:
     """When this incarnation first spoke."""
     dead: bool = False
     dead_since: float = 0.0
+    cause: str = ""
+    """How the last death was detected: ``crash`` (its heartbeat connection closed) or ``hang`` (no heartbeat within
+    the timeout); "" while it never died."""
+    incarnations: int = 1
+    """Incarnations of this replica id so far (1: its first start), shown instead of the secret incarnation id."""
     deaths: int = 0
     """Times declared dead: a group compares it across a step so it never commits a step it was declared dead in."""
     member: bool = False
@@ -110,6 +115,7 @@ class Registry:
             record = self._records[replica_id] = GroupRecord(incarnation, 0, now, now)
             return record, True
         record.incarnation, record.step, record.answered = incarnation, 0, -1
+        record.incarnations += 1
         record.last_seen = record.joined_s = now
         return record, True
 

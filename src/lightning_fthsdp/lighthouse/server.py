@@ -23,7 +23,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.api import (
@@ -57,6 +57,10 @@ from lightning_fthsdp.lighthouse.quorum import (
 )
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
+from lightning_fthsdp.lighthouse.watch import Watch
+
+if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
+    from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
 
 log = logging.getLogger("fthsdp.lighthouse")
 
@@ -77,7 +81,9 @@ class Lighthouse:
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
     requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/checkpoint`` (a
-    writing group reports a complete durable checkpoint), ``GET /status``, ``GET /``.
+    writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events`` (the event log and
+    membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only), ``GET /`` (the status
+    page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
     Bad input is answered 4xx with ``{"error": ...}`` naming the field, the value and the fix.
     """
 
@@ -114,6 +120,7 @@ class Lighthouse:
         self._token = token.encode() if token else None
         self._registry = Registry(declared, grace_s=self.rules.join_timeout_s)
         self._ledger = CommitLedger()
+        self._watch = Watch(_metrics(self.status))
         self._lost_since: float | None = None  # when a quorum below the committed step first waited for a holder
         self._lost_timer: asyncio.TimerHandle | None = None
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
@@ -144,6 +151,8 @@ class Lighthouse:
             "/v1/leave": ("POST", self._leave),
             "/v1/checkpoint": ("POST", self._checkpoint),
             "/status": ("GET", self._status),
+            "/events": ("GET", self._events),
+            "/metrics": ("GET", self._metrics),
             "/": ("GET", self._page),
         }
 
@@ -221,7 +230,7 @@ class Lighthouse:
         self._connections.discard(conn)
         key = self._heartbeat_connections.closed(conn)
         if key is not None and not self._stopping:
-            self._declare_dead(key[0], f"the heartbeat connection of its rank {key[1]} closed")
+            self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
     async def _route(self, request: Request) -> Response:
         authorize(request, self._token)
@@ -242,7 +251,7 @@ class Lighthouse:
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
         self._check_claim(replica_id, beat.incarnation, beat.step, None)
-        self._touch(self._admit(replica_id, beat.incarnation), replica_id, beat.step)
+        self._touch(self._admit(replica_id, beat.incarnation, beat.step), replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
             with contextlib.suppress(TimeoutError):
@@ -265,12 +274,16 @@ class Lighthouse:
         return Response(200, self._heartbeat_body)
 
     async def _quorum(self, request: Request) -> Response:
-        asked, incarnation, timeout_ms = parse_quorum(request, time.monotonic())
+        asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
         self._registry.check(replica_id, incarnation, 0)
         self._check_claim(replica_id, incarnation, asked.step, asked.committed_in, (asked.quorum_id, asked.members))
-        self._touch(self._admit(replica_id, incarnation), replica_id, asked.step)
+        self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
+        if asked.commit_failed:
+            self._watch.discarded(replica_id, asked.step)
+        if caught_up is not None:
+            self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
         if self._answer is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
@@ -307,6 +320,7 @@ class Lighthouse:
         self._fail_pending(replica_id, HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
+        self._watch.left(replica_id)
         self._bump_epoch()
         self._schedule_decide(force=True)
         return json_response({})
@@ -325,15 +339,31 @@ class Lighthouse:
     async def _status(self, request: Request) -> Response:
         return json_response(self.status())
 
+    async def _events(self, request: Request) -> Response:
+        after = request.query.get("after", "0")
+        if not after.isdigit():
+            raise HttpError(400, f"query parameter 'after' must be an event number >= 0, got {after!r}")
+        return json_response(self._watch.to_json(int(after)))
+
+    async def _metrics(self, request: Request) -> Response:
+        if self._watch.metrics is None:
+            raise HttpError(501, "GET /metrics needs the prometheus_client package, a dependency of "
+                                 "lightning-fthsdp: reinstall it (pip install lightning-fthsdp) or pip install "
+                                 "prometheus_client, then restart the lighthouse")
+        return Response(200, self._watch.metrics.render(), self._watch.metrics.content_type)
+
     async def _page(self, request: Request) -> Response:
-        return Response(200, lighthouse_page.render(self.status()).encode(), "text/html; charset=utf-8")
+        return Response(200, lighthouse_page.PAGE, "text/html; charset=utf-8")
 
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none);
         ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
         below it (and whether it resumed from a checkpoint); ``checkpoint`` the newest complete durable checkpoint
         (null: none reported); ``waiting`` why groups that asked get no quorum yet (null: none waits), with how long
-        the oldest has waited; ``declared`` the job's replica ids (null: any id may join)."""
+        the oldest has waited; ``declared`` the job's replica ids (null: any id may join); ``participants`` the
+        members contributing gradients; ``step_rate`` committed steps per second over the last minute; per group its
+        ``state`` (``lighthouse.metrics.GROUP_STATES``), ``lag`` behind the committed step, ``incarnations`` (starts of
+        its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         catch_up_from = quorum.catch_up_from if quorum else {}
@@ -348,16 +378,31 @@ class Lighthouse:
             "min_replicas": self.rules.min_replicas,
             "declared": sorted(self._registry.declared) if self._registry.declared is not None else None,
             "members": list(quorum.member_ids) if quorum else [],
+            "participants": len(quorum.participants) if quorum else 0,
+            "step_rate": round(self._watch.step_rate(), 3),
             "groups": [
                 {"replica_id": rid, "step": r.step, "alive": not r.dead, "dead": r.dead,
                  "heartbeat_age_s": round(now - r.last_seen, 3), "in_quorum": rid in members,
-                 "pending": rid in self._readiness.pending}
+                 "pending": rid in self._readiness.pending, "state": self._state(rid, r),
+                 "lag": max(0, self._ledger.committed_step - r.step), "incarnations": r.incarnations,
+                 "deaths": r.deaths, "cause": r.cause}
                 for rid, r in sorted(self._registry.items())
             ],
             "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
         }
+
+    def _state(self, replica_id: str, record: GroupRecord) -> str:
+        """What a person watching calls the group's state (``lighthouse.metrics.GROUP_STATES``)."""
+        if record.dead:
+            return "hung" if record.cause == "hang" else "down"
+        quorum = self._previous
+        if quorum is not None and replica_id in quorum:
+            if replica_id in quorum.catch_up_from:
+                return "catching_up"
+            return "following" if replica_id in quorum.following else "training"
+        return "joining" if replica_id in self._readiness.pending else "waiting"
 
     def _waiting(self, now: float) -> dict[str, object] | None:
         """Why the groups that asked get no quorum yet: too few of them for ``min_replicas`` (the job waits rather
@@ -387,11 +432,13 @@ class Lighthouse:
             log.warning("refused replica %s: it %s", replica_id, reason)
             raise HttpError(409, f"replica {replica_id!r} {reason}")
 
-    def _admit(self, replica_id: str, incarnation: str) -> GroupRecord:
-        """The group's record, spoken for by ``incarnation`` (checked already). A new incarnation replacing a dead one
-        takes nothing of it: its held request is refused and its ranks' connections mean nothing."""
+    def _admit(self, replica_id: str, incarnation: str, step: int) -> GroupRecord:
+        """The group's record, spoken for by ``incarnation`` (checked already) which claims ``step``. A new
+        incarnation replacing a dead one takes nothing of it: its held request is refused and its ranks' connections
+        mean nothing."""
         record, new = self._registry.admit(replica_id, incarnation, time.monotonic())
         if new:
+            self._watch.joined(replica_id, record.incarnations, step)
             self._fail_pending(replica_id, HttpError(409, f"replica {replica_id!r} was restarted: a new "
                                                           f"incarnation replaced this one"))
             self._heartbeat_connections.release_group(replica_id)
@@ -400,21 +447,30 @@ class Lighthouse:
 
     def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
         """A sign of life: record it; revive a dead replica (epoch change)."""
+        restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
         record.step, record.last_seen = step, time.monotonic()
         if record.dead:
             record.dead = False
             log.info("replica %s is alive again at step %d", replica_id, step)
+            if not restarted:
+                self._watch.alive(replica_id, step)
             self._bump_epoch()
         self._sync_alive(replica_id)
 
-    def _declare_dead(self, replica_id: str, reason: str) -> None:
+    def _declare_dead(self, replica_id: str, cause: str, reason: str) -> None:
+        """``cause``: ``crash`` (a heartbeat connection closed) or ``hang`` (no heartbeat in time); ``reason`` says
+        which."""
         record = self._registry.get(replica_id)
         if record is None or record.dead:
             return
-        record.dead, record.dead_since = True, time.monotonic()
+        record.dead, record.dead_since, record.cause = True, time.monotonic(), cause
         record.deaths += 1
         self._sync_alive(replica_id)
         log.warning("replica %s declared dead at step %d: %s", replica_id, record.step, reason)
+        # A hung process stopped at or after its last heartbeat; a crashed one as its connection closed.
+        self._watch.died(replica_id, cause, reason, record.step, record.last_seen if cause == "hang" else
+                         record.dead_since, self._previous is not None and replica_id in self._previous,
+                         record.member, self._ledger.committed_step)
         self._bump_epoch()
         self._schedule_decide(force=True)
 
@@ -490,6 +546,7 @@ class Lighthouse:
             if quorum.max_step < self._ledger.committed_step:
                 quorum = self._resume_from_checkpoint(quorum)
                 lost = self._ledger.note_lost(quorum)
+                self._watch.lost(lost)
                 if lost.checkpoint is not None:
                     log.error("quorum %d resumes from the checkpoint of step %d (%s) although step %d was committed: "
                               "no group holding that state came back within %.0f s, so %d steps are lost",
@@ -502,6 +559,7 @@ class Lighthouse:
                               self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
             self._end_lost_wait()
             self._ledger.record(quorum)
+            self._watch.decided(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
             self._readiness.formed(quorum)
@@ -581,7 +639,7 @@ class Lighthouse:
             await asyncio.sleep(timeout_s / 10)
             cutoff = time.monotonic() - timeout_s
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
-                self._declare_dead(replica_id, f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
+                self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
             ended = [rid for rid in self._registry.past_grace(time.monotonic())
                      if rid in self._readiness.alive and rid not in self._waiters]
@@ -594,9 +652,21 @@ class Lighthouse:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
                     self._heartbeat_connections.release_group(replica_id)
+                    self._watch.forget(replica_id)
                 log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                          ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
 
+
+
+def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
+    """The lighthouse's Prometheus metrics, or None when ``prometheus_client`` is missing (an install older than the
+    dependency): the lighthouse runs on and ``GET /metrics`` says what to install."""
+    try:
+        from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
+    except ImportError:
+        log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
+        return None
+    return LighthouseMetrics(status)
 
 
 def _declared_id(replica_id: str) -> str:

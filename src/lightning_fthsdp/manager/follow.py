@@ -16,6 +16,7 @@ from lightning_fthsdp.manager.sources import sources
 from lightning_fthsdp.manager.step import Progress
 from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.torch_state import StateTree
+from lightning_fthsdp.recovery.wire import split_tree
 
 
 @dataclass
@@ -65,7 +66,8 @@ class Follower:
         self._keep_memory = keep_memory
         self._follow: _Follow | None = None
         self.catch_up_log: list[dict[str, object]] = []
-        """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took), replayed."""
+        """One entry per catch-up of this group: source, step loaded, bytes (of this rank's state fetched), fetch_s
+        (seconds the fetch took), replayed."""
 
     @property
     def active(self) -> bool:
@@ -127,6 +129,7 @@ class Follower:
         follow = self._follow
         assert follow is not None and follow.tree is not None, "replay() once the state is held"
         self._follow = None
+        nbytes = sum(t.numel() * t.element_size() for t in split_tree(follow.tree)[1])
         self._catchup.load(follow.tree, keep_memory=self._keep_memory)
         if follow.updates:
             current = [t.detach().clone() for t in tensors]
@@ -137,8 +140,8 @@ class Follower:
             for tensor, grad in zip(tensors, current, strict=True):
                 tensor.detach().copy_(grad)
         anatomy.mark("replayed")
-        self.catch_up_log.append({"source": follow.delivered_by, "step": follow.base_step,
-                                "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
+        self.catch_up_log.append({"source": follow.delivered_by, "step": follow.base_step, "bytes": nbytes,
+                                  "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
         self._rlog.info("caught up: loaded the state of step %d from %s and replayed %d steps", follow.base_step,
                         follow.delivered_by, len(follow.updates))
 

@@ -156,6 +156,7 @@ class FTManager:
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
+        self._catch_ups_reported = 0  # catch_up_log entries sent to the lighthouse (leader only)
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
         self._checkpoints: DurableCheckpoints | None = None
@@ -283,8 +284,15 @@ class FTManager:
             # is not yet a heartbeating group the others must wait for or count in their majority.
             self._heartbeat.start()
         if self._requester is not None:
-            self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
-                                  self._progress.committed_in, self._follower.active)
+            # The newest catch-up goes to the lighthouse once, with the first request after it (its event log and
+            # metrics learn the bytes and time only from us).
+            catch_ups = self._follower.catch_up_log
+            caught_up = None
+            if len(catch_ups) > self._catch_ups_reported:
+                caught_up = {key: catch_ups[-1][key] for key in ("source", "step", "bytes", "fetch_s")}
+            if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
+                                     self._progress.committed_in, self._follower.active, caught_up):
+                self._catch_ups_reported = len(catch_ups)
 
     def step_batches(self) -> int:
         """How many of its own batches this group trains in the current step: its share of ``global_batches``

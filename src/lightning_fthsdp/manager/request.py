@@ -56,14 +56,16 @@ class QuorumRequester:
         self._closed = threading.Event()
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-              following: bool) -> None:
-        """Ask for the quorum of ``step`` in the background, unless a request is in flight already. ``current``
-        (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it may be."""
+              following: bool, caught_up: dict[str, object] | None = None) -> bool:
+        """Ask for the quorum of ``step`` in the background, unless a request is in flight already (then False).
+        ``current`` (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it
+        may be. ``caught_up``: a finished catch-up to report (see ``QuorumClient.request``)."""
         if self._pending is not None:
-            return
+            return False
         self._pending = self._executor.submit(self._request, step, commit_failed, current, store, committed_in,
-                                              following)
+                                              following, caught_up)
         self._pending.add_done_callback(lambda future: self._serve_early(future, step))
+        return True
 
     def answer(self) -> tuple[Quorum, str]:
         """The answer to the request in flight: the quorum and its rendezvous store's address.
@@ -88,14 +90,14 @@ class QuorumRequester:
             futures.wait([self._pending], timeout=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-                 following: bool) -> tuple[Quorum, str]:
+                 following: bool, caught_up: dict[str, object] | None) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000
         backoff_s = self._timeouts.heartbeat_interval_ms / 1000
         while True:
             try:
                 answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
-                                              commit_failed, current, committed_in, following)
+                                              commit_failed, current, committed_in, following, caught_up)
             except LighthouseUnavailable as exc:
                 if self._closed.is_set():
                     raise QuorumUnavailable("FTManager is shutting down") from exc

@@ -1,0 +1,89 @@
+"""The lighthouse's Watch and EventLog on a fake clock: what each duration measures, and the bounds on memory."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from lightning_fthsdp.lighthouse.events import EventLog
+from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.lighthouse.watch import Watch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+EMPTY_STATUS = {"members": [], "participants": 0, "quorum_id": -1, "committed_step": -1, "step_rate": 0.0,
+                "groups": []}
+
+
+def quorum(quorum_id: int, step: int, *members: str, behind: dict[str, str] | None = None) -> Quorum:
+    return Quorum(quorum_id, tuple(Member(m, step) for m in members), step, 1, catch_up_from=behind or {})
+
+
+def histogram_count(metrics: LighthouseMetrics, name: str) -> float:
+    text = metrics.render().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == name)
+    return next(s.value for s in family.samples if s.name == f"{name}_count")
+
+
+def test_a_hang_is_timed_from_the_last_heartbeat_and_the_stall_ends_at_the_next_commit() -> None:
+    clock = Clock()
+    metrics = LighthouseMetrics(lambda: EMPTY_STATUS)
+    watch = Watch(metrics, clock=clock, wall=clock)
+    watch.decided(quorum(0, 10, "a", "b", "c"))
+    # c's last heartbeat came at 100.0; the lighthouse declares it hung 2 s later.
+    clock.now = 102.0
+    watch.died("c", "hang", "no heartbeat", 10, since=100.0, member=True, ever_member=True, committed_step=10)
+    clock.now = 102.5
+    watch.decided(quorum(1, 10, "a", "b"))  # a and b retrain step 11 without c: no commit yet
+    assert watch.to_json()["stalls"] == [] and histogram_count(metrics, "fthsdp_stall_seconds") == 0
+    clock.now = 103.0
+    watch.decided(quorum(1, 11, "a", "b"))  # step 11 committed
+    assert [(s["replica_id"], s["seconds"]) for s in watch.to_json()["stalls"]] == [("c", 3.0)]
+    assert histogram_count(metrics, "fthsdp_stall_seconds") == 1
+    # c restarts, is sent to catch up, then contributes: one catch-up, one recovery from its death.
+    clock.now = 110.0
+    watch.joined("c", 2, 0)
+    watch.decided(quorum(2, 20, "a", "b", "c", behind={"c": "a"}))
+    clock.now = 110.5
+    watch.decided(quorum(2, 21, "a", "b", "c"))
+    doc = watch.to_json()
+    assert [(d["replica_id"], d["seconds"]) for d in doc["catch_ups"]] == [("c", 0.5)]
+    assert [(d["replica_id"], d["seconds"]) for d in doc["recoveries"]] == [("c", 10.5)]
+    kinds = [e["kind"] for e in doc["events"]]
+    assert kinds == ["quorum", "death", "quorum", "rejoin", "catch_up", "quorum", "caught_up", "recovered"], kinds
+    assert [q["members"] for q in doc["quorums"]] == [["a", "b", "c"], ["a", "b"], ["a", "b", "c"]]
+    assert watch.step_rate() == pytest.approx((21 - 10) / 10.5)
+
+
+def test_a_non_member_death_stalls_nothing_and_a_leave_ends_what_was_open() -> None:
+    clock = Clock()
+    watch = Watch(None, clock=clock, wall=clock)
+    watch.decided(quorum(0, 5, "a", "b"))
+    watch.died("x", "crash", "closed", 0, since=100.0, member=False, ever_member=False, committed_step=5)
+    watch.died("b", "crash", "closed", 5, since=100.0, member=True, ever_member=True, committed_step=5)
+    watch.left("b")
+    clock.now = 101.0
+    watch.decided(quorum(1, 6, "a"))
+    doc = watch.to_json()
+    assert doc["stalls"] == [] and doc["recoveries"] == []
+    watch.discarded("a", 6)
+    watch.discarded("a", 6)  # the same failure asked again: reported once
+    assert [e["kind"] for e in watch.to_json()["events"]].count("discard") == 1
+
+
+def test_the_event_log_is_bounded_and_pages_by_sequence_number() -> None:
+    log = EventLog(capacity=3)
+    for i in range(5):
+        log.add(float(i), "join", f"g{i}", f"g{i} joined")
+    assert [e.seq for e in log.after(0)] == [3, 4, 5] and log.dropped == 2
+    assert [e.seq for e in log.after(4)] == [5] and log.after(5) == []
+    with pytest.raises(ValueError, match="EventLog capacity must be an integer >= 1, got 0"):
+        EventLog(capacity=0)
