@@ -12,11 +12,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from lightning_fthsdp.config import extras
-
 # Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int`` and, for a
-# command that needs optional extras, ``extras`` (their names in pyproject.toml): checked before it runs, so an
-# install without them gets the pip line to run instead of a traceback.
+# command that needs optional extras, ``extras`` (their names in pyproject.toml): an install without one gets the pip
+# line that installs them all instead of a traceback.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.lighthouse.cli",
     "lightning_fthsdp.demo.cli",
@@ -47,17 +45,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if leftover:
         args.overrides = [*args.overrides, *leftover]
-    needs = getattr(args, "extras", ())
-    absent = extras.missing(needs)
-    if absent:  # before anything starts: a long run must not fail at its end for want of a plotting library
-        raise SystemExit(extras.install_hint(f"fthsdp {args.command}", needs, absent))
     try:
         return int(args.func(args) or 0)
-    except ModuleNotFoundError as err:  # an optional dependency of one code path (simulate's Monte Carlo: numpy)
+    except ModuleNotFoundError as err:  # a command whose optional dependencies the base install lacks
+        from lightning_fthsdp.config import extras  # only now: reading metadata would slow every group's start
+
         extra = extras.providing(err.name or "")
         if extra is None:
             raise
-        raise SystemExit(extras.install_hint(f"fthsdp {args.command}", (*needs, extra), [err.name or ""])) from None
+        needs = (*getattr(args, "extras", ()), extra)
+        raise SystemExit(extras.install_hint(f"fthsdp {args.command}", needs, [err.name or ""])) from None
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
+#: What a job needs beyond the base install: the recipe (omegaconf), the groups (``fthsdp fit``: Lightning) and
+#: ``report.png`` (matplotlib).
+EXTRAS = ("launch", "lightning", "sim")
+
+
 class RenamedFlag(argparse.Action):
     """One option under its ``new`` name and its ``old`` one (accepted until 0.3, saying so on stderr); two different
     values under the two names are refused."""
@@ -69,10 +74,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
     parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                         help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
-    parser.set_defaults(func=run, extras=("launch", "lightning", "sim"))  # groups run fit; report.png: matplotlib
+    parser.set_defaults(func=run, extras=EXTRAS)
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_fthsdp.config import extras
+
+    absent = extras.missing(EXTRAS)
+    if absent:  # now, not when the report is drawn at the end of a long run
+        raise SystemExit(extras.install_hint("fthsdp launch", EXTRAS, absent))
     from lightning_fthsdp.launch import chaos
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
