@@ -1,7 +1,8 @@
 """The ``fthsdp`` command: one sub-command per module, each module adds its own parser.
 
 Sub-command modules are imported only to build their parser; heavy imports (torch, matplotlib) belong inside
-their ``run`` functions so ``fthsdp --help`` stays fast.
+their ``run`` functions so ``fthsdp --help`` stays fast, and so that the base install (no extras) runs every
+command that needs none: ``lighthouse``, ``simulate --closed-form``, ``demo``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int``.
+# Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int`` and, for a
+# command that needs optional extras, ``extras`` (their names in pyproject.toml): an install without one gets the pip
+# line that installs them all instead of a traceback.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.lighthouse.cli",
     "lightning_fthsdp.demo.cli",
@@ -33,8 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args, leftover = parser.parse_known_args(argv)
+    # argparse ends a positional list at the first option: overrides given after one (``R.yaml --replicas 2
+    # model=mlp``) still belong to a command that takes overrides.
+    stray = [t for t in leftover if t.startswith("-") or "=" not in t or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if leftover:
+        args.overrides = [*args.overrides, *leftover]
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as err:  # a command whose optional dependencies the base install lacks
+        from lightning_fthsdp.config import extras  # only now: reading metadata would slow every group's start
+
+        extra = extras.providing(err.name or "")
+        if extra is None:
+            raise
+        needs = (*getattr(args, "extras", ()), extra)
+        raise SystemExit(extras.install_hint(f"fthsdp {args.command}", needs, [err.name or ""])) from None
 
 
 if __name__ == "__main__":

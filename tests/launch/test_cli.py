@@ -96,3 +96,15 @@ def test_launch_refuses_an_out_that_is_a_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"--out .*report\.txt is a file: name a folder"):
         main(["launch", str(ROOT / "recipes" / "mlp.yaml"), "--out", str(taken)])
     assert taken.read_text() == "not a folder"
+
+
+def test_the_extras_come_from_the_installed_metadata() -> None:
+    from lightning_fthsdp.config import extras
+
+    assert extras.providing("omegaconf.errors") == "launch"
+    assert extras.providing("matplotlib") == "sim"
+    assert extras.providing("json") is None
+    assert extras.missing(("launch", "lightning", "sim")) == []  # this environment has every extra
+    assert extras.install_hint("fthsdp fit", ("launch", "lightning", "launch"), ["omegaconf"]) == (
+        "fthsdp fit needs the extras [launch,lightning] (omegaconf not installed): "
+        "pip install 'lightning-fthsdp[launch,lightning]'")

@@ -60,6 +60,7 @@ from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_fro
 from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
+from lightning_fthsdp.recovery.wire import byte_view
 
 FEATURES = 16
 BATCH = 32
@@ -92,7 +93,7 @@ def optim_sha256(optimizer: torch.optim.Optimizer) -> str:
 def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for t in tensors:
-        digest.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(byte_view(t.detach().cpu().contiguous()))  # not .numpy(): the base install has no numpy
     return digest.hexdigest()
 
 

@@ -6,7 +6,8 @@ Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning
 ``--chaos`` schedule (grammar: ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the
 end writes ``DIR/report.json``, ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a
 summary. Exit code 0 when every group reached ``trainer.max_steps`` with identical final parameters.
-Recipe overrides (``key=value``) come right after the recipe; the flags win over the recipe's ``launch`` section.
+Group choices (``model=mlp``) and key overrides (``trainer.max_steps=50``) come after the recipe (docs/recipes.md);
+the flags win over the recipe's ``launch`` section. ``--print-config`` prints the composed recipe and exits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from lightning_fthsdp.config.renamed import deprecation
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
     from lightning_fthsdp.recipes.schema import RecipeConfig
+
+
+#: What a job needs beyond the base install: the recipe (omegaconf), the groups (``fthsdp fit``: Lightning) and
+#: ``report.png`` (matplotlib).
+EXTRAS = ("launch", "lightning", "sim")
 
 
 class RenamedFlag(argparse.Action):
@@ -53,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.max_steps=50")
+    parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
+                        help="config group choices and recipe overrides, e.g. model=mlp trainer.max_steps=50")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the composed, validated recipe (YAML, every field) and exit without launching")
     parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
     renamed = {"action": RenamedFlag, "old": "--devices-per-replica", "new": "--shard-count"}
     parser.add_argument("--shard-count", type=int, default=None, **renamed,  # type: ignore[arg-type]
@@ -65,10 +74,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
     parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                         help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, extras=EXTRAS)
 
 
 def run(args: argparse.Namespace) -> int:
+    from lightning_fthsdp.config import extras
+
+    absent = extras.missing(EXTRAS)
+    if absent:  # now, not when the report is drawn at the end of a long run
+        raise SystemExit(extras.install_hint("fthsdp launch", EXTRAS, absent))
     from lightning_fthsdp.launch import chaos
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
@@ -83,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         faults = chaos.parse(recipe.launch.chaos, replica_ids)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
+    if args.print_config:
+        print(to_yaml(recipe), end="")
+        return 0
     # Absolute: every group is handed paths under it, whatever the working directory it runs in.
     out = args.out.resolve()
     if out.exists() and not out.is_dir():

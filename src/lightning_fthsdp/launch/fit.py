@@ -1,11 +1,12 @@
 """``fthsdp fit``: one replica group's training process, LightningCLI driven by a recipe.
 
-``fthsdp fit --config RECIPE.yaml [--record PATH] [key=value ...] [--trainer.x=y ...]``: the recipe (with its
-overrides) is validated and turned into a LightningCLI config (model, data, Trainer with ``FTHSDPStrategy``);
-any remaining ``--...`` arguments go to LightningCLI unchanged and win over the recipe (``-- --print_config``
-prints the result). fthsdp's own options come first. The group's identity and the lighthouse come from the
-environment (``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``, ``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``,
-see docs/lightning.md); ``fthsdp launch`` sets them for each group it starts.
+``fthsdp fit --config RECIPE.yaml [--record PATH] [group=option | key=value ...] [--trainer.x=y ...]``: the recipe
+(with its config group choices and overrides, docs/recipes.md) is validated and turned into a LightningCLI config
+(model, data, Trainer with ``FTHSDPStrategy``); any remaining ``--...`` arguments go to LightningCLI unchanged and win
+over the recipe (``-- --print_config`` prints the result; ``--print-config`` prints the composed recipe instead).
+fthsdp's own options come first. The group's identity and the lighthouse come from the environment
+(``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``, ``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``, see
+docs/lightning.md); ``fthsdp launch`` sets them for each group it starts.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning_fthsdp.recipes.schema import RecipeConfig
+if TYPE_CHECKING:  # the recipes need omegaconf (extra "launch"): importing them here would break `fthsdp --help`
+    from lightning_fthsdp.recipes.schema import RecipeConfig
 
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
 ENV_STANDBY = "FTHSDP_STANDBY"
@@ -50,19 +52,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--no-ft", action="store_true",
                         help="train this group alone with Lightning's own strategy (ddp over --shard-count ranks), "
                              "no lighthouse: the floor that bench/bench_restart.py compares a restart with")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="key=value | --lightning.arg",
-                        help="recipe overrides (key=value), then LightningCLI arguments (--trainer.x=y)")
-    parser.set_defaults(func=run)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the composed, validated recipe (YAML, every field) and exit without training")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="group=option | key=value | --lightning.arg",
+                        help="config group choices (model=mlp) and recipe overrides (key=value), then LightningCLI "
+                             "arguments (--trainer.x=y)")
+    parser.set_defaults(func=run, extras=("launch", "lightning"))
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe
+    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
     overrides, lightning_args = split_rest(args.rest)
     try:
         recipe = load_recipe(args.config, overrides)
     except RecipeError as err:
         raise SystemExit(f"fthsdp fit: error: {err}") from None
+    if args.print_config or "--print-config" in lightning_args:  # also after the overrides, where it is natural
+        print(to_yaml(recipe), end="")
+        return 0
     if _may_start_ranks_early(recipe.launch.shard_count, lightning_args):
         _watch(_start_other_ranks(recipe.launch.shard_count))
     if os.environ.get(ENV_STANDBY):

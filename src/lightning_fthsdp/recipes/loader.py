@@ -1,11 +1,15 @@
-"""Recipes: omegaconf YAML with ``defaults`` composition and ``key=value`` overrides, validated against the schema.
+"""Recipes: omegaconf YAML with ``defaults`` composition, config groups and overrides, validated against the schema.
 
-Composition: a recipe may start with ``defaults: [name, ...]``; each name is another recipe in the same folder
-(``.yaml`` optional), composed recursively and merged in order, then the recipe's own keys on top, then the
-overrides in order. Every key must exist in ``lightning_fthsdp.recipes.schema``; every value must have the
-field's type, be one of its ``choices`` and at least its ``min``; then each section's ``check()`` and the
-``Timeouts`` hierarchy run. Any violation raises ``RecipeError`` naming the source (file or override), the key,
-the value and what is allowed.
+Composition: a recipe may start with a ``defaults`` list. Each entry is either another recipe in the same folder
+(``base`` or ``base.yaml``) or a config group's option (``model: tiny_gpt``, a file ``configs/model/tiny_gpt.yaml``
+found as ``lightning_fthsdp.recipes.groups`` says); entries compose recursively and merge in order, then the recipe's
+own keys on top. The command line's list mixes group choices and key overrides: ``GROUP=OPTION`` (a name in
+``groups.GROUPS``) replaces that group's option wherever the defaults tree names the group (or, where it names none,
+is merged after the recipe's defaults, still under its own keys); ``key.path=value`` overrides are applied last, in
+order. Every key must exist in ``lightning_fthsdp.recipes.schema``; every value must have the field's type, be one of
+its ``choices`` and at least its ``min``; then each section's ``check()`` and the ``Timeouts`` hierarchy run. Any
+violation raises ``RecipeError`` naming the source (file or override), the key, the value and what is allowed; an
+unknown group, option or key lists the ones that exist.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_fthsdp.config.renamed import deprecation
+from lightning_fthsdp.recipes import groups
 from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -33,15 +38,15 @@ RENAMED_KEYS: dict[str, str] = {"launch.devices_per_replica": "launch.shard_coun
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
-    """Compose ``path``, apply ``overrides`` (``key=value``, YAML values), validate; return the typed recipe."""
+    """Compose ``path`` with the group choices among ``overrides`` (``group=option``), apply the key overrides
+    (``key=value``, YAML values), validate; return the typed recipe."""
     path = Path(path)
+    choices, key_overrides = split_overrides(overrides)
     merged = OmegaConf.structured(RecipeConfig)
-    merged = _merge(merged, _compose(path, ()), f"recipe {path}")
-    _refuse_both_names(overrides)
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not key:
-            raise RecipeError(f"override {override!r} is not key=value (e.g. trainer.max_steps=50)")
+    merged = _merge(merged, _Composer(groups.search_path(path), choices).compose(path, top=True), f"recipe {path}")
+    _refuse_both_names(key_overrides)
+    for override in key_overrides:
+        key, _, value = override.partition("=")
         if key in RENAMED_KEYS:
             _warn_renamed(f"override {override!r}", key)
             key = RENAMED_KEYS[key]
@@ -60,33 +65,96 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
     return recipe
 
 
+def split_overrides(overrides: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """({group: option} of the group choices, the key overrides in order) of one command line's list."""
+    choices: dict[str, str] = {}
+    keys: list[str] = []
+    top_level = [f.name for f in dataclasses.fields(RecipeConfig)]
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"override {override!r} is neither group=option (e.g. model=mlp) nor key=value "
+                              "(e.g. trainer.max_steps=50)")
+        if key in groups.GROUPS:
+            if key in choices and choices[key] != value:
+                raise RecipeError(f"override {override!r} contradicts {key}={choices[key]} given before: choose once")
+            choices[key] = value
+        elif "." in key or key in top_level or key in RENAMED_KEYS:
+            keys.append(override)
+        else:
+            raise RecipeError(f"override {override!r}: {key!r} is neither a config group nor a key; groups: "
+                              f"{', '.join(sorted(groups.GROUPS))}; keys: {', '.join(top_level)} (and their fields, "
+                              "e.g. trainer.max_steps=50)")
+    return choices, keys
+
+
 def to_yaml(recipe: RecipeConfig) -> str:
     """The fully resolved recipe (every field), loadable by ``load_recipe`` with the same result."""
     return OmegaConf.to_yaml(OmegaConf.structured(recipe))
 
 
-def _compose(path: Path, stack: tuple[Path, ...]) -> DictConfig:
-    if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist" + (f" (a default of {stack[-1]})" if stack else ""))
-    if path.resolve() in stack:
-        raise RecipeError(f"recipe {path}: its defaults include itself: {' -> '.join(map(str, (*stack, path)))}")
-    try:
-        raw = OmegaConf.load(path)
-    except Exception as err:  # yaml's own errors carry the line and column
-        raise RecipeError(f"recipe {path} is not valid YAML: {err}") from None
-    if not isinstance(raw, DictConfig):
-        raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(raw).__name__}")
-    defaults = raw.pop("defaults", [])
-    _rename_keys(raw, f"recipe {path}")
-    if not isinstance(defaults, ListConfig) and defaults != []:
-        raise RecipeError(f"recipe {path}: defaults must be a list of recipe names, got {defaults!r}")
-    parts = []
-    for name in defaults:
-        if not isinstance(name, str):
-            raise RecipeError(f"recipe {path}: defaults entries are recipe names (strings), got {name!r}")
-        default = path.parent / (name if name.endswith(".yaml") else f"{name}.yaml")
-        parts.append(_compose(default, (*stack, path.resolve())))
-    return typing.cast(DictConfig, OmegaConf.merge(*parts, raw)) if parts else raw
+class _Composer:
+    """Composes one recipe's defaults tree; ``choices`` (from the command line) replace the options it names."""
+
+    def __init__(self, folders: list[Path], choices: dict[str, str]) -> None:
+        self.folders = folders
+        self.choices = choices
+        self.named: set[str] = set()  # groups the defaults tree names: a choice of any other is merged at the end
+
+    def compose(self, path: Path, stack: tuple[Path, ...] = (), top: bool = False) -> DictConfig:
+        """``path`` with its defaults merged under it; ``stack``: the recipes that include it; ``top``: the recipe
+        the command names (where choices of groups its tree never names are merged)."""
+        raw = self._load(path, stack)
+        defaults = raw.pop("defaults", [])
+        _rename_keys(raw, f"recipe {path}")
+        if not isinstance(defaults, ListConfig) and defaults != []:
+            raise RecipeError(f"recipe {path}: defaults must be a list of recipe names and group: option entries, "
+                              f"got {defaults!r}")
+        parts = []
+        for entry in defaults:
+            if isinstance(entry, str):
+                default = path.parent / (entry if entry.endswith(".yaml") else f"{entry}.yaml")
+                parts.append(self.compose(default, (*stack, path.resolve())))
+            elif isinstance(entry, DictConfig) and len(entry) == 1:
+                group, option = str(next(iter(entry))), next(iter(entry.values()))
+                self.named.add(group)
+                source = f"override '{group}={self.choices[group]}'" if group in self.choices else f"recipe {path}"
+                parts.append(self._option(group, self.choices.get(group, option), source))
+            else:
+                raise RecipeError(f"recipe {path}: a defaults entry is a recipe name (base) or one group: option "
+                                  f"(model: tiny_gpt), got {entry!r}")
+        if top:  # a choice of a group the tree never named still goes under the recipe's own keys
+            parts.extend(self._option(group, option, f"override '{group}={option}'")
+                         for group, option in self.choices.items() if group not in self.named)
+        return typing.cast(DictConfig, OmegaConf.merge(*parts, raw)) if parts else raw
+
+    def _option(self, group: str, option: Any, source: str) -> DictConfig:
+        try:
+            path = groups.option_file(group, str(option), self.folders)
+        except groups.GroupError as err:
+            raise RecipeError(f"{source}: {err}") from None
+        composed = self.compose(path)
+        try:
+            groups.check_owned(group, [str(k) for k in composed], path)
+        except groups.GroupError as err:
+            raise RecipeError(str(err)) from None
+        _merge(OmegaConf.structured(RecipeConfig), composed, f"{path} (an option of group {group!r})")  # its keys
+        return composed
+
+    @staticmethod
+    def _load(path: Path, stack: tuple[Path, ...]) -> DictConfig:
+        if not path.is_file():
+            raise RecipeError(f"recipe {path} does not exist" + (f" (a default of {stack[-1]})" if stack else ""))
+        if path.resolve() in stack:
+            raise RecipeError(f"recipe {path}: its defaults include itself: "
+                              f"{' -> '.join(map(str, (*stack, path)))}")
+        try:
+            raw = OmegaConf.load(path)
+        except Exception as err:  # yaml's own errors carry the line and column
+            raise RecipeError(f"recipe {path} is not valid YAML: {err}") from None
+        if not isinstance(raw, DictConfig):
+            raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(raw).__name__}")
+        return raw
 
 
 def _rename_keys(raw: DictConfig, source: str) -> None:
