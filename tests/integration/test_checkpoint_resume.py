@@ -41,6 +41,9 @@ def test_two_groups_killed_together_resume_from_the_newest_checkpoint(job: Job, 
         group.proc.wait(10)
     before = job.status()
     newest = before["checkpoint"]["step"]
+    # The newest complete checkpoint on disk is the one the lighthouse knows (a checkpoint due while the previous one
+    # was still being written is skipped: the steps lost are those since the newest one that completed).
+    assert complete_checkpoints(root)[-1].step == newest
     assert newest % EVERY == 0 and before["checkpoint"]["writer"] == "a"  # the lowest participant writes
     committed = before["committed_step"]
     a, b = (job.start_group(rid, STEPS, extra=extra, step_time_ms=30) for rid in "ab")
@@ -51,7 +54,7 @@ def test_two_groups_killed_together_resume_from_the_newest_checkpoint(job: Job, 
                                      "committed_step": committed, "lost_steps": committed - newest,
                                      "resumed_from": "checkpoint",
                                      "checkpoint": str(root / f"step-{newest:09d}")}]
-    assert 0 <= committed - newest <= EVERY + 2, "more lost than the steps since the newest checkpoint"
+    assert committed >= newest
     first, second = {}, {}
     for group in (a, b):
         runs = incarnations(group)
@@ -66,6 +69,6 @@ def test_two_groups_killed_together_resume_from_the_newest_checkpoint(job: Job, 
     # the ones trained before it (same state, same batches, same participants).
     retrained = set(first["a"]) & set(second["a"])
     assert newest + 1 in retrained and all(first["a"][s] == second["a"][s] for s in retrained)
-    # Written at the step boundary after the step (the last step ends the loop first); the newest 2 kept.
-    assert [c.step for c in complete_checkpoints(root)] == [(STEPS - 1) // EVERY * EVERY - EVERY,
-                                                           (STEPS - 1) // EVERY * EVERY]
+    # Written at the step boundary after a multiple of EVERY (the last step ends the loop first); the newest 2 kept.
+    kept = [c.step for c in complete_checkpoints(root)]
+    assert len(kept) == 2 and newest < kept[0] < kept[1] <= STEPS - 1 and all(s % EVERY == 0 for s in kept), kept

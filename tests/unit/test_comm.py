@@ -185,6 +185,9 @@ def test_a_rendezvous_on_a_store_that_went_away_is_abandoned_when_the_lighthouse
             comm.configure(2, 0, 2, prepared_at)
     finally:
         comm.close()
+        # The two rendezvous threads end at their connect_timeout: not inside the next test.
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"], 10,
+                 "the rendezvous threads to end")
 
 
 def test_bad_backend_is_refused_at_once() -> None:

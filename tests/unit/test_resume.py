@@ -65,15 +65,13 @@ def test_a_quorum_without_a_live_holder_resumes_from_the_newest_checkpoint(light
                                      "lost_steps": 1, "resumed_from": "checkpoint",
                                      "checkpoint": "/ckpt/step-000000005"}]
     assert status["committed_step"] == 5 and status["waiting"] is None
-    # Once loaded, the members ask at the checkpoint's step (their resume step committed nothing): answered at
-    # once, no second wait, nothing more lost.
-    start = time.monotonic()
+    # Once loaded, the members ask at the checkpoint's step (their resume step committed nothing): answered with no
+    # second wait (which would end in a second lost-state report), nothing more lost.
     for rid, client in clients.items():
         client.send("POST", "/v1/quorum", {**qr(rid, 5, quorum_id=resume["quorum_id"], members=("a", "b"),
                                                 commit_failed=True), "incarnation": f"{rid}-second"})
     answers = [client.recv() for client in clients.values()]
     assert all(code == 200 and a["max_step"] == 5 and "resume_step" not in a for code, a in answers), answers
-    assert time.monotonic() - start < 0.5
     assert len(obs.status()["lost_steps"]) == 1
 
 
@@ -91,7 +89,9 @@ def test_a_checkpoint_report_is_checked_like_a_claim(lighthouse: Callable[..., s
         assert code == status and why in answer["error"], (body, answer)
     assert Client(url).status()["checkpoint"] is None
     assert Client(url).call("POST", "/v1/checkpoint", checkpoint("b", 3))[0] == 200
-    assert sorted(beats) == ["a", "b"]  # their heartbeat connections stayed open throughout
+    # A refused report is no death: both still alive, never declared dead.
+    groups = {g["replica_id"]: g for g in Client(url).status()["groups"]}
+    assert not groups["a"]["dead"] and not groups["b"]["dead"] and beats.keys() == {"a", "b"}
 
 
 def test_a_checkpoint_no_newer_than_the_live_groups_is_not_used(lighthouse: Callable[..., str]) -> None:

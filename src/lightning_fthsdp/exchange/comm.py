@@ -222,6 +222,7 @@ class CrossGroupComm:
         self._target: int | None = None  # the quorum being configured or in use (for abort)
         self._store_losses = 0  # how often the lighthouse, whose store every rendezvous meets on, went away
         self._awaiting_build = False  # configure() waits for a rendezvous (what abort_rendezvous ends)
+        self._aborted_rendezvous = False  # the abort pending is abort_rendezvous's
         self._wake = threading.Event()
         self._aborted = False
         self._lock = threading.Lock()
@@ -257,7 +258,7 @@ class CrossGroupComm:
             self._store_losses += 1
             if not self._awaiting_build:
                 return
-            self._aborted = True
+            self._aborted = self._aborted_rendezvous = True
             self._abort_reason = reason
         self._wake.set()
 
@@ -319,7 +320,10 @@ class CrossGroupComm:
                 self._discard(_Prepared(key, build, began_at))  # destroyed once its rendezvous ends, if ever
                 raise
             finally:
-                self._awaiting_build = False
+                with self._lock:
+                    if self._aborted_rendezvous:  # it came after the wait ended: the built group is good
+                        self._aborted = self._aborted_rendezvous = False
+                    self._awaiting_build = False
         self._quorum_id = quorum_id
         self._size = size
 

@@ -30,12 +30,13 @@ class LighthouseUnavailable(ConnectionError):
     """The lighthouse could not be reached (refused, reset, timed out): its state is unknown.
 
     ``refused``: nothing listens at its address (the lighthouse process is gone), as opposed to a connection
-    that broke or timed out (the lighthouse may be up and may have declared us dead).
+    that broke or timed out (the lighthouse may be up and may have declared us dead). ``timed_out``: no answer in
+    time (a slow or paused lighthouse, not necessarily a gone one).
     """
 
-    def __init__(self, message: str, refused: bool = False) -> None:
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
-        self.refused = refused
+        self.refused, self.timed_out = refused, timed_out
 
 
 class LighthouseRejected(RuntimeError):
@@ -65,6 +66,7 @@ class _Connection:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
         self._aborted = False
+        self._lock = threading.Lock()  # abort() against a request that is connecting
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         data = json.dumps(body)
@@ -78,16 +80,24 @@ class _Connection:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout_s)
             try:
-                self._conn.request("POST", path, body=data, headers=self._headers)
-                response = self._conn.getresponse()
-                payload = response.read()
-                break
+                if self._conn.sock is None:
+                    self._conn.connect()
+                with self._lock:  # an abort() that saw no socket yet is seen here; a later one shuts this one
+                    aborted = self._aborted
+                if not aborted:
+                    self._conn.request("POST", path, body=data, headers=self._headers)
+                    response = self._conn.getresponse()
+                    payload = response.read()
+                    break
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
                 # RemoteDisconnected is a ConnectionResetError. A timeout is never retried: the request may be held.
                 if reused and attempt == 1 and isinstance(exc, ConnectionResetError | BrokenPipeError):
                     continue
-                raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError)) from exc
+                raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError),
+                                            timed_out=isinstance(exc, TimeoutError)) from exc
+            self.close()  # aborted while it connected
+            raise LighthouseUnavailable(f"{path}: the connection was closed for good")
         try:
             answer = json.loads(payload or b"{}")
         except ValueError as exc:
@@ -105,9 +115,10 @@ class _Connection:
     def abort(self) -> None:
         """Close for good, from any thread: a request blocked on the connection fails now (a plain close would not
         wake it), and no later one is sent."""
-        self._aborted = True
-        conn = self._conn
-        sock = conn.sock if conn is not None else None
+        with self._lock:
+            self._aborted = True
+            conn = self._conn
+            sock = conn.sock if conn is not None else None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -210,7 +221,7 @@ class Heartbeat:
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:
-                if self._state == "ok":
+                if self._state == "ok" and not exc.timed_out:  # refused or broken: the process (and store) is gone
                     self._on_lost()
                 if exc.refused:
                     self._state = "away"

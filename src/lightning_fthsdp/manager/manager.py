@@ -314,6 +314,7 @@ class FTManager:
             return False
         if quorum.resume_step >= 0:
             self._resume(quorum)
+            state.resumed = True
             return False  # nobody exchanges in the step a quorum resumes: every member retrains it once loaded
         state.tensors = tensors
         source = quorum.catch_up_from.get(self.replica_id)
@@ -370,12 +371,14 @@ class FTManager:
             self._log.debug("committed with %d participants", len(self._participants),
                             extra={"participants": len(self._participants)})
         elif not exchanged:
-            # The cross-group groups saw an error (or we may have been declared dead): ask for fresh ones.
-            self.discarded_steps += 1
+            # The cross-group groups saw an error (or we may have been declared dead), or the quorum resumed from a
+            # checkpoint (it is never answered again): ask for fresh ones.
             self._commit_failed = True
             self._comm.invalidate()
-            self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
-            self._count_failure(failure or "the exchange failed on another rank of this group")
+            if not state.resumed:
+                self.discarded_steps += 1
+                self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
+                self._count_failure(failure or "the exchange failed on another rank of this group")
         elif self._follower.active:
             assert state.quorum is not None, "a step is exchanged only inside a quorum"
             self._follower.hold(state.tensors, self._shares, state.quorum.quorum_id)

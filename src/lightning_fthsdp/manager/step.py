@@ -54,6 +54,8 @@ class StepState:
     ready: bool = False
     """The exchange succeeded and this rank holds the state the step applies to (while catching up: the fetched
     state); the optimizer may step if every rank of the group is ready."""
+    resumed: bool = False
+    """The step's quorum resumed from a durable checkpoint: nobody exchanged, and that is no failure."""
 
 
 def split_batches(participants: Sequence[str], global_batches: int | None) -> dict[str, int]:
