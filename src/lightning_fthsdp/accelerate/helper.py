@@ -264,8 +264,9 @@ class FaultTolerantHSDP:
         losses, self._guards.losses = self._guards.losses, []
         quorum = manager.quorum
         record: dict[str, Any] = {
-            "step": manager.step, "quorum_size": len(quorum.member_ids) if quorum else 0,
-            "participants": list(manager.participants), "contributions": manager.contributions,
+            "step": manager.step, "quorum_id": quorum.quorum_id if quorum else -1,
+            "quorum_size": len(quorum.member_ids) if quorum else 0, "participants": list(manager.participants),
+            "contributions": manager.contributions, "shares": manager.shares,
             "discarded": self.discarded, "catch_ups": len(manager.catch_up_log), "stall_s": round(stall_s, 4),
             "lr": self.optimizer.param_groups[0]["lr"]}
         if len(manager.catch_up_log) > catch_ups:

@@ -1,5 +1,5 @@
 """What the launcher runs for one replica group: a recipe through ``fthsdp fit`` (``FitCommand``) or any script
-(``ScriptCommand``: plain PyTorch, Accelerate, Lightning) under torchrun. Both get the group's ``FTHSDP_*``
+(``ScriptCommand``: plain PyTorch, Accelerate, Lightning) with torchrun's environment. Both get the group's ``FTHSDP_*``
 environment from the supervisor and report through the JSONL at the path they are given (docs/launch.md)."""
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class FitCommand:
 
 @dataclass(frozen=True)
 class ScriptCommand:
-    """A user's script, one launch per replica group: torchrun with ``shard_count`` ranks (torchrun's ``RANK``,
-    ``LOCAL_RANK``, ``WORLD_SIZE`` are ranks inside the group), or plain ``python`` for one rank."""
+    """A user's script, one launch per replica group: ``shard_count`` ranks with torchrun's environment (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE`` are ranks inside the group) started by ``launch.ranks``, or plain ``python`` for
+    one rank."""
 
     script: Path
     args: tuple[str, ...] = ()
@@ -52,9 +53,8 @@ class ScriptCommand:
     def argv(self, jsonl: Path) -> list[str]:
         if self.shard_count == 1:
             return [sys.executable, str(self.script), *self.args]
-        # A failed rank ends the group's other ranks and torchrun (no restart of its own: the launcher restarts it).
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-                str(self.shard_count), "--standalone", "--max-restarts", "0", str(self.script), *self.args]
+        return [sys.executable, "-m", "lightning_fthsdp.launch.ranks", str(self.shard_count), str(self.script),
+                *self.args]
 
     def env(self, jsonl: Path) -> dict[str, str]:
         return {ENV_RECORD: str(jsonl)}
