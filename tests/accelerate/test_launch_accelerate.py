@@ -53,6 +53,9 @@ def test_a_killed_group_catches_up_replays_and_the_job_ends_identical_with_every
         range(catch_up["step"] + 1, catch_up["step"] + 1 + catch_up["replayed"])), (catch_up, followed)
 
     commits = [r for r in a + b if r["event"] == "commit"]
+    # The kill reached every rank of b's launch: its first incarnation wrote nothing after it.
+    killed_at = min(r["t"] for r in commits) + next(e["t"] for e in report["timeline"] if e["event"] == "kill")
+    assert max(r["t"] for r in records(out, "b", slice(0, 1))) <= killed_at + 0.01
     # The LR schedule steps once per committed step job-wide: the restarted group's too, replayed steps included.
     for r in commits:
         assert r["lr"] == pytest.approx(LR * lr_factor(r["step"] - 1)), r

@@ -143,10 +143,10 @@ class FaultTolerantHSDP:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         """Remove the guards and leave the job; after a loop that ended without an error, first record the digest of
-        the full final parameters (a collective inside the group)."""
+        the full final parameters (a collective inside the group, so only when the group records)."""
         self._guards.remove()
         try:
-            if exc_type is None:
+            if exc_type is None and self.records.requested:
                 self.records.write("end", step=self.step, params_sha256=full_params_sha256(self.model))
         finally:
             for hook in self._hooks:

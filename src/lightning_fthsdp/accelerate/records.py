@@ -18,6 +18,8 @@ class RunRecords:
 
     def __init__(self, path: str | Path | None, replica_id: str, writes: bool) -> None:
         target = path if path is not None else os.environ.get(ENV_RECORD)
+        self.requested = bool(target)
+        """Whether the group records (the same on all its ranks, unlike ``path``)."""
         self.path = Path(target) if target and writes else None
         self.replica_id = replica_id
 
