@@ -1,6 +1,6 @@
 """``python -m lightning_fthsdp.launch.ranks N SCRIPT [ARGS...]``: one replica group's N ranks of a script, started
 with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``: ranks inside the group).
+``MASTER_PORT``: ranks inside the group; ``OMP_NUM_THREADS=1`` unless set, as torchrun does).
 
 Why not torchrun: its workers run in sessions of their own, so a signal to the launch's process group (how ``fthsdp
 launch`` kills, stops and ends a group) would miss them, and a killed torchrun leaves its ranks training on. Here
@@ -25,6 +25,8 @@ def main(argv: list[str]) -> int:
         return 2
     count, script = int(argv[0]), argv[1:]
     env = dict(os.environ, WORLD_SIZE=str(count), LOCAL_WORLD_SIZE=str(count), GROUP_RANK="0", NODE_RANK="0")
+    if count > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks of N threads each would oversubscribe the host
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in env:
         with socket.socket() as sock:
