@@ -19,9 +19,9 @@ PACKAGE = "lightning_fthsdp"
 
 PLANES: tuple[frozenset[str], ...] = (
     frozenset({"config", "faults"}),
-    frozenset({"lighthouse", "exchange", "recovery"}),
+    frozenset({"lighthouse", "exchange", "recovery", "data"}),
     frozenset({"manager"}),
-    frozenset({"lightning", "models", "recipes", "sim"}),
+    frozenset({"lightning", "accelerate", "models", "recipes", "sim"}),
     frozenset({"launch"}),
     frozenset({"demo"}),
     frozenset({"cli", "__init__", "core"}),  # core: the 0.1 import paths, re-exported until 0.3

@@ -1,8 +1,9 @@
 """lightning-fthsdp: Fault Tolerant Hybrid-Sharded Data Parallelism for PyTorch.
 
 Packages by plane, each importing only those below it (``scripts/check_layers.py`` holds them to it): ``config``;
-``lighthouse`` (control plane), ``exchange`` (data plane across groups), ``recovery`` (catch-up); ``manager`` (one
-fault-tolerant step); front ends ``lightning``, ``launch`` and ``demo``. Nothing below the front ends imports Lightning.
+``lighthouse`` (control plane), ``exchange`` (data plane across groups), ``recovery`` (catch-up), ``data`` (each
+group's data stream); ``manager`` (one fault-tolerant step); front ends ``lightning``, ``accelerate``, ``launch`` and
+``demo``. Nothing below the front ends imports Lightning or Accelerate.
 
 With Lightning installed, importing this package registers ``Trainer(strategy="fthsdp")``: at once if
 ``lightning.pytorch`` is already imported, else as soon as it is. The hook is there because Lightning has no entry

@@ -25,6 +25,10 @@ ENV_REPLICAS = "FTHSDP_REPLICAS"
 ENV_REPLICA_INDEX = "FTHSDP_REPLICA_INDEX"
 """This group's index in ``0..FTHSDP_REPLICAS-1``: which data stream it trains."""
 
+ENV_RECORD = "FTHSDP_RECORD"
+"""A path: the group's rank 0 appends its launch records there (one JSON line per event, docs/launch.md); ``fthsdp
+launch`` sets it for every script it starts. Unset: no records."""
+
 RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
 """Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
 

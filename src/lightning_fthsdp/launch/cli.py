@@ -1,11 +1,13 @@
 """``fthsdp launch``: a whole fault-tolerant job on this machine, with failure injection and a report.
 
 Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning's launcher starts the group's
-``--shard-count`` ranks), restarts a group that dies (up to ``launch.max_restarts`` per
-``launch.restart_window_s``), injects the
-``--chaos`` schedule (grammar: ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the
-end writes ``DIR/report.json``, ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a
-summary. Exit code 0 when every group reached ``trainer.max_steps`` with identical final parameters.
+``--shard-count`` ranks), or with ``--script SCRIPT.py`` one launch of that script per group (arguments after
+``--`` go to the script, which follows the contract of docs/launch.md); restarts a group that dies (up to
+``launch.max_restarts`` per ``launch.restart_window_s``), injects the ``--chaos`` schedule (grammar:
+``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the end writes ``DIR/report.json``,
+``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a summary. Exit code 0 when every group
+reached ``trainer.max_steps`` (a script's: ``--target-steps``, else the highest step a group ended at) with identical
+final parameters.
 Group choices (``model=mlp``) and key overrides (``trainer.max_steps=50``) come after the recipe (docs/recipes.md);
 the flags win over the recipe's ``launch`` section. ``--print-config`` prints the composed recipe and exits.
 """
@@ -27,6 +29,7 @@ from lightning_fthsdp.config.renamed import deprecation
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
+    from lightning_fthsdp.launch.commands import GroupCommand
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -58,11 +61,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
+    parser.add_argument("recipe", type=Path, nargs="?", metavar="RECIPE.yaml",
+                        help="an omegaconf recipe (recipes/*.yaml); with --script, the script's first argument")
     parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
-                        help="config group choices and recipe overrides, e.g. model=mlp trainer.max_steps=50")
+                        help="config group choices and recipe overrides, e.g. model=mlp trainer.max_steps=50; with "
+                             "--script, the script's arguments (after --)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the composed, validated recipe (YAML, every field) and exit without launching")
+    parser.add_argument("--script", type=Path, default=None, metavar="SCRIPT.py",
+                        help="run this script per replica group instead of a recipe (plain PyTorch, Accelerate, "
+                             "Lightning); its arguments follow --")
+    parser.add_argument("--target-steps", type=int, default=None, metavar="N",
+                        help="with --script: the committed step the script trains to, for the view, the chaos "
+                             "schedule and the report (default: the highest step a group ended at)")
     parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
     renamed = {"action": RenamedFlag, "old": "--devices-per-replica", "new": "--shard-count"}
     parser.add_argument("--shard-count", type=int, default=None, **renamed,  # type: ignore[arg-type]
@@ -83,7 +94,14 @@ def run(args: argparse.Namespace) -> int:
     absent = extras.missing(EXTRAS)
     if absent:  # now, not when the report is drawn at the end of a long run
         raise SystemExit(extras.install_hint("fthsdp launch", EXTRAS, absent))
+    if args.script is not None:
+        return _run_script(args)
+    if args.recipe is None:
+        raise SystemExit("fthsdp launch: error: give a RECIPE.yaml, or --script SCRIPT.py")
+    if args.target_steps is not None:
+        raise SystemExit("fthsdp launch: error: --target-steps is for --script; a recipe's is trainer.max_steps")
     from lightning_fthsdp.launch import chaos
+    from lightning_fthsdp.launch.commands import FitCommand
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
     overrides = list(args.overrides)
@@ -100,19 +118,49 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_yaml(recipe), end="")
         return 0
-    # Absolute: every group is handed paths under it, whatever the working directory it runs in.
-    out = args.out.resolve()
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"fthsdp launch: error: --out {args.out} is a file: name a folder (it is created if missing)")
-    for owned in ("groups", "logs", "lightning", "standby"):  # a previous run's records would mix with this run's
-        shutil.rmtree(out / owned, ignore_errors=True)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out = _fresh_out(args.out)
     if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
         # Under --out, like every other output of the run; a previous run's checkpoints are not this job's.
         recipe.ft.checkpoint_dir = str(out / recipe.ft.checkpoint_dir)
         shutil.rmtree(recipe.ft.checkpoint_dir, ignore_errors=True)
     (out / "recipe.yaml").write_text(to_yaml(recipe))
-    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live)
+    command = FitCommand(out / "recipe.yaml", out, recipe.launch.standby)
+    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
+                      command, recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")})
+    return _write_report(report, out)
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    """``--script``: the script per replica group, with the launch and fault-tolerance defaults of a recipe (those
+    of ``lightning_fthsdp.recipes.schema``) and the flags."""
+    from lightning_fthsdp.launch import chaos
+    from lightning_fthsdp.launch.commands import ScriptCommand
+    from lightning_fthsdp.recipes.schema import RecipeConfig
+
+    recipe = RecipeConfig()
+    recipe.launch.standby = False
+    for flag, key in ((args.replicas, "replicas"), (args.shard_count, "shard_count"), (args.chaos, "chaos")):
+        if flag is not None:
+            setattr(recipe.launch, key, flag)
+    script_args = ([str(args.recipe)] if args.recipe is not None else []) + list(args.overrides)
+    try:
+        if recipe.launch.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {recipe.launch.replicas}")
+        if args.target_steps is not None and args.target_steps < 1:
+            raise ValueError(f"--target-steps must be >= 1, got {args.target_steps}")
+        command = ScriptCommand(args.script.resolve(), tuple(script_args), recipe.launch.shard_count)
+        replica_ids = _replica_ids(recipe.launch.replicas)
+        faults = chaos.parse(recipe.launch.chaos, replica_ids)
+    except ValueError as err:
+        raise SystemExit(f"fthsdp launch: error: {err}") from None
+    out = _fresh_out(args.out)
+    meta = {"script": str(command.script), "script_args": list(command.args)}
+    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
+                      command, args.target_steps, meta)
+    return _write_report(report, out)
+
+
+def _write_report(report: dict[str, Any], out: Path) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     from lightning_fthsdp.launch.plot import write_png
 
@@ -121,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path,
-             live: bool | None) -> dict[str, Any]:
+def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path, live: bool | None,
+             command: GroupCommand, target_steps: int | None, meta: dict[str, Any]) -> dict[str, Any]:
+    """Run the job to its end; ``target_steps``: the step every group trains to (None: unknown until the groups
+    end, then the highest step one ended at)."""
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
     from lightning_fthsdp.launch.supervisor import Supervisor
@@ -132,10 +182,10 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
               lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)))
-    supervisor = Supervisor(job, out / "recipe.yaml", out, replica_ids, recipe.launch.max_restarts,
+    supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
                             recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
                             standby=recipe.launch.standby)
-    view = ConsoleView(len(replica_ids), recipe.trainer.max_steps, live)
+    view = ConsoleView(len(replica_ids), target_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
     started = time.time()
@@ -163,7 +213,8 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
             if first_commit is not None:
                 step = max(g.step for g in supervisor.groups.values())
                 # A group at its last step is about to exit: killing it then would restart it with no peer left.
-                targets = [r for r in supervisor.training if supervisor.groups[r].step < recipe.trainer.max_steps]
+                last = target_steps if target_steps is not None else float("inf")
+                targets = [r for r in supervisor.training if supervisor.groups[r].step < last]
                 for injection in schedule.due(time.time() - first_commit, step, targets):
                     view.event(f"inject {injection.kind} on group {injection.group} ({injection.spec})")
                     supervisor.inject(injection)
@@ -181,12 +232,14 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     finally:
         view.close()
         job.close()
-    meta = {"recipe": str(out / "recipe.yaml"), "chaos": recipe.launch.chaos, "outcome": outcome,
+    if target_steps is None:
+        target_steps = max((g.step for g in supervisor.groups.values() if g.params_sha256), default=0)
+    meta = {**meta, "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
             "failures_planned": schedule.planned, "lost_steps": lost_steps, "checkpoint": checkpoint,
             "quorum_waits": waits.episodes}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
-                        max_steps=recipe.trainer.max_steps, meta=meta)
+                        max_steps=target_steps, meta=meta)
 
 
 class _Waits:
@@ -218,6 +271,18 @@ class _Waits:
                       "detail": waiting["detail"], "waited_s": waiting["since_s"]}
         self.episodes.append(self._open)
         return [f"lighthouse waits: {waiting['detail']}"]
+
+
+def _fresh_out(given: Path) -> Path:
+    """The run's folder, absolute (every group is handed paths under it, whatever its working directory), without a
+    previous run's records (they would mix with this run's)."""
+    out = given.resolve()
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"fthsdp launch: error: --out {given} is a file: name a folder (it is created if missing)")
+    for owned in ("groups", "logs", "lightning", "standby"):
+        shutil.rmtree(out / owned, ignore_errors=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -22,19 +22,18 @@ tiny models).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from typing_extensions import override
 
 from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_REPLICA_ID
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
+from lightning_fthsdp.recovery.torch_state import full_params_sha256
 
 
 class LaunchRecorder(CommittedStepCallback):
@@ -94,12 +93,9 @@ class LaunchRecorder(CommittedStepCallback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.jsonl:
             return  # the same on every rank: no rank enters the collectives below
-        digest = hashlib.sha256()
-        for _, p in sorted(pl_module.named_parameters()):
-            # full_tensor() is a collective inside the group: every rank calls it, in the same (sorted) order.
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            digest.update(full.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
-        self._write(trainer, {"event": "end", "step": trainer.global_step, "params_sha256": digest.hexdigest()})
+        # A collective inside the group: every rank computes it, rank 0 writes it.
+        digest = full_params_sha256(pl_module)
+        self._write(trainer, {"event": "end", "step": trainer.global_step, "params_sha256": digest})
 
     def _writes(self, trainer: pl.Trainer) -> bool:
         return bool(self.jsonl) and trainer.global_rank == 0

@@ -1,4 +1,5 @@
-"""Supervises the replica groups of one local job: starts each as one ``fthsdp fit`` launch, follows its JSONL,
+"""Supervises the replica groups of one local job: starts each as one launch of its command (``fthsdp fit`` of a
+recipe, or a script: ``launch.commands``), follows its JSONL,
 restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group. With
 ``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
 it (see ``launch.standby``).
@@ -15,7 +16,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any
 
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
 from lightning_fthsdp.launch.chaos import Injection
+from lightning_fthsdp.launch.commands import GroupCommand
 from lightning_fthsdp.launch.fit import ENV_STANDBY
 from lightning_fthsdp.launch.processes import Group, Job
 
@@ -75,7 +76,8 @@ class Supervisor:
     """Starts, follows, restarts and signals the job's replica groups (see the module docstring)."""
 
     job: Job
-    recipe_path: Path
+    command: GroupCommand
+    """What each group runs (one launch per group and incarnation)."""
     out: Path
     replica_ids: list[str]
     max_restarts: int
@@ -85,7 +87,11 @@ class Supervisor:
     transitions: list[dict[str, Any]] = field(default_factory=list)
     groups: dict[str, GroupState] = field(default_factory=dict)
     standby: bool = False
-    """Keep each training group's next incarnation started ahead (see ``launch.standby``)."""
+    """Keep each training group's next incarnation started ahead (see ``launch.standby``; a ``FitCommand`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.standby and not self.command.standby:
+            raise ValueError(f"Supervisor(standby=True) needs a command that can stand by, got {self.command}")
 
     def start_all(self) -> None:
         for replica_id in self.replica_ids:
@@ -192,19 +198,15 @@ class Supervisor:
         name = f"{state.replica_id}.{incarnation}"
         jsonl = self.out / "groups" / f"{name}.jsonl"
         jsonl.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(self.recipe_path),
-               "--record", str(jsonl), "--", "--trainer.enable_progress_bar=false",
-               "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
-               f"--trainer.default_root_dir={self.out / 'lightning'}"]
-        env = {ENV_REPLICA_ID: state.replica_id, ENV_LIGHTHOUSE: self.job.lighthouse_url,
+        env = {**self.command.env(jsonl), ENV_REPLICA_ID: state.replica_id, ENV_LIGHTHOUSE: self.job.lighthouse_url,
                ENV_REPLICAS: str(len(self.replica_ids)),
                ENV_REPLICA_INDEX: str(self.replica_ids.index(state.replica_id)),
                # Each launch is its own torch.distributed world: its own rendezvous port on loopback.
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         if go is not None:
             env[ENV_STANDBY] = str(go)
-        return self.job.start_command(state.replica_id, cmd, jsonl=jsonl, log=self.out / "logs" / f"{name}.log",
-                                      env=env)
+        return self.job.start_command(state.replica_id, self.command.argv(jsonl), jsonl=jsonl,
+                                      log=self.out / "logs" / f"{name}.log", env=env)
 
     def _read(self, state: GroupState) -> None:
         """Consume the complete new lines of the current incarnation's JSONL."""

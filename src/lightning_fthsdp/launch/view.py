@@ -14,7 +14,8 @@ PLAIN_PROGRESS_EVERY_S = 5.0
 class ConsoleView:
     """``update()`` after every poll; ``event()`` for an injection or a state change; ``close()`` at the end."""
 
-    def __init__(self, replicas: int, max_steps: int, live: bool | None = None) -> None:
+    def __init__(self, replicas: int, max_steps: int | None, live: bool | None = None) -> None:
+        """``max_steps``: the step the groups train to (None: not known, shown as ``?``)."""
         self.replicas, self.max_steps, self.started = replicas, max_steps, time.time()
         self._live: Any = None
         self._last_plain = 0.0
@@ -38,7 +39,7 @@ class ConsoleView:
             self._last_plain = time.time()
             step = max(g.step for g in groups.values())
             parts = " ".join(f"{g.replica_id}:{g.status}@{g.step}" for g in groups.values())
-            print(f"t={time.time() - self.started:7.2f}s  step {step}/{self.max_steps}  {self._quorum(groups)}  "
+            print(f"t={time.time() - self.started:7.2f}s  step {step}/{self.max_steps or '?'}  {self._quorum(groups)}  "
                   f"loss {self._loss(groups)}  [{parts}]", flush=True)
 
     def close(self) -> None:
@@ -59,7 +60,7 @@ class ConsoleView:
         from rich.table import Table
 
         step = max(g.step for g in groups.values())
-        table = Table(title=f"fthsdp launch  t={time.time() - self.started:.1f}s  step {step}/{self.max_steps}  "
+        table = Table(title=f"fthsdp launch  t={time.time() - self.started:.1f}s  step {step}/{self.max_steps or '?'}  "
                             f"{self._quorum(groups)}")
         for column in ("group", "status", "step", "loss", "discarded", "catch-ups", "restarts"):
             table.add_column(column, justify="left" if column in ("group", "status") else "right")

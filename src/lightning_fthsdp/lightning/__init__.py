@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_fthsdp.lightning.sampler import ReplicaStreamSampler
+from lightning_fthsdp.data.sampler import ReplicaStreamSampler
 from lightning_fthsdp.lightning.strategy import FTHSDPStrategy
 
 __all__ = ["FTHSDPStrategy", "ReplicaStreamSampler", "register", "release_process_groups"]

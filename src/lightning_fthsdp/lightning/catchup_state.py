@@ -9,8 +9,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_fthsdp.lightning import loops
-from lightning_fthsdp.lightning.schedulers import load_scheduler_state, scheduler_state
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.recovery.scheduler_state import load_scheduler_state, scheduler_state
 from lightning_fthsdp.recovery.torch_state import ModuleState, StateTree, load_optimizer_state, optimizer_state
 
 

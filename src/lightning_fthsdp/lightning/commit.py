@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
-from lightning_fthsdp.lightning.topology import DataTopology
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.torch_state import local
 

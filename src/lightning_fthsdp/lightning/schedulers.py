@@ -9,14 +9,12 @@ shard of the data is trained once). ``ReduceLROnPlateau`` (stepped on a monitore
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from lightning_fthsdp.lightning import private
-from lightning_fthsdp.recovery.torch_state import StateTree
 
 
 class JobSchedulers:
@@ -47,38 +45,9 @@ class JobSchedulers:
                 _step_as_lightning(trainer, config)
 
 
-def scheduler_state(schedulers: list[Any]) -> StateTree:
-    """What a restarted group receives of the schedulers: the JSON part of each state (lambdas and other objects
-    cannot travel and are not state)."""
-    return {str(i): _jsonable(s.state_dict()) for i, s in enumerate(schedulers)}
-
-
-def load_scheduler_state(schedulers: list[Any], tree: StateTree) -> None:
-    for i, scheduler in enumerate(schedulers):
-        state = scheduler.state_dict()
-        state.update(tree[str(i)])
-        scheduler.load_state_dict(state)
-
-
 def _step_as_lightning(trainer: pl.Trainer, config: LRSchedulerConfig) -> None:
     """Step one scheduler as Lightning would (through the LightningModule's ``lr_scheduler_step`` hook)."""
     progress = private.scheduler_progress(trainer)
     progress.increment_ready()
     private.call_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
     progress.increment_completed()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items() if _is_plain(v)}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        return all(_is_plain(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_is_plain(v) for v in value)
-    return value is None or isinstance(value, bool | int | float | str)

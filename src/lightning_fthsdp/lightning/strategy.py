@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
@@ -39,7 +40,6 @@ from lightning_fthsdp.lightning.policy import DEFAULT_MIN_PARAMS
 from lightning_fthsdp.lightning.schedulers import JobSchedulers
 from lightning_fthsdp.lightning.sharding import PolicySharding
 from lightning_fthsdp.lightning.stream import TrainingStream
-from lightning_fthsdp.lightning.topology import DataTopology
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.torch_state import ModuleState
 

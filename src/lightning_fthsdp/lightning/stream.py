@@ -14,9 +14,9 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_fthsdp.data.sampler import ReplicaStreamSampler
+from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.lightning import loops, private
-from lightning_fthsdp.lightning.sampler import ReplicaStreamSampler
-from lightning_fthsdp.lightning.topology import DataTopology
 
 
 class TrainingStream:

@@ -7,6 +7,7 @@ full model.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 from typing import Any
@@ -21,6 +22,16 @@ from lightning_fthsdp.recovery.wire import StateTree
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (a DTensor) or ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_params_sha256(module: nn.Module) -> str:
+    """SHA-256 of the module's full (unsharded) parameters in name order, as float32: groups compare their states
+    from the outside with it. A collective inside the replica group for DTensors: every rank of it must call it."""
+    digest = hashlib.sha256()
+    for _, p in sorted(module.named_parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        digest.update(full.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 class ModuleState:

@@ -1,0 +1,169 @@
+"""Step time of an Accelerate FSDP2 loop with ``FaultTolerantHSDP`` against the same loop without it, one group.
+
+One launch of ``--shard-count`` ranks and a lighthouse; every rank runs, in one process and on one prepared model,
+``--steps`` plain Accelerate steps, then as many with the helper (its exchange with itself, the commit vote, the
+quorum request overlapped with compute, the copy kept for a retry), then the plain loop again (plain = the mean of both
+blocks, so drift over the run cancels). A step is ``--accumulate`` micro-batches, backward, clipping and the optimizer
+step; its time is rank 0's mean after ``--warmup`` steps of each block. On a machine without CUDA, Accelerate's FSDP2
+path is enabled on CPU by the tests' fixture (``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU
+speed: compare the ratio only. Prints a table, writes bench/results/accelerate.json::
+
+    .venv/bin/python bench/bench_accelerate.py --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS, BATCH, FEATURES, SAMPLES = 4, 32, 64, 1 << 14
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: the three blocks of steps; rank 0 writes the step times to ``args.result``."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, send_to_device, set_seed
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_fthsdp.accelerate import FaultTolerantHSDP
+
+    if not torch.cuda.is_available():
+        sys.path.insert(0, str(ROOT))
+        from tests.accelerate.cpu_fsdp import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+                              gradient_accumulation_steps=args.accumulate, step_scheduler_with_optimizer=False)
+    set_seed(0)
+    width = args.width
+    layers: list[nn.Module] = [nn.Linear(FEATURES, width), nn.GELU()]
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(width, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1.0 + 0.01 * k))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(SAMPLES, FEATURES, generator=generator), torch.randn(SAMPLES, 1,
+                                                                                          generator=generator))
+    # The same reads as the helper's stream (indexing the dataset, default collate), so only the helper differs.
+    loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(
+        data, num_replicas=accelerator.num_processes, rank=accelerator.process_index, shuffle=True, seed=0))
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def plain() -> list[float]:
+        times, started = [], time.perf_counter()
+        for batch in forever(loader):
+            x, y = send_to_device(batch, accelerator.device)
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                    times.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+            if len(times) == args.steps:
+                return times
+        return times
+
+    def fault_tolerant() -> list[float]:
+        times, started = [], time.perf_counter()
+        ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data, batch_size=BATCH,
+                               max_grad_norm=1.0, replica_id="a", replicas=1)
+        with ft:
+            for x, y in ft.batches():
+                with accelerator.accumulate(model):
+                    accelerator.backward(nn.functional.mse_loss(model(x), y))
+                    if accelerator.sync_gradients:
+                        ft.sync_gradients()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if accelerator.sync_gradients:
+                        times.append(time.perf_counter() - started)
+                        started = time.perf_counter()
+                if len(times) == args.steps:
+                    break
+        return times
+
+    blocks = {"plain_before": plain(), "fthsdp": fault_tolerant(), "plain_after": plain()}
+    if accelerator.is_main_process:
+        Path(args.result).write_text(json.dumps(blocks))
+    accelerator.end_training()
+
+
+def forever(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def mean_after(times: list[float], warmup: int) -> float:
+    kept = times[warmup:]
+    return sum(kept) / len(kept)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="steps per block (three blocks)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps of each block left out of its mean")
+    parser.add_argument("--shard-count", type=int, default=2, help="ranks of the group (FSDP2 over them)")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--width", type=int, default=512,
+                        help="the MLP's width (the step's compute grows with its square, the helper's cost hardly)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.worker:
+        worker(args)
+        return
+
+    from lightning_fthsdp.launch.processes import Job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir, result = Path(tmp), Path(tmp) / "result.json"
+        job = Job(workdir, min_replicas=1)
+        try:
+            url = job.start_lighthouse()
+            cmd = [sys.executable, "-m", "lightning_fthsdp.launch.ranks", str(args.shard_count), __file__, "--worker",
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--accumulate", str(args.accumulate),
+                   "--width", str(args.width), "--result", str(result)]
+            env = {"FTHSDP_LIGHTHOUSE": url}
+            group = job.start_command("a", cmd, jsonl=workdir / "a.jsonl", log=workdir / "a.log", env=env)
+            if job.wait_exit(group, 600) != 0:
+                raise SystemExit(f"bench_accelerate: the group failed:\n{group.log.read_text()[-3000:]}")
+        finally:
+            job.close()
+        blocks = json.loads(result.read_text())
+    before, after = mean_after(blocks["plain_before"], args.warmup), mean_after(blocks["plain_after"], args.warmup)
+    plain = (before + after) / 2
+    fthsdp = mean_after(blocks["fthsdp"], args.warmup)
+    report = {"shard_count": args.shard_count, "accumulate": args.accumulate,
+              "model": {"width": args.width, "blocks": BLOCKS, "batch_per_rank": BATCH}, "steps": args.steps,
+              "warmup": args.warmup, "plain_before_step_s": before, "plain_after_step_s": after,
+              "plain_step_s": plain, "fthsdp_step_s": fthsdp, "ratio": fthsdp / plain,
+              "target": 1.05, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(f"{'Accelerate FSDP2 loop, 1 group x ' + str(args.shard_count) + ' ranks':<44} {'step (ms)':>10}")
+    print(f"{'without the helper, first block':<44} {before * 1000:>10.1f}")
+    print(f"{'without the helper, last block':<44} {after * 1000:>10.1f}")
+    print(f"{'without the helper (mean of both blocks)':<44} {plain * 1000:>10.1f}")
+    print(f"{'with FaultTolerantHSDP':<44} {fthsdp * 1000:>10.1f}")
+    print(f"{'ratio (target <= 1.05)':<44} {fthsdp / plain:>10.3f}")
+    out = ROOT / "bench" / "results" / "accelerate.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
