@@ -96,7 +96,8 @@ class Fault:
         return cls(head, int(values["step"]), phase, int(rank), resume_after_s)
 
     def __str__(self) -> str:
-        return f"{self.signal_name}:step={self.step}:phase={self.phase}:rank={self.rank}"
+        resume = f":for={self.resume_after_s:g}" if self.resume_after_s is not None else ""
+        return f"{self.signal_name}:step={self.step}:phase={self.phase}:rank={self.rank}{resume}"
 
     def due(self, step: int, phase: str, rank: int) -> bool:
         """Whether the fault fires now: it has not yet, and step, phase and rank match."""

@@ -14,6 +14,11 @@ def test_every_phase_parses_and_round_trips() -> None:
         assert fault.due(3, phase, 0) and not fault.due(2, phase, 0) and not fault.due(3, phase, 1)
 
 
+def test_a_timed_stop_round_trips_with_its_duration() -> None:
+    fault = Fault.parse("sigstop:step=3:phase=allreduce:for=2.5")
+    assert str(fault).endswith(":for=2.5") and Fault.parse(str(fault)) == fault
+
+
 def test_unknown_phase_names_the_phases() -> None:
     with pytest.raises(ValueError, match="optimizer"):
         Fault.parse("sigkill:step=1:phase=lunch")

@@ -124,6 +124,7 @@ def test_metrics_parse_and_follow_a_death_and_a_recovery(lighthouse: Callable[..
     code, _, text = get(url, f"/events?after={events['last_seq']}")
     assert code == 200 and json.loads(text)["events"] == []
     assert get(url, "/events?after=-1")[0] == 400
+    assert get(url, "/events?after=%C2%B2")[0] == 400  # a superscript two: a digit to str.isdigit, not to int()
 
 
 def test_a_malformed_catch_up_report_is_refused_naming_the_field(lighthouse: Callable[..., str]) -> None:

@@ -341,7 +341,7 @@ class Lighthouse:
 
     async def _events(self, request: Request) -> Response:
         after = request.query.get("after", "0")
-        if not after.isdigit():
+        if not (after.isascii() and after.isdigit() and len(after) <= 18):
             raise HttpError(400, f"query parameter 'after' must be an event number >= 0, got {after!r}")
         return json_response(self._watch.to_json(int(after)))
 
