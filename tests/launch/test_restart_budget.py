@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_fthsdp.launch.processes import Job
-from lightning_fthsdp.launch.supervisor import DOWN, FAILED, GroupState, Supervisor
+from lightning_fthsdp.launch.supervisor import DOWN, FAILED, MAX_STANDBY_DEATHS, TRAINING, GroupState, Supervisor
 from lightning_fthsdp.recipes.loader import load_recipe
 from tests.paths import ROOT
 
@@ -38,3 +40,32 @@ def test_the_recipes_carry_the_window_and_checkpoints() -> None:
     recipe = load_recipe(ROOT / "recipes" / "tiny_gpt.yaml")
     assert (recipe.launch.max_restarts, recipe.launch.restart_window_s) == (10, 3600)
     assert recipe.ft.checkpoint_dir and recipe.ft.checkpoint_every_n_steps > 0
+
+
+@dataclass(frozen=True)
+class DiesAtOnce:
+    """A group command whose process exits at once (a broken environment), for its standbys."""
+
+    standby: bool = True
+
+    def argv(self, jsonl: Path) -> list[str]:
+        return [sys.executable, "-c", "raise SystemExit(3)"]
+
+    def env(self, jsonl: Path) -> dict[str, str]:
+        return {}
+
+
+def test_a_standby_that_keeps_dying_is_not_started_again_and_again(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    (tmp_path / "logs").mkdir()  # fthsdp launch makes it
+    sup = Supervisor(job, DiesAtOnce(), tmp_path, ["a"], max_restarts=3, restart_delay_s=1.0, standby=True)
+    sup.groups["a"] = state = GroupState("a", status=TRAINING)
+    try:
+        for _ in range(MAX_STANDBY_DEATHS):
+            sup._prepare_standby()
+            assert state.standby is not None
+            state.standby.process.proc.wait(30)
+        sup._prepare_standby()
+        assert state.standby is None and state.standby_deaths == MAX_STANDBY_DEATHS
+    finally:
+        job.close()

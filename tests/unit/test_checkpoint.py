@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
 from lightning_fthsdp.recovery.checkpoint import (
     COMPLETE,
     CheckpointError,
@@ -143,3 +145,21 @@ def test_the_writer_works_in_the_background_and_skips_while_busy(tmp_path: Path)
     assert writer.start(8) and writer.wait_copied(10)
     writer.close(10)
     assert [c.step for c in complete_checkpoints(tmp_path)] == [8]  # keep=1
+
+
+def test_the_ranks_of_a_group_write_a_checkpoint_together_or_skip_it_together(tmp_path: Path) -> None:
+    """Rank 1 of a 2-rank group is free, its peer still writes the previous checkpoint: the vote says skip, so rank 1
+    writes no shard that rank 0 would wait for; once every rank is free, the vote lets it write."""
+    live = state(5, rank=1)
+    quorum = Quorum(3, (Member("a", 5, "a:1"), Member("b", 5, "b:1")), 5, 2)
+    checkpoints = DurableCheckpoints(tmp_path, every_n_steps=5, keep=2, replica_id="a", rank=1, shard_count=2,
+                                     capture=lambda: live, rlog=LOG, reporter=None)
+    votes: list[bool] = []
+    try:
+        checkpoints.at_step_boundary(5, quorum, 3, agree=lambda free: votes.append(free) or False)
+        assert votes == [True] and not checkpoint_path(tmp_path, 5).exists()
+        checkpoints.at_step_boundary(10, Quorum(3, quorum.members, 10, 2), 3, agree=lambda free: free)
+        checkpoints.wait_copied(10)
+    finally:
+        checkpoints.close(10)
+    assert (checkpoint_path(tmp_path, 10) / "shard-1.json").exists()

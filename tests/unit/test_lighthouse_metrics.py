@@ -7,6 +7,7 @@ import http.client
 import json
 import sys
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -125,6 +126,18 @@ def test_metrics_parse_and_follow_a_death_and_a_recovery(lighthouse: Callable[..
     assert code == 200 and json.loads(text)["events"] == []
     assert get(url, "/events?after=-1")[0] == 400
     assert get(url, "/events?after=%C2%B2")[0] == 400  # a superscript two: a digit to str.isdigit, not to int()
+    # Each lighthouse names its event log: the page of a restarted one starts its log afresh.
+    with LighthouseThread(token=TOKEN, startup_grace_ms=0) as other:
+        assert json.loads(get(other, "/events")[2])["log_id"] != events["log_id"]
+
+
+def test_the_page_never_inserts_data_as_markup() -> None:
+    """Every value (a replica id, a checkpoint path, an error) reaches the page through textContent or an
+    attribute: the page has no sink that parses a string as HTML."""
+    page = (resources.files("lightning_fthsdp.lighthouse") / "dashboard.html").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in page, sink
+    assert "textContent" in page
 
 
 def test_a_malformed_catch_up_report_is_refused_naming_the_field(lighthouse: Callable[..., str]) -> None:

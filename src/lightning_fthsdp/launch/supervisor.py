@@ -31,6 +31,7 @@ from lightning_fthsdp.launch.processes import Group, Job
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
 ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
 _ENDED = (DONE, FAILED, ABANDONED)
+MAX_STANDBY_DEATHS = 3  # per group: then its restarts start a fresh process, whose log shows what kills it
 
 
 @dataclass
@@ -64,6 +65,7 @@ class GroupState:
     params_sha256: str | None = None
     process: Group | None = None
     standby: Standby | None = None  # the next incarnation, imported ahead (launch.standby)
+    standby_deaths: int = 0  # standbys that died on their own: a broken environment is not forked forever
     restart_at: float | None = None
     resume_at: float | None = None
     _offset: int = 0
@@ -184,10 +186,12 @@ class Supervisor:
         a time: their imports take CPU from the training groups)."""
         for state in self.groups.values():
             if state.standby is not None and state.standby.process.proc.poll() is not None:
-                state.standby = None  # it died on its own: another is started below
+                state.standby = None  # it died on its own: another is started below, a few times at most
+                state.standby_deaths += 1
         if any(s.standby is not None and not s.standby.ready for s in self.groups.values()):
             return
-        state = next((s for s in self.groups.values() if s.status == TRAINING and s.standby is None), None)
+        state = next((s for s in self.groups.values() if s.status == TRAINING and s.standby is None
+                      and s.standby_deaths < MAX_STANDBY_DEATHS), None)
         if state is not None:
             go = self.out / "standby" / f"{state.replica_id}.{state.incarnation + 1}.go"
             go.parent.mkdir(parents=True, exist_ok=True)

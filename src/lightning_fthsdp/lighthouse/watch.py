@@ -18,6 +18,7 @@ answers them) and what the groups' leaders say in their quorum requests. The dur
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,9 @@ class Watch:
         self.metrics = metrics
         self._clock, self._wall = clock, wall
         self.events = EventLog()
+        # Names this lighthouse's event log: a restarted lighthouse numbers its events from 1 again, and a page that
+        # polled the old one must not take the new one's events for ones it has seen.
+        self.log_id = secrets.token_hex(8)
         self._quorums: deque[dict[str, object]] = deque(maxlen=MAX_QUORUMS)
         self._durations: dict[str, deque[dict[str, object]]] = {
             kind: deque(maxlen=MAX_DURATIONS) for kind in ("stall", "recovery", "catch_up")}
@@ -158,6 +162,7 @@ class Watch:
     def to_json(self, after: int = 0) -> dict[str, object]:
         """The ``GET /events`` document: the events after ``after``, the membership history and the durations."""
         return {
+            "log_id": self.log_id,
             "last_seq": self.events.last_seq,
             "dropped": self.events.dropped,
             "events": [e.to_json() for e in self.events.after(after)],

@@ -45,13 +45,20 @@ class DurableCheckpoints:
         self.loads = 0
         """Checkpoints this rank loaded (a front end retrains the step it computed before a load)."""
 
-    def at_step_boundary(self, step: int, quorum: Quorum | None, committed_in: int) -> None:
+    def at_step_boundary(self, step: int, quorum: Quorum | None, committed_in: int,
+                         agree: Callable[[bool], bool]) -> None:
         """The state of committed ``step`` is live now (before the next step's forward): start its checkpoint if one
-        is due and this group writes it."""
+        is due and this group writes it. ``agree(free)`` is true on every rank of the group if every rank's writer is
+        free: the shard ranks write a checkpoint together or skip it together (one shard missing would keep the
+        others waiting for it)."""
         if (self._every and step > 0 and step % self._every == 0 and step != self._last and quorum is not None
                 and committed_in == quorum.quorum_id and is_writer(quorum, self._replica_id)):
             self._last = step
-            self._writer.start(step)
+            if agree(not self._writer.busy):
+                self._writer.start(step)
+            else:
+                self._rlog.warning("checkpoint of step %d skipped: a rank of this group still writes the previous "
+                                   "one", step)
 
     def wait_copied(self, timeout_s: float) -> None:
         """Before the optimizer step: the checkpoint's snapshot must not see it."""

@@ -278,7 +278,8 @@ class FTManager:
         if self._current is None:
             self._current = StepState()
             if self._checkpoints is not None and not self._follower.active:
-                self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in)
+                self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in,
+                                                   agree=lambda free: self._agreement.vote(free)[0])
         if not self._heartbeat.started:
             # Heartbeating starts with the first step, not at construction: a group still building its model
             # is not yet a heartbeating group the others must wait for or count in their majority.
