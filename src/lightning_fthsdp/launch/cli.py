@@ -313,7 +313,8 @@ def _summary(report: dict[str, Any], out: Path) -> bool:
         print(f"  LOST: quorum {lost['quorum_id']} resumed from step {lost['from_step']} ({source}) although step "
               f"{lost['committed_step']} was committed ({lost['lost_steps']} steps): no group holding it was left")
     for wait in report.get("quorum_waits", []):
-        print(f"  waited {wait['waited_s']:.1f} s for a quorum: {wait['detail']}")
+        if wait["waited_s"] >= 1.0:  # shorter ones are a join's normal pace (report.json lists every one)
+            print(f"  waited {wait['waited_s']:.1f} s for a quorum: {wait['detail']}")
     _print_phases(report)
     ahead = [r for r in report["restart_phases"] if r.get("standby")]
     if ahead:
