@@ -21,7 +21,7 @@ def test_both_groups_killed_at_once_resume_from_the_newest_checkpoint(tmp_path: 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", f"ft.checkpoint_every_n_steps={EVERY}",
-           "ft.lost_state_wait_s=1", "--replicas", "2", "--chaos",
+           "ft.lost_state_wait_s=1", "ft.min_replicas=2", "--replicas", "2", "--chaos",
            f"kill:at=step{KILL}:group=a,kill:at=step{KILL}:group=b", "--out", str(out), "--no-live"]
     returncode, output = run_launcher(cmd)
     assert returncode == 0, output[-4000:]
@@ -32,8 +32,10 @@ def test_both_groups_killed_at_once_resume_from_the_newest_checkpoint(tmp_path: 
     assert lost["resumed_from"] == "checkpoint" and resumed > 0 and resumed % EVERY == 0
     assert 0 <= lost["lost_steps"] == lost["committed_step"] - resumed <= EVERY + 2
     assert report["checkpoint"]["step"] >= resumed and "resumed from step" in output
-    # The group back first resumes the checkpoint (b's standby, launch.standby, is often ahead of a's fresh start);
-    # one back later catches up from it. Either way each group's last incarnation commits every step from its return.
+    # min_replicas=2: both groups train from step 1, so both hold step KILL when the kills come (a group still
+    # starting then would be killed later, alone, on its first step), and the quorum that resumes the checkpoint
+    # waits for both. A group that loaded it commits from the step after it, one that caught up from later; either
+    # way each group's last incarnation commits every step from its return.
     first_steps = {}
     for replica_id in "ab":
         records = [json.loads(line) for line in (out / "groups" / f"{replica_id}.1.jsonl").read_text().splitlines()]
