@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_fthsdp.config import anatomy
-from lightning_fthsdp.launch.cli import _summary
+from lightning_fthsdp.launch.cli import summary
 from lightning_fthsdp.launch.plot import write_png
 from lightning_fthsdp.launch.report import build_report
 from lightning_fthsdp.launch.supervisor import GroupState
@@ -94,7 +94,7 @@ def test_summary_and_png_name_the_unfinished_group_and_show_the_phases(tmp_path:
                       "milestones": {k: T0 + 20 + v for k, v in MARKS.items()}, "incarnation": 1})
     report = _report([_group("a", range(1, 101), digest="x", status="done"),
                       _group("b", range(1, 101), digest="x", status="done"), c])
-    assert _summary(report, tmp_path) is False  # not every group reached the target
+    assert summary(report, tmp_path) is False  # not every group reached the target
     out = capsys.readouterr().out
     assert ("group c did not finish: starting when training ended at step 100 (still restarting; its last committed "
             "step 60") in out
