@@ -30,7 +30,9 @@ from lightning_fthsdp.config.renamed import deprecation
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
     from lightning_fthsdp.launch.commands import GroupCommand
+    from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.supervisor import Placement
+    from lightning_fthsdp.launch.view import ConsoleView
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -169,10 +171,12 @@ def write_report(report: dict[str, Any], out: Path) -> int:
 
 def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path, live: bool | None,
             command: GroupCommand, target_steps: int | None, meta: dict[str, Any],
-            placement: Placement | None = None) -> dict[str, Any]:
+            placement: Placement | None = None, restart_lighthouse: bool = False) -> dict[str, Any]:
     """Run the job to its end and return its report; ``target_steps``: the step every group trains to (None: unknown
     until the groups end, then the highest step one ended at); ``placement``: where the lighthouse and the groups
-    run (None: on this machine; ``fthsdp slurm`` passes its own)."""
+    run (None: on this machine; ``fthsdp slurm`` passes its own); ``restart_lighthouse``: a lighthouse that exits is
+    started again at the same address (up to ``launch.max_restarts`` times; it rebuilds its state from what the groups
+    hold), else the job goes on without one."""
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
     from lightning_fthsdp.launch.supervisor import Supervisor
@@ -196,6 +200,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     lost_steps: list[dict[str, int]] = []
     waits = _Waits()
     checkpoint = None
+    lighthouse_restarts: list[float] = []
     try:
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
@@ -207,6 +212,11 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
                 outcome = f"timed out after launch.timeout_s={recipe.launch.timeout_s:g}"
                 view.event(f"{outcome}: stopping every process")
                 break
+            if restart_lighthouse and job.lighthouse is not None and job.lighthouse.poll() is not None:
+                trouble = _restart_lighthouse(job, lighthouse_restarts, recipe.launch.max_restarts, view)
+                if trouble is not None:
+                    outcome = trouble
+                    break
             supervisor.poll()
             supervisor.abandon_stranded()
             if first_commit is None:
@@ -239,9 +249,26 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     meta = {**meta, "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
             "failures_planned": schedule.planned, "lost_steps": lost_steps, "checkpoint": checkpoint,
-            "quorum_waits": waits.episodes}
+            "quorum_waits": waits.episodes, "lighthouse_restarts": len(lighthouse_restarts)}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=target_steps, meta=meta)
+
+
+def _restart_lighthouse(job: Job, restarts: list[float], budget: int, view: ConsoleView) -> str | None:
+    """Start the exited lighthouse again at its address; the reason the job must stop when it cannot be."""
+    code = job.lighthouse.returncode if job.lighthouse is not None else None
+    if len(restarts) >= budget:
+        reason = f"the lighthouse exited ({code}) after {len(restarts)} restarts (launch.max_restarts={budget})"
+        view.event(f"{reason}: stopping every process")
+        return reason
+    view.event(f"lighthouse exited ({code}): starting it again at {job.lighthouse_url}")
+    restarts.append(time.time())
+    try:
+        job.start_lighthouse()
+    except AssertionError as err:  # it never said it listens
+        view.event(f"the lighthouse could not be started again: {err}")
+        return f"the lighthouse could not be started again: {err}"
+    return None
 
 
 class _Waits:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{placement.pool.spares}", flush=True)
     command = FitCommand(out / "recipe.yaml", out, standby=False)
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule([], 0), out, False, command, recipe.trainer.max_steps,
-                     {"recipe": str(out / "recipe.yaml")}, placement=placement)
+                     {"recipe": str(out / "recipe.yaml")}, placement=placement, restart_lighthouse=True)
     report["slurm"] = placement.summary()
     return write_report(report, out)
 
