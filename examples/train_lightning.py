@@ -64,12 +64,14 @@ def make_dataset(samples: int, features: int, seed: int = 1) -> TensorDataset:
 
 
 class TinyData(pl.LightningDataModule):
-    def __init__(self, samples: int = 512, features: int = 8, batch_size: int = 4) -> None:
+    def __init__(self, samples: int = 512, features: int = 8, batch_size: int = 4, drop_last: bool = False) -> None:
         super().__init__()
         self.samples, self.features, self.batch_size = samples, features, batch_size
+        self.drop_last = drop_last
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(make_dataset(self.samples, self.features), batch_size=self.batch_size, shuffle=True)
+        return DataLoader(make_dataset(self.samples, self.features), batch_size=self.batch_size, shuffle=True,
+                          drop_last=self.drop_last)
 
 
 class StepRecorder(CommittedStepCallback):

@@ -44,6 +44,19 @@ def test_a_group_still_restarting_is_unfinished_not_diverged() -> None:
     assert report["diverged"] == []
     assert report["unfinished"] == [{"replica_id": "c", "status": "abandoned", "last_step": 60, "job_step": 100,
                                      "restarts": 2}]
+    assert report["job_completed"] is True  # the job's state is whole in a and b
+
+
+def test_a_group_that_used_up_its_restarts_leaves_the_job_incomplete() -> None:
+    report = _report([_group("a", range(1, 101), digest="x", status="done"),
+                      _group("b", range(1, 41), digest=None, status="failed", incarnation=3, restarts=3)])
+    assert report["final_params_identical"] is True and report["job_completed"] is False
+
+
+def test_a_job_that_stopped_short_of_its_target_is_incomplete() -> None:
+    report = _report([_group("a", range(1, 81), digest="x", status="done"),
+                      _group("b", range(1, 81), digest="x", status="done")])
+    assert report["final_params_identical"] is True and report["job_completed"] is False
 
 
 def test_a_finished_group_with_other_parameters_diverged() -> None:
@@ -52,6 +65,7 @@ def test_a_finished_group_with_other_parameters_diverged() -> None:
                       _group("c", range(1, 101), digest="y", status="done")])
     assert report["final_params_identical"] is False
     assert report["diverged"] == ["c"] and report["unfinished"] == []
+    assert report["job_completed"] is False
 
 
 def test_two_finished_groups_that_disagree_both_count_as_diverged() -> None:
@@ -63,6 +77,7 @@ def test_two_finished_groups_that_disagree_both_count_as_diverged() -> None:
 def test_no_finished_group_is_not_identical() -> None:
     report = _report([_group("a", range(1, 50), digest=None, status="failed")])
     assert report["final_params_identical"] is False and [u["replica_id"] for u in report["unfinished"]] == ["a"]
+    assert report["job_completed"] is False
 
 
 def test_restart_phases_come_from_the_phases_record_and_the_timeline() -> None:
@@ -94,8 +109,10 @@ def test_summary_and_png_name_the_unfinished_group_and_show_the_phases(tmp_path:
                       "milestones": {k: T0 + 20 + v for k, v in MARKS.items()}, "incarnation": 1})
     report = _report([_group("a", range(1, 101), digest="x", status="done"),
                       _group("b", range(1, 101), digest="x", status="done"), c])
-    assert summary(report, tmp_path) is False  # not every group reached the target
+    # c still restarting when training ended: the job completed (its state is whole in a and b), c is named
+    assert summary(report, tmp_path) is True
     out = capsys.readouterr().out
+    assert "every group finished: False" in out and "job completed: True" in out
     assert ("group c did not finish: starting when training ended at step 100 (still restarting; its last committed "
             "step 60") in out
     assert "identical across the 2 finished groups (a, b): True" in out and "DIVERGED" not in out

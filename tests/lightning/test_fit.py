@@ -75,6 +75,19 @@ def test_two_groups_of_two_ranks_equal_single_process_training_on_the_union(job:
 
 
 @pytest.mark.timeout(200)
+def test_a_loader_that_drops_the_short_last_batch_trains_on_into_the_next_epoch(job: Job) -> None:
+    # 44 samples / 2 shards = 22 a shard: 5 batches of 4 an epoch, the short sixth dropped by the DataLoader.
+    steps = 8
+    params = run_pair(job, devices=1, steps=steps,
+                      extra=("--data.samples=44", "--data.batch_size=4", "--data.drop_last=true"))
+    expected = reference(steps, shards=2, samples=44, batch_size=4)
+    assert max_diff(params["a"], params["b"]) == 0.0
+    assert max_diff(params["a"], expected) <= 1e-6
+    commits = job.groups["a"].records("commit")
+    assert [(r["epoch"], r["batch_idx"]) for r in commits] == [(e, i) for e in (0, 1) for i in range(5)][:steps]
+
+
+@pytest.mark.timeout(200)
 def test_accumulation_and_clipping_sync_before_clipping(job: Job) -> None:
     steps, clip = 4, 0.05
     params = run_pair(job, devices=1, steps=steps,

@@ -112,6 +112,19 @@ def test_sampler_shards_are_disjoint_and_cover_the_data() -> None:
     assert sorted(seen) == data
 
 
+def test_sampler_skips_the_short_last_batch_a_dropping_loader_never_yields() -> None:
+    def make(drop_last_batch: bool) -> ReplicaStreamSampler:  # 10 samples a shard: 2 batches of 4, then 2 samples
+        return ReplicaStreamSampler(list(range(20)), replicas=2, replica_index=0, shard_count=1, shard_rank=0,
+                                    batch_size=4, position=lambda: 2, seed=3, drop_last_batch=drop_last_batch)
+
+    assert (make(False).batches_per_epoch, make(True).batches_per_epoch) == (3, 2)
+    assert make(True).locate(2) == (1, 0)  # the next epoch's first batch, not the dropped one
+    assert len(list(make(True))) == 10 and len(list(make(False))) == 2
+    with pytest.raises(ValueError, match=r"10 samples per epoch, fewer than batch_size=16 with drop_last_batch=True"):
+        ReplicaStreamSampler(list(range(20)), replicas=2, replica_index=0, shard_count=1, shard_rank=0,
+                             batch_size=16, position=lambda: 0, drop_last_batch=True)
+
+
 def test_sampler_resumes_its_stream_at_a_position_in_a_later_epoch() -> None:
     data = list(range(32))
     position = 0

@@ -30,13 +30,16 @@ class ReplicaStreamSampler(DistributedSampler):
         batch_size: samples per micro-batch, to turn a position in micro-batches into a sample offset.
         position: returns the micro-batch position to start at, read at every ``__iter__``.
         shuffle, seed, drop_last: as for ``DistributedSampler``; ``seed`` must be the same in every group.
+        drop_last_batch: the DataLoader drops the last micro-batch of an epoch when it is short
+            (``DataLoader(drop_last=True)``): that position does not exist, the next epoch follows.
         num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``: a FutureWarning; giving both
             with different values is a ValueError.
     """
 
     def __init__(self, dataset: Sized, *, replicas: int | None = None, replica_index: int, shard_count: int,
                  shard_rank: int, batch_size: int, position: Callable[[], int], shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, num_replica_groups: int | None = None) -> None:
+                 drop_last: bool = False, drop_last_batch: bool = False,
+                 num_replica_groups: int | None = None) -> None:
         replicas = renamed_argument("ReplicaStreamSampler", "replicas", replicas, "num_replica_groups",
                                     num_replica_groups)
         if replicas is None:
@@ -50,12 +53,20 @@ class ReplicaStreamSampler(DistributedSampler):
                          rank=replica_index * shard_count + shard_rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.batch_size = batch_size
+        self.drop_last_batch = drop_last_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"ReplicaStreamSampler: each shard holds {self.num_samples} samples per epoch, fewer than "
+                             f"batch_size={batch_size} with drop_last_batch=True, so no batch is ever trained: use "
+                             "fewer replica groups or shard ranks, a smaller batch size, or more data")
         self._position = position
         self._epoch_cache: tuple[int, list[int]] = (-1, [])
 
     @property
     def batches_per_epoch(self) -> int:
-        """Micro-batches of this shard per epoch (the last one may be short, as in a DataLoader)."""
+        """Micro-batches of this shard per epoch (the last one may be short, as in a DataLoader, unless it is
+        dropped)."""
+        if self.drop_last_batch:
+            return self.num_samples // self.batch_size
         return -(-self.num_samples // self.batch_size)
 
     def locate(self, position: int) -> tuple[int, int]:

@@ -20,6 +20,10 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   when the run ended, ``abandoned`` once no peer was left to catch up from, ``failed`` with its restarts used up;
   ``last_step``: its last committed step; ``job_step``: the job's committed step when training ended;
   ``restarts``). Empty when every group finished.
+- ``job_completed``: the job trained to its target step and ended as a fault-tolerant job should: every group
+  that finished holds the same final parameters, and no group used up its restarts (``failed``) or diverged. A
+  group still restarting when training ended (``abandoned``, ``hung``) does not make it incomplete: the job's
+  state is whole in the finished groups. The launcher's exit code is 0 exactly when this is true.
 - ``diverged``: the finished groups whose final parameters differ from those most finished groups hold (all of them
   on a tie); empty when ``final_params_identical``.
 - ``restart_phases``: one per restart that trained again, the anatomy of the restart
@@ -77,6 +81,12 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
     val_step = max((r["step"] for r in vals), default=None)
     finals_val = [r["val_loss"] for r in vals if r["step"] == val_step]
     head, tail = losses[:10], losses[-10:]
+    unfinished = [{"replica_id": g.replica_id, "status": g.status, "last_step": g.step, "job_step": job_step,
+                   "restarts": g.restarts} for g in groups.values() if g.replica_id not in finals]
+    identical = len(set(finals.values())) == 1
+    completed = (identical and meta.get("outcome", "finished") == "finished"
+                 and all(groups[r].step == max_steps for r in finals)
+                 and not any(g["status"] == "failed" for g in unfinished))
     return {
         **meta,
         "replicas": replicas,
@@ -86,9 +96,9 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         "discarded_steps": sum(g.discarded for g in groups.values()),
         "stalls_s": stalls,
         "recoveries": recoveries,
-        "final_params_identical": len(set(finals.values())) == 1,
-        "unfinished": [{"replica_id": g.replica_id, "status": g.status, "last_step": g.step, "job_step": job_step,
-                        "restarts": g.restarts} for g in groups.values() if g.replica_id not in finals],
+        "final_params_identical": identical,
+        "unfinished": unfinished,
+        "job_completed": completed,
         "diverged": _diverged(finals),
         "restart_phases": [s for s in starts if s["incarnation"] > 0],
         "start_phases": [s for s in starts if s["incarnation"] == 0],

@@ -43,7 +43,8 @@ class TrainingStream:
             dataloader.dataset,  # type: ignore[arg-type]
             replicas=self.topology.replicas, replica_index=self.topology.replica_index,
             shard_count=shard_count, shard_rank=shard_rank, batch_size=dataloader.batch_size or 1, position=start,
-            shuffle=injected.shuffle, seed=injected.seed, drop_last=injected.drop_last)
+            shuffle=injected.shuffle, seed=injected.seed, drop_last=injected.drop_last,
+            drop_last_batch=dataloader.drop_last)
         self._collate = dataloader.collate_fn
         return private.with_sampler(dataloader, self.sampler)
 
