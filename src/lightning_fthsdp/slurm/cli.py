@@ -105,6 +105,7 @@ def _print_report(out: Path, code: int) -> int:
         return code or 1
     report = json.loads(report_path.read_text())
     summary(report, out)
+    print(f"  lighthouse restarts: {report['lighthouse_restarts']}")
     for replica_id, runs in report["slurm"]["steps"].items():
         where = "; ".join(f"{r['step'] or r['name']} on {','.join(r['nodes'])}" for r in runs)
         print(f"  group {replica_id} steps: {where}")
