@@ -82,11 +82,14 @@ class Cluster:
         wait_for(lambda: node in self.idle(), 60, f"node {node} idle again")
 
     def stop(self) -> None:
+        """SIGTERM to every daemon we started (all at once: each takes a moment to shut down), SIGKILL to those left."""
+        pids = []
         for pid_file in reversed(self._pid_files):
             with contextlib.suppress(FileNotFoundError, ValueError):
-                _end(int(pid_file.read_text().split()[0]))
+                pids.append(int(pid_file.read_text().split()[0]))
         if self._munged is not None:
-            _end(self._munged)
+            pids.append(self._munged)
+        _end(pids)
 
     def _start_munge(self) -> None:
         """Start munged unless one runs already (then it is left running, as it was found)."""
@@ -140,12 +143,15 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _end(pid: int, grace_s: float = 10.0) -> None:
+def _end(pids: list[int], grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s``; the daemons are not our children, so poll for their exit."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            os.kill(pid, 0)
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.kill(pid, 0)
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)

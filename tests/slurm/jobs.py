@@ -36,7 +36,7 @@ class SlurmRun:
         """The JSONL of incarnation ``name`` (``a.0``)."""
         return read_jsonl(self.out / "groups" / f"{name}.jsonl")
 
-    def wait_step(self, name: str, step: int, timeout_s: float = 90) -> dict[str, Any]:
+    def wait_step(self, name: str, step: int, timeout_s: float = 180) -> dict[str, Any]:
         """The first commit of incarnation ``name`` at ``step`` or later."""
         return wait_for(lambda: next((r for r in self.records(name) if r["event"] == "commit" and r["step"] >= step),
                                      None), timeout_s, f"group incarnation {name} at step {step}")

@@ -18,13 +18,13 @@ STEPS = 80
 PACE = (f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.25")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_killed_rank_replaces_only_its_groups_step(cluster: Cluster, tmp_path: Path) -> None:
     with submitted(cluster, tmp_path / "run", "--replicas", "2", *PACE) as run:
         victim = run.wait_step("a.0", 5)
         run.wait_step("b.0", 5)
         os.kill(victim["pid"], signal.SIGKILL)  # rank 0 of group a, a torchrun worker in a step of the job
-        code, output, report = run.finish(150)
+        code, output, report = run.finish(240)
     assert code == 0, f"{output[-3000:]}\n{run.job_output()}"
     steps = report["slurm"]["steps"]
     job = report["slurm"]["job_id"]
@@ -41,7 +41,7 @@ def test_a_killed_rank_replaces_only_its_groups_step(cluster: Cluster, tmp_path:
     assert rejoined["catch_ups"] == 1 and rejoined["step"] > victim["step"], rejoined
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_group_on_a_downed_node_moves_to_a_spare(cluster: Cluster, tmp_path: Path) -> None:
     with submitted(cluster, tmp_path / "run", "--replicas", "2", "--spares", "1", *PACE) as run:
         run.wait_step("a.0", 5)
@@ -49,7 +49,7 @@ def test_a_group_on_a_downed_node_moves_to_a_spare(cluster: Cluster, tmp_path: P
         node = run.step_nodes()["fthsdp-b.0"]
         try:
             cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=fthsdp-test")
-            code, output, report = run.finish(150)
+            code, output, report = run.finish(240)
         finally:
             cluster.resume(node)
     assert code == 0, f"{output[-3000:]}\n{run.job_output()}"
