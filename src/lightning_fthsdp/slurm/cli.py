@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     path.write_text(script.text())
     submit = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(path)]
     print(f"fthsdp slurm: {shlex.join(submit)}", flush=True)
+    if shutil.which("sbatch") is None:
+        raise SystemExit(f"fthsdp slurm: error: no sbatch on PATH: run it where SLURM's client is installed (the "
+                         f"script is written: {path}), or pass --dry-run to print it")
     if not args.wait:
         done = subprocess.run(submit, capture_output=True, text=True)
         if done.returncode != 0:
