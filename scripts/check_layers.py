@@ -23,7 +23,7 @@ PLANES: tuple[frozenset[str], ...] = (
     frozenset({"manager"}),
     frozenset({"lightning", "accelerate", "models", "recipes", "sim"}),
     frozenset({"launch"}),
-    frozenset({"demo"}),
+    frozenset({"demo", "slurm", "k8s"}),  # front ends over the launcher: one machine's demo, a cluster's jobs
     frozenset({"cli", "__init__", "core"}),  # core: the 0.1 import paths, re-exported until 0.3
 )
 

@@ -21,6 +21,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.sim.cli",
     "lightning_fthsdp.launch.cli",
     "lightning_fthsdp.launch.fit",
+    "lightning_fthsdp.slurm.cli",
+    "lightning_fthsdp.k8s.cli",
 )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_fthsdp.config import anatomy
-from lightning_fthsdp.launch.cli import _summary
+from lightning_fthsdp.launch.cli import summary
 from lightning_fthsdp.launch.plot import write_png
 from lightning_fthsdp.launch.report import build_report
 from lightning_fthsdp.launch.supervisor import GroupState
@@ -110,7 +110,7 @@ def test_summary_and_png_name_the_unfinished_group_and_show_the_phases(tmp_path:
     report = _report([_group("a", range(1, 101), digest="x", status="done"),
                       _group("b", range(1, 101), digest="x", status="done"), c])
     # c still restarting when training ended: the job completed (its state is whole in a and b), c is named
-    assert _summary(report, tmp_path) is True
+    assert summary(report, tmp_path) is True
     out = capsys.readouterr().out
     assert "every group finished: False" in out and "job completed: True" in out
     assert ("group c did not finish: starting when training ended at step 100 (still restarting; its last committed "

@@ -31,6 +31,9 @@ from lightning_fthsdp.config.renamed import deprecation
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
     from lightning_fthsdp.launch.commands import GroupCommand
+    from lightning_fthsdp.launch.processes import Job
+    from lightning_fthsdp.launch.supervisor import Placement
+    from lightning_fthsdp.launch.view import ConsoleView
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -112,23 +115,20 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
     try:
         recipe = load_recipe(args.recipe, overrides)
-        replica_ids = _replica_ids(recipe.launch.replicas)
+        replica_ids = group_ids(recipe.launch.replicas)
         faults = chaos.parse(recipe.launch.chaos, replica_ids)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
     if args.print_config:
         print(to_yaml(recipe), end="")
         return 0
-    out = _fresh_out(args.out)
-    if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
-        # Under --out, like every other output of the run; a previous run's checkpoints are not this job's.
-        recipe.ft.checkpoint_dir = str(out / recipe.ft.checkpoint_dir)
-        shutil.rmtree(recipe.ft.checkpoint_dir, ignore_errors=True)
+    out = fresh_out(args.out)
+    checkpoints_under(recipe, out)
     (out / "recipe.yaml").write_text(to_yaml(recipe))
     command = FitCommand(out / "recipe.yaml", out, recipe.launch.standby)
-    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
+    report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")})
-    return _write_report(report, out)
+    return write_report(report, out)
 
 
 def _run_script(args: argparse.Namespace) -> int:
@@ -150,42 +150,48 @@ def _run_script(args: argparse.Namespace) -> int:
         if args.target_steps is not None and args.target_steps < 1:
             raise ValueError(f"--target-steps must be >= 1, got {args.target_steps}")
         command = ScriptCommand(args.script.resolve(), tuple(script_args), recipe.launch.shard_count)
-        replica_ids = _replica_ids(recipe.launch.replicas)
+        replica_ids = group_ids(recipe.launch.replicas)
         faults = chaos.parse(recipe.launch.chaos, replica_ids)
     except ValueError as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
-    out = _fresh_out(args.out)
+    out = fresh_out(args.out)
     meta = {"script": str(command.script), "script_args": list(command.args)}
-    report = _run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
+    report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, args.target_steps, meta)
-    return _write_report(report, out)
+    return write_report(report, out)
 
 
-def _write_report(report: dict[str, Any], out: Path) -> int:
+def write_report(report: dict[str, Any], out: Path) -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     from lightning_fthsdp.launch.plot import write_png
 
     write_png(report, out / "report.png")
-    ok = _summary(report, out)
+    ok = summary(report, out)
     return 0 if ok else 1
 
 
-def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path, live: bool | None,
-             command: GroupCommand, target_steps: int | None, meta: dict[str, Any]) -> dict[str, Any]:
-    """Run the job to its end; ``target_steps``: the step every group trains to (None: unknown until the groups
-    end, then the highest step one ended at)."""
+def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path, live: bool | None,
+            command: GroupCommand, target_steps: int | None, meta: dict[str, Any],
+            placement: Placement | None = None, restart_lighthouse: bool = False) -> dict[str, Any]:
+    """Run the job to its end and return its report; ``target_steps``: the step every group trains to (None: unknown
+    until the groups end, then the highest step one ended at); ``placement``: where the lighthouse and the groups
+    run (None: on this machine; ``fthsdp slurm`` passes its own); ``restart_lighthouse``: a lighthouse that exits is
+    started again at the same address (up to ``launch.max_restarts`` times; it rebuilds its state from what the groups
+    hold), else the job goes on without one."""
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
     from lightning_fthsdp.launch.supervisor import Supervisor
     from lightning_fthsdp.launch.view import ConsoleView
 
     timeouts = recipe.ft.timeouts
+    host, prefix = placement.lighthouse() if placement is not None else ("127.0.0.1", ())
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
-              lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)))
+              lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)), lighthouse_host=host,
+              lighthouse_prefix=prefix)
     supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
                             recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
-                            standby=recipe.launch.standby)
+                            standby=recipe.launch.standby, placement=placement)
     view = ConsoleView(len(replica_ids), target_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
@@ -195,6 +201,7 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     lost_steps: list[dict[str, int]] = []
     waits = _Waits()
     checkpoint = None
+    lighthouse_restarts: list[float] = []
     try:
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
@@ -206,6 +213,11 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
                 outcome = f"timed out after launch.timeout_s={recipe.launch.timeout_s:g}"
                 view.event(f"{outcome}: stopping every process")
                 break
+            if restart_lighthouse and job.lighthouse is not None and job.lighthouse.poll() is not None:
+                trouble = _restart_lighthouse(job, lighthouse_restarts, recipe.launch.max_restarts, view)
+                if trouble is not None:
+                    outcome = trouble
+                    break
             supervisor.poll()
             supervisor.abandon_stranded()
             if first_commit is None:
@@ -238,9 +250,26 @@ def _run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedu
     meta = {**meta, "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
             "failures_planned": schedule.planned, "lost_steps": lost_steps, "checkpoint": checkpoint,
-            "quorum_waits": waits.episodes}
+            "quorum_waits": waits.episodes, "lighthouse_restarts": len(lighthouse_restarts)}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=target_steps, meta=meta)
+
+
+def _restart_lighthouse(job: Job, restarts: list[float], budget: int, view: ConsoleView) -> str | None:
+    """Start the exited lighthouse again at its address; the reason the job must stop when it cannot be."""
+    code = job.lighthouse.returncode if job.lighthouse is not None else None
+    if len(restarts) >= budget:
+        reason = f"the lighthouse exited ({code}) after {len(restarts)} restarts (launch.max_restarts={budget})"
+        view.event(f"{reason}: stopping every process")
+        return reason
+    view.event(f"lighthouse exited ({code}): starting it again at {job.lighthouse_url}")
+    restarts.append(time.time())
+    try:
+        job.start_lighthouse()
+    except AssertionError as err:  # it never said it listens
+        view.event(f"the lighthouse could not be started again: {err}")
+        return f"the lighthouse could not be started again: {err}"
+    return None
 
 
 class _Waits:
@@ -274,7 +303,7 @@ class _Waits:
         return [f"lighthouse waits: {waiting['detail']}"]
 
 
-def _fresh_out(given: Path) -> Path:
+def fresh_out(given: Path) -> Path:
     """The run's folder, absolute (every group is handed paths under it, whatever its working directory), without a
     previous run's records (they would mix with this run's)."""
     out = given.resolve()
@@ -290,7 +319,16 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _summary(report: dict[str, Any], out: Path) -> bool:
+def checkpoints_under(recipe: RecipeConfig, out: Path) -> None:
+    """A relative ``ft.checkpoint_dir`` goes under the run's folder, like every other output of the run (and every
+    group, wherever its working directory, is handed the same absolute path); a previous run's checkpoints there are
+    not this job's: they are removed."""
+    if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
+        recipe.ft.checkpoint_dir = str(out / recipe.ft.checkpoint_dir)
+        shutil.rmtree(recipe.ft.checkpoint_dir, ignore_errors=True)
+
+
+def summary(report: dict[str, Any], out: Path) -> bool:
     loss = report["loss"]
     reached = all(g["final_step"] == report["target_steps"] and g["status"] == "done"
                   for g in report["groups"].values())
@@ -359,6 +397,6 @@ def _print_phases(report: dict[str, Any]) -> None:
               f" {wait}")
 
 
-def _replica_ids(replicas: int) -> list[str]:
+def group_ids(replicas: int) -> list[str]:
     """a, b, c, ... then g26, g27, ... (stable names: a restarted group keeps its id)."""
     return [string.ascii_lowercase[i] if i < 26 else f"g{i}" for i in range(replicas)]

@@ -28,7 +28,7 @@ from lightning_fthsdp.config.anatomy import ENV_SPAWNED_AT
 from lightning_fthsdp.config.env import ENV_TOKEN
 
 PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
-LISTENING = re.compile(r"listening on (http://[0-9.]+:(\d+)) store")
+LISTENING = re.compile(r"listening on (http://\S+:(\d+)) store")
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.02) -> Any:
@@ -84,6 +84,10 @@ class Job:
     token: str | None = field(default_factory=lambda: os.environ.get(ENV_TOKEN) or secrets.token_urlsafe(32),
                               repr=False)
     """The job's shared secret (None: a job without one, whose lighthouse anyone on the host may call)."""
+    lighthouse_host: str = "127.0.0.1"
+    """The address the lighthouse binds and the groups reach it at (a node's address on a cluster)."""
+    lighthouse_prefix: tuple[str, ...] = ()
+    """What runs the lighthouse's command elsewhere (``srun ...`` inside a SLURM allocation); empty: here."""
     lighthouse_url: str = ""
     lighthouse: subprocess.Popen[bytes] | None = None
     groups: dict[str, Group] = field(default_factory=dict)
@@ -93,7 +97,8 @@ class Job:
     def start_lighthouse(self) -> str:
         """Start (or restart, on the same port) the lighthouse; returns its URL once it listens."""
         out = self.workdir / f"lighthouse-{len(self._procs)}.out"
-        cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--host", "127.0.0.1",
+        cmd = [*self.lighthouse_prefix, sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse",
+               "--host", self.lighthouse_host,
                "--port", str(self._port), "--min-replicas", str(self.min_replicas),
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
         if self.replica_ids:

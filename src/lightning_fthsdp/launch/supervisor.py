@@ -19,7 +19,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
 from lightning_fthsdp.launch.chaos import Injection
@@ -32,6 +32,29 @@ STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "
 ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
 _ENDED = (DONE, FAILED, ABANDONED)
 MAX_STANDBY_DEATHS = 3  # per group: then its restarts start a fresh process, whose log shows what kills it
+
+
+class Placement(Protocol):
+    """Where each incarnation of a group runs. A supervisor without one starts groups on this machine (``fthsdp
+    launch``); ``lightning_fthsdp.slurm`` places each incarnation as a job step on the nodes of an allocation."""
+
+    def lighthouse(self) -> tuple[str, tuple[str, ...]]:
+        """(the address the lighthouse binds and is reached at, the command prefix that runs it there)."""
+        ...
+
+    def place(self, replica_id: str, incarnation: int, argv: list[str],
+              env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The command and environment that run ``argv`` (one group's launch) where the incarnation belongs."""
+        ...
+
+    def exited(self, replica_id: str, incarnation: int, done: bool) -> bool:
+        """The incarnation ended (``done``: it wrote its completion record and exited 0); False when the group has
+        nowhere left to run (it is then marked failed instead of restarted)."""
+        ...
+
+    def poll(self) -> None:
+        """Called on every round of the supervisor (bounded work, no blocking wait)."""
+        ...
 
 
 @dataclass
@@ -90,10 +113,15 @@ class Supervisor:
     groups: dict[str, GroupState] = field(default_factory=dict)
     standby: bool = False
     """Keep each training group's next incarnation started ahead (see ``launch.standby``; a ``FitCommand`` only)."""
+    placement: Placement | None = None
+    """Where the groups run (None: this machine)."""
 
     def __post_init__(self) -> None:
         if self.standby and not self.command.standby:
             raise ValueError(f"Supervisor(standby=True) needs a command that can stand by, got {self.command}")
+        if self.standby and self.placement is not None:
+            raise ValueError("Supervisor(standby=True) starts groups on this machine: it cannot be combined with a "
+                             f"placement ({self.placement}); set launch.standby=false")
 
     def start_all(self) -> None:
         for replica_id in self.replica_ids:
@@ -120,6 +148,8 @@ class Supervisor:
                 self._start(state)
         if self.standby:
             self._prepare_standby()
+        if self.placement is not None:
+            self.placement.poll()
 
     def inject(self, injection: Injection) -> None:
         """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group)."""
@@ -209,8 +239,11 @@ class Supervisor:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
         if go is not None:
             env[ENV_STANDBY] = str(go)
-        return self.job.start_command(state.replica_id, self.command.argv(jsonl), jsonl=jsonl,
-                                      log=self.out / "logs" / f"{name}.log", env=env)
+        argv = self.command.argv(jsonl)
+        if self.placement is not None:
+            argv, env = self.placement.place(state.replica_id, incarnation, argv, env)
+        return self.job.start_command(state.replica_id, argv, jsonl=jsonl, log=self.out / "logs" / f"{name}.log",
+                                      env=env)
 
     def _read(self, state: GroupState) -> None:
         """Consume the complete new lines of the current incarnation's JSONL."""
@@ -238,9 +271,13 @@ class Supervisor:
     def _exited(self, state: GroupState, code: int) -> None:
         self._signal(state, signal.SIGKILL)  # its other ranks, if they outlived their leader
         state.exit_codes.append(code)
-        if code == 0 and state.params_sha256 is not None:
+        # The group's own completion record decides, never the exit code alone: a SLURM step whose node was lost
+        # exits 0 without one.
+        done = code == 0 and state.params_sha256 is not None
+        placeable = self.placement is None or self.placement.exited(state.replica_id, state.incarnation, done)
+        if done:
             self._set(state, DONE)
-        elif self.restarts_in_window(state) < self.max_restarts:
+        elif placeable and self.restarts_in_window(state) < self.max_restarts:
             self._set(state, DOWN)
             state.restart_at = time.time() + self.restart_delay_s
         else:

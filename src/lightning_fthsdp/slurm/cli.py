@@ -1,0 +1,138 @@
+"""``fthsdp slurm``: a fault-tolerant job from a recipe in one SLURM allocation (docs/slurm.md).
+
+Writes ``OUT/recipe.yaml`` (the resolved recipe) and ``OUT/job.sbatch``, and submits the script with ``sbatch``
+(``--dry-run``: prints it, with the step each group's first incarnation runs, and submits nothing; ``--wait``: waits
+for the job to end and prints its summary). The allocation has ``--replicas x --nodes-per-replica + --spares`` nodes;
+the lighthouse runs as its own step, each replica group as one step of torchrun over its nodes, and a supervisor in the
+allocation restarts only a failed group's step (within ``launch.max_restarts`` per ``launch.restart_window_s``), on
+spare nodes when its own are lost. ``OUT`` must be on a file system every node shares. Group choices and overrides
+come after the recipe, as for ``fthsdp launch``; ``launch.shard_count`` is the ranks of a group over all its nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_fthsdp.slurm.script import SbatchScript
+
+EXTRAS = ("launch", "lightning", "sim")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "slurm", help="submit a recipe as a fault-tolerant SLURM job: groups as steps, restarts, spares, report",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
+                        help="config group choices and recipe overrides, e.g. trainer.max_steps=50")
+    parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
+    parser.add_argument("--nodes-per-replica", type=int, default=1, help="nodes of each replica group (default 1)")
+    parser.add_argument("--spares", type=int, default=0,
+                        help="extra nodes in the allocation that a group on a lost node moves to (default 0)")
+    parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                        help="an extra #SBATCH option, e.g. --sbatch=--partition=gpu --sbatch=--time=2-00:00:00")
+    parser.add_argument("--out", type=Path, default=Path("runs/slurm"),
+                        help="the run's folder on a shared file system (default: runs/slurm)")
+    parser.add_argument("--dry-run", action="store_true", help="print the script and the group steps; submit nothing")
+    parser.add_argument("--wait", action="store_true", help="wait for the job to end and print its summary")
+    parser.set_defaults(func=run, extras=EXTRAS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_fthsdp.launch.cli import checkpoints_under, fresh_out, group_ids
+    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
+    from lightning_fthsdp.slurm.script import SbatchScript
+
+    overrides = list(args.overrides)
+    if args.replicas is not None:
+        overrides.append(f"launch.replicas={args.replicas}")
+    overrides.append("launch.standby=false")  # a standby is a process on this machine; a step is started fresh
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        shards, per_replica = recipe.launch.shard_count, args.nodes_per_replica
+        if per_replica < 1 or shards % per_replica:
+            raise ValueError(f"--nodes-per-replica {per_replica} must be >= 1 and divide launch.shard_count={shards} "
+                             f"(the ranks of a group over all its nodes): set launch.shard_count="
+                             f"{max(1, per_replica) * max(1, shards // max(1, per_replica))} or change the nodes")
+        if recipe.launch.chaos:
+            raise ValueError(f"launch.chaos={recipe.launch.chaos!r} is fthsdp launch's: on SLURM inject failures with "
+                             f"scancel --signal=KILL JOB.STEP or scontrol update nodename=N state=down; set "
+                             f"launch.chaos=''")
+        script = SbatchScript(args.out.resolve(), recipe.launch.replicas, per_replica, args.spares,
+                              shards // per_replica, recipe.trainer.accelerator != "cpu", sys.executable,
+                              sbatch_args=tuple(args.sbatch))
+        replica_ids = group_ids(recipe.launch.replicas)
+    except (RecipeError, ValueError) as err:
+        raise SystemExit(f"fthsdp slurm: error: {err}") from None
+    if args.dry_run:
+        print(script.text(), end="")
+        print(_planned_steps(script, replica_ids), end="")
+        return 0
+    out = fresh_out(args.out)
+    checkpoints_under(recipe, out)
+    (out / "recipe.yaml").write_text(to_yaml(recipe))
+    (out / "report.json").unlink(missing_ok=True)
+    path = out / "job.sbatch"
+    path.write_text(script.text())
+    submit = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(path)]
+    print(f"fthsdp slurm: {shlex.join(submit)}", flush=True)
+    if shutil.which("sbatch") is None:
+        raise SystemExit(f"fthsdp slurm: error: no sbatch on PATH: run it where SLURM's client is installed (the "
+                         f"script is written: {path}), or pass --dry-run to print it")
+    if not args.wait:
+        done = subprocess.run(submit, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"fthsdp slurm: sbatch exited {done.returncode}: {done.stderr.strip()}")
+        job_id = done.stdout.strip().split(";")[0]
+        print(f"fthsdp slurm: submitted job {job_id}; its output: {out / f'slurm-{job_id}.out'}, report at the end: "
+              f"{out / 'report.json'}")
+        return 0
+    code = subprocess.run(submit).returncode
+    return _print_report(out, code)
+
+
+def _print_report(out: Path, code: int) -> int:
+    """After ``--wait``: the job's summary (as fthsdp launch prints it) and its exit code."""
+    from lightning_fthsdp.launch.cli import summary
+
+    report_path = out / "report.json"
+    if not report_path.exists():
+        print(f"fthsdp slurm: the job ended ({code}) without a report: see {out}/slurm-*.out", file=sys.stderr)
+        return code or 1
+    report = json.loads(report_path.read_text())
+    summary(report, out)
+    print(f"  lighthouse restarts: {report['lighthouse_restarts']}")
+    for replica_id, runs in report["slurm"]["steps"].items():
+        where = "; ".join(f"{r['step'] or r['name']} on {','.join(r['nodes'])}" for r in runs)
+        print(f"  group {replica_id} steps: {where}")
+    return code
+
+
+def _planned_steps(script: SbatchScript, replica_ids: list[str]) -> str:
+    """The step of every group's first incarnation, on placeholder nodes (the real names come with the allocation)."""
+    from lightning_fthsdp.launch.commands import FitCommand
+    from lightning_fthsdp.slurm.placement import group_step, lighthouse_step
+
+    per = script.nodes_per_replica
+    nodes = [f"NODE{i}" for i in range(1, script.nodes + 1)]
+    command = FitCommand(script.out / "recipe.yaml", script.out, standby=False)
+    lines = ["# The supervisor's steps (first incarnations; NODEi: the allocation's i-th node, RDZV_PORT: a free "
+             "port):", "# lighthouse: " + shlex.join([*lighthouse_step(nodes[0], script.gpus), "python", "-m",
+                                                     "lightning_fthsdp.cli", "lighthouse", "..."])]
+    for i, replica_id in enumerate(replica_ids):
+        group_nodes = nodes[i * per:(i + 1) * per]
+        argv = group_step(group_nodes, step_name=f"fthsdp-{replica_id}.0", rdzv_endpoint=f"{group_nodes[0]}:RDZV_PORT",
+                          rdzv_id=f"JOB-{replica_id}-0", ranks_per_node=script.ranks_per_node, gpus=script.gpus,
+                          fit_argv=command.argv(script.out / "groups" / f"{replica_id}.0.jsonl"))
+        lines.append(f"# group {replica_id}: " + shlex.join(argv))
+    if script.spares:
+        lines.append(f"# spares: {', '.join(nodes[len(replica_ids) * per:])}")
+    return "\n".join(lines) + "\n"

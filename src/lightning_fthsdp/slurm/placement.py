@@ -1,0 +1,134 @@
+"""``SlurmPlacement``: the launcher's supervisor runs the lighthouse and every replica group as steps of this job.
+
+- The lighthouse: ``srun --overlap`` on the node the supervisor runs on (the batch node: when it is lost the job is
+  over anyway), bound to that node's address.
+- A group's incarnation: one ``srun`` step on the group's nodes (``nodes.NodePool``), one task per node running
+  torchrun with a rendezvous of its own (id ``JOB-GROUP-INCARNATION``, a fresh port on the group's first node), and
+  ``--kill-on-bad-exit=1``: a rank that dies ends the whole step, never a half-dead group. With the job submitted
+  ``--no-kill``, a lost node ends only the step on it, whose srun may exit 0: the supervisor takes a group for finished
+  only from its completion record, never from the exit code.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_fthsdp.slurm import queries
+from lightning_fthsdp.slurm.nodes import NodePool
+
+# torchrun starts the ranks; Lightning would otherwise read SLURM's variables (one task per node) as the ranks.
+TORCHRUN_ENVIRONMENT = "lightning.pytorch.plugins.environments.TorchElasticEnvironment"
+STEP_PREFIX = "fthsdp"
+_STEP_POLL_S = 1.0
+
+
+def group_step(nodes: Sequence[str], *, step_name: str, rdzv_endpoint: str, rdzv_id: str, ranks_per_node: int,
+               gpus: bool, fit_argv: Sequence[str]) -> list[str]:
+    """The srun command of one group incarnation: torchrun over ``nodes`` running ``fit_argv`` (``python -m
+    lightning_fthsdp.cli fit ...``, the launcher's ``FitCommand``), told its nodes and devices per node."""
+    if len(fit_argv) < 3 or fit_argv[1] != "-m":
+        raise ValueError(f"a SLURM group step runs a recipe (python -m lightning_fthsdp.cli fit ...), got {fit_argv}")
+    srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", f"--job-name={step_name}", "--export=ALL"]
+    if gpus:
+        srun.append(f"--gpus-per-node={ranks_per_node}")
+    torchrun = [fit_argv[0], "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
+                f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}", "--max-restarts=0"]
+    lightning = [f"--trainer.num_nodes={len(nodes)}", f"--trainer.devices={ranks_per_node}",
+                 f"--trainer.plugins={TORCHRUN_ENVIRONMENT}"]
+    return [*srun, *torchrun, *fit_argv[1:], *lightning]
+
+
+def lighthouse_step(node: str, gpus: bool) -> tuple[str, ...]:
+    """The srun prefix of the lighthouse's step: one task on ``node``, sharing its CPUs with the group there."""
+    return ("srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=1",
+            f"--job-name={STEP_PREFIX}-lighthouse", "--export=ALL", *(("--gres=none",) if gpus else ()))
+
+
+@dataclass
+class SlurmPlacement:
+    """Places the lighthouse and the groups' incarnations on the nodes of job ``job_id`` (see the module
+    docstring); ``steps`` records every incarnation's step id and nodes for the report."""
+
+    job_id: str
+    batch_node: str
+    pool: NodePool
+    ranks_per_node: int
+    gpus: bool
+    steps: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _addresses: dict[str, str] = field(default_factory=dict)
+    _next_lookup: float = 0.0
+
+    @classmethod
+    def from_allocation(cls, job_id: str, batch_node: str, nodelist: str, replica_ids: list[str],
+                        nodes_per_replica: int, ranks_per_node: int, gpus: bool) -> SlurmPlacement:
+        job_id = job_id.strip()
+
+        def usable(node: str) -> bool:
+            return node in queries.job_nodes(job_id) and queries.usable(node)
+
+        pool = NodePool(queries.hostnames(nodelist), replica_ids, nodes_per_replica, usable)
+        return cls(job_id, batch_node, pool, ranks_per_node, gpus)
+
+    def lighthouse(self) -> tuple[str, tuple[str, ...]]:
+        return self.address(self.batch_node), lighthouse_step(self.batch_node, self.gpus)
+
+    def place(self, replica_id: str, incarnation: int, argv: list[str],
+              env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        nodes = self.pool.assigned[replica_id]
+        name = f"{STEP_PREFIX}-{replica_id}.{incarnation}"
+        endpoint = f"{self.address(nodes[0])}:{_free_port()}"
+        command = group_step(nodes, step_name=name, rdzv_endpoint=endpoint,
+                             rdzv_id=f"{self.job_id}-{replica_id}-{incarnation}", ranks_per_node=self.ranks_per_node,
+                             gpus=self.gpus, fit_argv=argv)
+        self.steps.setdefault(replica_id, []).append({"incarnation": incarnation, "name": name, "step": None,
+                                                      "nodes": list(nodes), "rdzv_endpoint": endpoint})
+        # torchrun gives every rank its own MASTER_ADDR/PORT: the launcher's loopback ones would only mislead.
+        return command, {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+
+    def exited(self, replica_id: str, incarnation: int, done: bool) -> bool:
+        self.poll()
+        if done:
+            self.pool.finished(replica_id)
+            return True
+        return self.pool.failed(replica_id)
+
+    def poll(self) -> None:
+        """Learn the step ids of incarnations started since the last look (about once a second while any is
+        unknown: a step ends before its id can be asked only if it ends within a second)."""
+        unknown = [s for runs in self.steps.values() for s in runs if s["step"] is None]
+        if not unknown or time.monotonic() < self._next_lookup:
+            return
+        self._next_lookup = time.monotonic() + _STEP_POLL_S
+        try:
+            running = queries.step_ids(self.job_id)
+        except queries.SlurmError as err:
+            print(f"fthsdp slurm: cannot list the job's steps: {err}", file=sys.stderr, flush=True)
+            return
+        for entry in unknown:
+            entry["step"] = running.get(entry["name"])
+
+    def summary(self) -> dict[str, Any]:
+        """For report.json's ``slurm`` field."""
+        return {"job_id": self.job_id, "batch_node": self.batch_node, "steps": self.steps,
+                "spares_left": self.pool.spares, "retired_nodes": self.pool.retired}
+
+    def address(self, node: str) -> str:
+        """The node's address (``NodeAddr``), asked once."""
+        if node not in self._addresses:
+            self._addresses[node] = queries.node_fields(node).get("NodeAddr", node)
+        return self._addresses[node]
+
+
+def _free_port() -> int:
+    """A port free on this node; on a cluster the group's first node is another machine, where a port the OS just
+    handed out here is as likely free (ephemeral ports are drawn at random)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
