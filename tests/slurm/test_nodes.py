@@ -30,7 +30,8 @@ def test_a_group_on_a_lost_node_moves_that_node_to_a_spare() -> None:
 def test_a_group_that_keeps_failing_on_healthy_nodes_moves_after_two_failures() -> None:
     nodes = pool(set())
     assert nodes.failed("a") is True and nodes.assigned["a"] == ["n1"]  # once: a rank died, retry in place
-    assert nodes.failed("a") is True and nodes.assigned["a"] == ["n4"] and nodes.retired == ["n1"]
+    assert nodes.failed("a") is True and nodes.assigned["a"] == ["n4"]
+    assert nodes.retired == [] and nodes.spares == ["n5", "n1"]  # n1 is healthy: a spare again, last in line
 
 
 def test_a_failure_streak_ends_with_a_finished_incarnation() -> None:

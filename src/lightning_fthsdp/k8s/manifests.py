@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_fthsdp.launch.commands import under_torchrun
+
 ENGINES = ("jobset", "lws")
 LIGHTHOUSE_PORT, STORE_PORT, RDZV_PORT = 29510, 29511, 29400
 RECIPE_DIR = "/etc/fthsdp"
-# torchrun starts the ranks: Lightning must read its variables.
-TORCHRUN_ENVIRONMENT = "lightning.pytorch.plugins.environments.TorchElasticEnvironment"
 JOBSET_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 LWS_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
 GROUPS = "groups"
@@ -139,8 +139,7 @@ def _group_pod(spec: JobSpec, index_label: str, rdzv_host: str, node_rank: str) 
                f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{RDZV_PORT}",
                "--rdzv-id=$(FTHSDP_REPLICA_ID)", "--max-restarts=0",
                "-m", "lightning_fthsdp.cli", "fit", "--config", f"{RECIPE_DIR}/recipe.yaml", "--",
-               "--trainer.enable_progress_bar=false", f"--trainer.num_nodes={nodes}",
-               f"--trainer.devices={spec.ranks_per_node}", f"--trainer.plugins={TORCHRUN_ENVIRONMENT}"]
+               "--trainer.enable_progress_bar=false", *under_torchrun(nodes, spec.ranks_per_node)]
     env = [{"name": "FTHSDP_REPLICA_INDEX",
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{index_label}']"}}},
            {"name": "FTHSDP_REPLICA_ID", "value": "g$(FTHSDP_REPLICA_INDEX)"},

@@ -189,6 +189,8 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
               lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)), lighthouse_host=host,
               lighthouse_prefix=prefix)
+    if placement is not None:  # a step the scheduler starts: as long as the groups wait to reach it
+        job.lighthouse_start_s = timeouts.connect_timeout_ms / 1000
     supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
                             recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
                             standby=recipe.launch.standby, placement=placement)

@@ -61,3 +61,14 @@ class ScriptCommand:
 
 
 GroupCommand = FitCommand | ScriptCommand
+
+
+# Lightning prefers a scheduler's variables (SLURM's count one task per node) to torchrun's, which start the ranks.
+TORCHRUN_ENVIRONMENT = "lightning.pytorch.plugins.environments.TorchElasticEnvironment"
+
+
+def under_torchrun(nodes: int, ranks_per_node: int) -> list[str]:
+    """The ``fthsdp fit`` arguments of a group that torchrun starts over ``nodes`` nodes of ``ranks_per_node`` ranks
+    (a cluster's group: a SLURM step, a Kubernetes pod per node)."""
+    return [f"--trainer.num_nodes={nodes}", f"--trainer.devices={ranks_per_node}",
+            f"--trainer.plugins={TORCHRUN_ENVIRONMENT}"]

@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,6 +89,8 @@ class Job:
     """The address the lighthouse binds and the groups reach it at (a node's address on a cluster)."""
     lighthouse_prefix: tuple[str, ...] = ()
     """What runs the lighthouse's command elsewhere (``srun ...`` inside a SLURM allocation); empty: here."""
+    lighthouse_start_s: float = 30.0
+    """How long the lighthouse may take to listen (a step a scheduler starts needs longer than a process here)."""
     lighthouse_url: str = ""
     lighthouse: subprocess.Popen[bytes] | None = None
     groups: dict[str, Group] = field(default_factory=dict)
@@ -106,7 +109,8 @@ class Job:
         if self.lost_state_wait_ms is not None:
             cmd += ["--lost-state-wait-ms", str(self.lost_state_wait_ms)]
         self.lighthouse = self._spawn(cmd, out)
-        match = wait_for(lambda: LISTENING.search(out.read_text()), 30, "the lighthouse's listening line")
+        match = wait_for(lambda: LISTENING.search(out.read_text()), self.lighthouse_start_s,
+                         "the lighthouse's listening line")
         self.lighthouse_url, self._port = match.group(1), int(match.group(2))
         return self.lighthouse_url
 
@@ -185,3 +189,10 @@ class Job:
                                     env=env)
         self._procs.append(proc)
         return proc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS has just handed out as free on ``host`` ("": every interface)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

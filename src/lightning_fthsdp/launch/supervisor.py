@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPL
 from lightning_fthsdp.launch.chaos import Injection
 from lightning_fthsdp.launch.commands import GroupCommand
 from lightning_fthsdp.launch.fit import ENV_STANDBY
-from lightning_fthsdp.launch.processes import Group, Job
+from lightning_fthsdp.launch.processes import Group, Job, free_port
 
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
@@ -47,9 +46,10 @@ class Placement(Protocol):
         """The command and environment that run ``argv`` (one group's launch) where the incarnation belongs."""
         ...
 
-    def exited(self, replica_id: str, incarnation: int, done: bool) -> bool:
-        """The incarnation ended (``done``: it wrote its completion record and exited 0); False when the group has
-        nowhere left to run (it is then marked failed instead of restarted)."""
+    def exited(self, replica_id: str, done: bool) -> bool:
+        """The group's incarnation ended (``done``: it wrote its completion record and exited 0; else the supervisor
+        restarts it, within its budget); False when the group has nowhere left to run (it is then marked failed
+        instead of restarted)."""
         ...
 
     def poll(self) -> None:
@@ -202,6 +202,7 @@ class Supervisor:
     def _start(self, state: GroupState) -> None:
         state.incarnation += 1
         state._offset = 0
+        state.params_sha256 = None  # an earlier incarnation's completion record does not finish this one
         state._base_discarded, state._base_catch_ups = state.discarded, state.catch_ups
         standby, state.standby = state.standby, None
         if standby is not None and standby.process.proc.poll() is None:
@@ -236,7 +237,7 @@ class Supervisor:
                ENV_REPLICAS: str(len(self.replica_ids)),
                ENV_REPLICA_INDEX: str(self.replica_ids.index(state.replica_id)),
                # Each launch is its own torch.distributed world: its own rendezvous port on loopback.
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         if go is not None:
             env[ENV_STANDBY] = str(go)
         argv = self.command.argv(jsonl)
@@ -274,10 +275,13 @@ class Supervisor:
         # The group's own completion record decides, never the exit code alone: a SLURM step whose node was lost
         # exits 0 without one.
         done = code == 0 and state.params_sha256 is not None
-        placeable = self.placement is None or self.placement.exited(state.replica_id, state.incarnation, done)
         if done:
+            if self.placement is not None:
+                self.placement.exited(state.replica_id, done=True)
             self._set(state, DONE)
-        elif placeable and self.restarts_in_window(state) < self.max_restarts:
+        # The budget first: a group given up must not take a spare node on its way out.
+        elif self.restarts_in_window(state) < self.max_restarts and (
+                self.placement is None or self.placement.exited(state.replica_id, done=False)):
             self._set(state, DOWN)
             state.restart_at = time.time() + self.restart_delay_s
         else:
@@ -294,8 +298,3 @@ class Supervisor:
             self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": status,
                                      "step": state.step, "incarnation": state.incarnation})
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -4,8 +4,9 @@ The allocation's first ``replicas x nodes_per_replica`` nodes are the groups' (g
 ``nodes_per_replica``), the rest are spares. When an incarnation ends without finishing, each of its nodes that SLURM
 reports unusable (down, drained, failing, or gone from the job, as a lost node is under ``--no-kill``) is replaced by
 a spare; a group whose last ``move_after`` incarnations all failed on the same nodes moves to spares as a whole (a node
-may be broken in ways SLURM does not see). A node left behind is never used again. Without enough spares the group
-stays where it is if its nodes are usable, else it has nowhere to run.
+may be broken in ways SLURM does not see). A node SLURM reports unusable is never used again; healthy nodes a group
+moved off go to the back of the spares (its failures may have been its own, not theirs). Without enough spares the
+group stays where it is if its nodes are usable, else it has nowhere to run.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class NodePool:
         replacement = dict(zip(bad, spares, strict=False))
         self.assigned[replica_id] = [replacement.get(node, node) for node in current]
         self.spares = [node for node in self.spares if node not in replacement.values()]
-        self.retired += bad
+        for node in bad:
+            (self.spares if self.usable(node) else self.retired).append(node)
         self._failures[replica_id] = 0
         return True
 

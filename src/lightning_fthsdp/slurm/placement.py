@@ -11,18 +11,17 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_fthsdp.launch.commands import under_torchrun
+from lightning_fthsdp.launch.processes import free_port
 from lightning_fthsdp.slurm import queries
 from lightning_fthsdp.slurm.nodes import NodePool
 
-# torchrun starts the ranks; Lightning would otherwise read SLURM's variables (one task per node) as the ranks.
-TORCHRUN_ENVIRONMENT = "lightning.pytorch.plugins.environments.TorchElasticEnvironment"
 STEP_PREFIX = "fthsdp"
 _STEP_POLL_S = 1.0
 
@@ -40,9 +39,7 @@ def group_step(nodes: Sequence[str], *, step_name: str, rdzv_endpoint: str, rdzv
     torchrun = [fit_argv[0], "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
                 f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}", "--max-restarts=0"]
-    lightning = [f"--trainer.num_nodes={len(nodes)}", f"--trainer.devices={ranks_per_node}",
-                 f"--trainer.plugins={TORCHRUN_ENVIRONMENT}"]
-    return [*srun, *torchrun, *fit_argv[1:], *lightning]
+    return [*srun, *torchrun, *fit_argv[1:], *under_torchrun(len(nodes), ranks_per_node)]
 
 
 def lighthouse_step(node: str, gpus: bool) -> tuple[str, ...]:
@@ -71,7 +68,12 @@ class SlurmPlacement:
         job_id = job_id.strip()
 
         def usable(node: str) -> bool:
-            return node in queries.job_nodes(job_id) and queries.usable(node)
+            try:
+                return node in queries.job_nodes(job_id) and queries.usable(node)
+            except queries.SlurmError as err:  # slurmctld is slowest while nodes fail: keep the node, ask next time
+                print(f"fthsdp slurm: cannot tell whether {node} is usable, keeping it: {err}", file=sys.stderr,
+                      flush=True)
+                return True
 
         pool = NodePool(queries.hostnames(nodelist), replica_ids, nodes_per_replica, usable)
         return cls(job_id, batch_node, pool, ranks_per_node, gpus)
@@ -83,7 +85,9 @@ class SlurmPlacement:
               env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         nodes = self.pool.assigned[replica_id]
         name = f"{STEP_PREFIX}-{replica_id}.{incarnation}"
-        endpoint = f"{self.address(nodes[0])}:{_free_port()}"
+        # A port free here; on a cluster the first node is another machine, where a port drawn at random is as
+        # likely free.
+        endpoint = f"{self.address(nodes[0])}:{free_port('')}"
         command = group_step(nodes, step_name=name, rdzv_endpoint=endpoint,
                              rdzv_id=f"{self.job_id}-{replica_id}-{incarnation}", ranks_per_node=self.ranks_per_node,
                              gpus=self.gpus, fit_argv=argv)
@@ -92,7 +96,7 @@ class SlurmPlacement:
         # torchrun gives every rank its own MASTER_ADDR/PORT: the launcher's loopback ones would only mislead.
         return command, {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
 
-    def exited(self, replica_id: str, incarnation: int, done: bool) -> bool:
+    def exited(self, replica_id: str, done: bool) -> bool:
         self.poll()
         if done:
             self.pool.finished(replica_id)
@@ -120,15 +124,11 @@ class SlurmPlacement:
                 "spares_left": self.pool.spares, "retired_nodes": self.pool.retired}
 
     def address(self, node: str) -> str:
-        """The node's address (``NodeAddr``), asked once."""
+        """The node's address (``NodeAddr``), asked once; its name while SLURM does not answer."""
         if node not in self._addresses:
-            self._addresses[node] = queries.node_fields(node).get("NodeAddr", node)
+            try:
+                self._addresses[node] = queries.node_fields(node).get("NodeAddr", node)
+            except queries.SlurmError as err:
+                print(f"fthsdp slurm: no address for {node}, using its name: {err}", file=sys.stderr, flush=True)
+                return node
         return self._addresses[node]
-
-
-def _free_port() -> int:
-    """A port free on this node; on a cluster the group's first node is another machine, where a port the OS just
-    handed out here is as likely free (ephemeral ports are drawn at random)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
