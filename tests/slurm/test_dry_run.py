@@ -34,7 +34,8 @@ def test_dry_run_of_a_4_group_2_node_gpu_job() -> None:
     assert lines[0] == "#!/bin/bash"
     sbatch = [line.removeprefix("#SBATCH ") for line in lines if line.startswith("#SBATCH ")]
     assert sbatch == ["--job-name=fthsdp", "--nodes=9", "--ntasks-per-node=1", "--exclusive", "--no-kill",
-                      "--output=/shared/run/slurm-%j.out", "--gpus-per-node=8", "--partition=gpu"]
+                      "--signal=B:TERM@120", "--output=/shared/run/slurm-%j.out", "--gpus-per-node=8",
+                      "--partition=gpu"]
     assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in lines
     supervise = shlex.split(next(line for line in lines if line.startswith("exec ")))
     assert supervise[2:] == ["-m", "lightning_fthsdp.slurm.supervise", "/shared/run", "--nodes-per-replica=2"]
@@ -60,7 +61,9 @@ def test_dry_run_of_a_4_group_2_node_gpu_job() -> None:
         fit = argv[argv.index("lightning_fthsdp.cli") + 1:]
         assert fit[:3] == ["fit", "--config", "/shared/run/recipe.yaml"]
         assert fit[fit.index("--record") + 1] == f"/shared/run/groups/{replica_id}.0.jsonl"
-        assert {"--trainer.num_nodes=2", "--trainer.devices=8"} <= set(fit)
+        # Lightning reads torchrun's ranks, not SLURM's one task per node.
+        assert {"--trainer.num_nodes=2", "--trainer.devices=8",
+                "--trainer.plugins=lightning.pytorch.plugins.environments.TorchElasticEnvironment"} <= set(fit)
     assert len(endpoints) == len(rdzv_ids) == 4  # every group its own rendezvous
     assert lines[-1] == "# spares: NODE9"
 

@@ -50,7 +50,8 @@ class JobSpec:
     heartbeat_timeout_ms: int
     join_timeout_ms: int
     max_restarts: int
-    """JobSet: restarts of the whole JobSet's failure budget (every group's restarts count against it)."""
+    """JobSet: the ``failurePolicy.maxRestarts`` budget (how restarts of one child Job count against it depends on
+    the JobSet version; docs/kubernetes.md)."""
     token_secret: str
     namespace: str | None = None
 

@@ -244,6 +244,9 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
         with contextlib.suppress(OSError):  # a lighthouse that is gone has nothing more to report
             status = job.status()
             lost_steps, checkpoint = status["lost_steps"], status.get("checkpoint")
+    except _Terminated as stop:  # a scheduler's time limit or cancel: the report of what ran is still written
+        outcome = f"terminated by {signal.Signals(stop.signum).name}"
+        view.event(f"{outcome}: stopping every process")
     finally:
         view.close()
         job.close()
@@ -317,8 +320,14 @@ def fresh_out(given: Path) -> Path:
     return out
 
 
+class _Terminated(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    raise _Terminated(signum)
 
 
 def checkpoints_under(recipe: RecipeConfig, out: Path) -> None:

@@ -38,6 +38,9 @@ class SbatchScript:
                 raise ValueError(f"SbatchScript.{name} must be >= 1, got {getattr(self, name)}")
         if self.spares < 0:
             raise ValueError(f"SbatchScript.spares must be >= 0, got {self.spares}")
+        if any(c.isspace() for c in str(self.out)):
+            raise ValueError(f"SbatchScript.out may not contain white space (sbatch reads #SBATCH --output unquoted), "
+                             f"got {str(self.out)!r}: choose another --out folder")
 
     @property
     def nodes(self) -> int:
@@ -47,6 +50,8 @@ class SbatchScript:
         options = [f"--job-name={self.job_name}", f"--nodes={self.nodes}", "--ntasks-per-node=1", "--exclusive",
                    # Without it SLURM cancels the whole job (every group) when one node fails.
                    "--no-kill",
+                   # SIGTERM to the supervisor 2 minutes before the time limit: it ends the steps and writes the report.
+                   "--signal=B:TERM@120",
                    f"--output={self.out / 'slurm-%j.out'}"]
         if self.gpus:
             options.append(f"--gpus-per-node={self.ranks_per_node}")
