@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_fthsdp.config.anatomy import PHASES
+from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.sim.report import read_report
 from tests.launch.launcher import run_launcher
 from tests.paths import ROOT
@@ -75,3 +78,26 @@ def test_launch_with_chaos_reports_identical_states_and_one_stall_per_failure(tm
     assert "restart anatomy (s)" in output and "b.1 after kill (standby)" in output
     calibration = read_report(out / "report.json")  # the simulator's --from-report accepts it
     assert calibration.failures_injected == 2 and calibration.recovery_count == len(report["recoveries"])
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_job_and_still_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
+           "trainer.max_steps=100000", "trainer.min_step_time_s=0.05", "--replicas", "1", "--out", str(out),
+           "--no-live"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: any(json.loads(line)["event"] == "commit"
+                             for f in (out / "groups").glob("*.jsonl") for line in f.read_text().splitlines()),
+                 90, "the first committed step")
+        launcher.send_signal(signal.SIGTERM)  # a scheduler's time limit or scancel
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 1, output[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["outcome"] == "terminated by SIGTERM" and report["job_completed"] is False
+    assert report["committed_steps"] >= 1 and "terminated by SIGTERM" in output

@@ -250,6 +250,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     finally:
         view.close()
         job.close()
+    supervisor.read_records()
     if target_steps is None:
         target_steps = max((g.step for g in supervisor.groups.values() if g.params_sha256), default=0)
     meta = {**meta, "chaos": recipe.launch.chaos, "outcome": outcome,

@@ -183,6 +183,11 @@ class Supervisor:
             self._set(state, ABANDONED)
         return [s.replica_id for s in stranded]
 
+    def read_records(self) -> None:
+        """Take in what every group wrote since the last round (at the end of a run, before its report)."""
+        for state in self.groups.values():
+            self._read(state)
+
     def restarts_in_window(self, state: GroupState, now: float | None = None) -> int:
         """The group's restarts within the last ``restart_window_s``: failures spread over a long job never add up
         to giving it up, a group that keeps dying within the window does."""
