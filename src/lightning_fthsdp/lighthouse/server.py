@@ -32,6 +32,7 @@ from lightning_fthsdp.lighthouse.api import (
     parse_checkpoint,
     parse_heartbeat,
     parse_leave,
+    parse_lost,
     parse_quorum,
     quorum_answer,
 )
@@ -80,7 +81,8 @@ class Lighthouse:
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
-    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/checkpoint`` (a
+    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/lost`` (a
+    group's leader reports a rank it lost: the group is dead while one is), ``POST /v1/checkpoint`` (a
     writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events`` (the event log and
     membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only), ``GET /`` (the status
     page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
@@ -149,6 +151,7 @@ class Lighthouse:
             "/v1/heartbeat": ("POST", self._heartbeat),
             "/v1/quorum": ("POST", self._quorum),
             "/v1/leave": ("POST", self._leave),
+            "/v1/lost": ("POST", self._lost),
             "/v1/checkpoint": ("POST", self._checkpoint),
             "/status": ("GET", self._status),
             "/events": ("GET", self._events),
@@ -251,7 +254,13 @@ class Lighthouse:
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
         self._check_claim(replica_id, beat.incarnation, beat.step, None)
-        self._touch(self._admit(replica_id, beat.incarnation, beat.step), replica_id, beat.step)
+        record = self._admit(replica_id, beat.incarnation, beat.step)
+        if beat.losses >= record.losses:  # else sent before the newest loss report: it revives nothing
+            record.losses, record.lost = beat.losses, beat.lost
+            if beat.lost:
+                self._declare_dead(replica_id, "crash", f"its leader reports rank(s) "
+                                                        f"{','.join(map(str, beat.lost))} lost")
+            self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
             with contextlib.suppress(TimeoutError):
@@ -325,6 +334,16 @@ class Lighthouse:
         self._schedule_decide(force=True)
         return json_response({})
 
+    async def _lost(self, request: Request) -> Response:
+        lost = parse_lost(request)
+        record = self._registry.owner(lost.replica_id, lost.incarnation)
+        record.losses = max(record.losses, lost.losses)
+        record.lost = tuple(sorted({*record.lost, lost.rank}))
+        how = ("its connection to the leader closed" if lost.cause == "crash" else
+               "it sent the leader nothing for the heartbeat timeout")
+        self._declare_dead(lost.replica_id, lost.cause, f"its leader lost rank {lost.rank}: {how}")
+        return json_response({})
+
     async def _checkpoint(self, request: Request) -> Response:
         replica_id, incarnation, step, path = parse_checkpoint(request)
         self._registry.owner(replica_id, incarnation)
@@ -366,6 +385,7 @@ class Lighthouse:
         its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
+        connections = self._heartbeat_connections.per_group()
         catch_up_from = quorum.catch_up_from if quorum else {}
         return {
             "quorum_id": quorum.quorum_id if quorum else -1,
@@ -385,7 +405,8 @@ class Lighthouse:
                  "heartbeat_age_s": round(now - r.last_seen, 3), "in_quorum": rid in members,
                  "pending": rid in self._readiness.pending, "state": self._state(rid, r),
                  "lag": max(0, self._ledger.committed_step - r.step), "incarnations": r.incarnations,
-                 "deaths": r.deaths, "cause": r.cause}
+                 "deaths": r.deaths, "cause": r.cause, "heartbeat_connections": connections.get(rid, 0),
+                 "lost_ranks": list(r.lost)}
                 for rid, r in sorted(self._registry.items())
             ],
             "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
@@ -446,10 +467,11 @@ class Lighthouse:
         return record
 
     def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
-        """A sign of life: record it; revive a dead replica (epoch change)."""
+        """A sign of life: record it; revive a dead replica (epoch change) unless its leader reports a rank lost (the
+        leader's word is no sign of life of the whole group then)."""
         restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
         record.step, record.last_seen = step, time.monotonic()
-        if record.dead:
+        if record.dead and not record.lost:
             record.dead = False
             log.info("replica %s is alive again at step %d", replica_id, step)
             if not restarted:
