@@ -16,7 +16,6 @@ decision would answer, kept per event), ``liveness`` (which connection's close d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -136,7 +135,7 @@ class Lighthouse:
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
         self._epoch = 0
-        self._epoch_changed = asyncio.Event()
+        self._epoch_changed: asyncio.Future[None] | None = None  # resolved when the epoch changes
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -263,8 +262,11 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._epoch_changed.wait(), min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+            # One future per epoch shared by every held heartbeat, awaited without a task of its own (wait_for would
+            # make one per heartbeat: one per group per interval at scale).
+            if self._epoch_changed is None:
+                self._epoch_changed = asyncio.get_running_loop().create_future()
+            await asyncio.wait((self._epoch_changed,), timeout=min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
@@ -530,8 +532,9 @@ class Lighthouse:
     def _bump_epoch(self) -> None:
         self._epoch += 1
         self._heartbeat_body = None
-        self._epoch_changed.set()  # wakes every held long-poll; later polls wait on a fresh event
-        self._epoch_changed = asyncio.Event()
+        if self._epoch_changed is not None:  # wakes every held long-poll; later polls wait on a fresh future
+            self._epoch_changed.set_result(None)
+            self._epoch_changed = None
 
     # ---- deciding ----
 
