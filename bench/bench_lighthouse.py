@@ -106,7 +106,7 @@ class Generator:
         self.rtts: list[float] = []
         self.errors = 0
         self.stop = False
-        self.round: tuple[int, asyncio.Event] | None = None
+        self.round: tuple[int, asyncio.Event, int] | None = None
         self.asked = [-1] * count
         self.answers: list[tuple[int, int, bytes]] = []
         self.last_sent = self.last_answer = 0.0
@@ -147,11 +147,11 @@ class Generator:
 
     async def ask(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.round is not None
-        round_no, answered = self.round
+        round_no, answered, held = self.round
         writer.write(post("/v1/quorum", {"replica_id": self.ids[index], "incarnation": "bench", "step": round_no,
                                          "shard_count": self.group_size, "address": "", "commit_failed": False,
-                                         "quorum_id": round_no - 1 if round_no else -1, "members": [],
-                                         "committed_in": round_no - 1 if round_no else -1, "following": False,
+                                         "quorum_id": held, "members": [],
+                                         "committed_in": held, "following": False,
                                          "timeout_ms": 120_000}))
         self.asked[index] = round_no
         self.last_sent = max(self.last_sent, time.monotonic())
@@ -161,11 +161,12 @@ class Generator:
         if len(self.answers) == len(self.ids):
             answered.set()
 
-    async def quorum_round(self, round_no: int) -> dict[str, object]:
-        """Every group asks once, between two of its heartbeats (a leader asks as its step's forward starts)."""
+    async def quorum_round(self, round_no: int, held: int) -> dict[str, object]:
+        """Every group asks once, between two of its heartbeats (a leader asks as its step's forward starts), holding
+        the quorum ``held`` (-1: none) and having committed step ``round_no`` in it."""
         self.answers, self.last_sent, self.last_answer = [], 0.0, 0.0
         answered = asyncio.Event()
-        self.round = (round_no, answered)
+        self.round = (round_no, answered, held)
         await asyncio.wait_for(answered.wait(), 300)
         bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
         assert not bad, bad[:3]
@@ -204,7 +205,7 @@ async def _generator(pipe: Connection, gen: Generator) -> None:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             pipe.send(usage.ru_utime + usage.ru_stime)
         elif command[0] == "quorum":
-            result = await gen.quorum_round(command[1])
+            result = await gen.quorum_round(command[1], command[2])
             pipe.send(result)
         else:
             gen.stop = True
@@ -249,10 +250,11 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
         elapsed = time.monotonic() - start
         lighthouse_cpu = (cpu_seconds_of(proc.pid) - lighthouse_cpu_start) / elapsed
         rtts = sorted(r for report in reports for r in report["rtts"])
-        quorum_rounds = []
+        quorum_rounds: list[dict[str, object]] = []
         for round_no in range(rounds):
+            held = int(quorum_rounds[-1]["quorum_id"]) if quorum_rounds else -1  # type: ignore[call-overload]
             for pipe in pipes:
-                pipe.send(("quorum", round_no))
+                pipe.send(("quorum", round_no, held))
             results = [pipe.recv() for pipe in pipes]
             first = results[0]["answer"]
             answer = json.loads(gzip.decompress(first) if first[:2] == b"\x1f\x8b" else first)

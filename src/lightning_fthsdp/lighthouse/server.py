@@ -135,7 +135,10 @@ class Lighthouse:
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
         self._epoch = 0
-        self._epoch_changed: asyncio.Future[None] | None = None  # resolved when the epoch changes
+        # The held heartbeats, each released by the next epoch change or its own timer: a set, so a timer releasing one
+        # costs O(1) (a waiter list of an Event or a shared future is scanned on every timeout: O(groups^2) per
+        # interval at scale), and no task per heartbeat (asyncio.wait_for makes one).
+        self._held: set[asyncio.Future[None]] = set()
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -262,11 +265,7 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            # One future per epoch shared by every held heartbeat, awaited without a task of its own (wait_for would
-            # make one per heartbeat: one per group per interval at scale).
-            if self._epoch_changed is None:
-                self._epoch_changed = asyncio.get_running_loop().create_future()
-            await asyncio.wait((self._epoch_changed,), timeout=min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
@@ -283,6 +282,17 @@ class Lighthouse:
             return Response(200, b'%s,"quorum_rank":%d}' % (self._heartbeat_body[:-1],
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
+
+    async def _hold(self, timeout_s: float) -> None:
+        """Wait until the epoch changes or ``timeout_s`` passed."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._held.add(waiter)
+        timer = asyncio.get_running_loop().call_later(timeout_s, _release, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._held.discard(waiter)
 
     async def _quorum(self, request: Request) -> Response:
         asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
@@ -532,9 +542,10 @@ class Lighthouse:
     def _bump_epoch(self) -> None:
         self._epoch += 1
         self._heartbeat_body = None
-        if self._epoch_changed is not None:  # wakes every held long-poll; later polls wait on a fresh future
-            self._epoch_changed.set_result(None)
-            self._epoch_changed = None
+        held, self._held = self._held, set()
+        for waiter in held:  # wakes every held long-poll
+            if not waiter.done():
+                waiter.set_result(None)
 
     # ---- deciding ----
 
@@ -692,6 +703,11 @@ def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
         log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
         return None
     return LighthouseMetrics(status)
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _declared_id(replica_id: str) -> str:
