@@ -142,7 +142,7 @@ class Generator:
                 await asyncio.sleep(self.interval_ms / 1000)
                 continue
             epoch = int(re.search(rb'"epoch": ?(\d+)', body).group(1))  # type: ignore[union-attr]
-            if self.window[0] <= sent and done <= self.window[1]:
+            if self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
 
     async def ask(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -260,6 +260,7 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             answer = json.loads(gzip.decompress(first) if first[:2] == b"\x1f\x8b" else first)
             assert len(answer["members"]) == groups and answer["max_step"] == round_no, answer["quorum_id"]
             quorum_rounds.append({"kind": "fresh" if round_no == 0 else "steady", "quorum_id": answer["quorum_id"],
+                                  "answer_bytes": len(first),
                                   "latency_s": max(r["last_answer"] for r in results) -
                                   max(r["last_sent"] for r in results)})
         request = urllib.request.Request(f"http://{host}:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
