@@ -604,14 +604,17 @@ class Lighthouse:
                     ",".join(quorum.member_ids), quorum.max_step,
                     f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
             answer = self._answer = quorum_answer(quorum, self.store_address)
-            self._answered = set(quorum.member_ids if receivers is None else receivers)
+            answered_before, self._answered = self._answered, set(quorum.member_ids if receivers is None else receivers)
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 waiter = self._waiters.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(answer)
-            self._bump_epoch()
+            if changed or self._answered != answered_before:
+                # Heartbeats carry the quorum's id and each member's rank in it: news only when those change. The
+                # same quorum answered again each step wakes no held heartbeat (at scale: one per group per step).
+                self._bump_epoch()
         self._arm_join_timer()
 
     def _resume_from_checkpoint(self, quorum: Quorum) -> Quorum:
