@@ -1,54 +1,68 @@
-"""Quorum latency of the lighthouse with many simulated replica groups over loopback.
+"""The lighthouse at scale: simulated replica groups heartbeating at the default interval, then quorum rounds.
 
-One lighthouse subprocess (the real ``fthsdp lighthouse`` command) and one asyncio client process holding one
-keep-alive connection per group. Each group heartbeats once (so the lighthouse knows every group is alive),
-then every group asks for a quorum; the clock runs from the moment the last request was written to the moment
-the last answer was fully read. Round 1 is a fresh quorum (decided when the last alive group asks), round 2
-the steady state (every previous member asks again: the fast path). Every answer is checked: all members get
-the same quorum of all N groups.
+One lighthouse subprocess (the real ``fthsdp lighthouse`` command, default heartbeat timeout) and ``--generators`` load-
+generator processes, each an asyncio loop standing in for a share of the groups. Every group speaks the real protocol as
+its leader does (``lighthouse.client.Heartbeat``): one keep-alive connection carrying heartbeat long-polls (the group's
+other ranks beat to their leader, never here), and, in a quorum round, the group's quorum request between two heartbeats
+(a leader holds a second connection for those; one here keeps the lighthouse within the 20,000 descriptors a process may
+hold on this machine). After a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat
+round trip (which includes the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under
+that load: round 1 a fresh quorum (decided when the last group asks), the next ones the steady state (every member asks
+again). A round's time runs from the last request written to the last answer read. Groups declared dead are counted from
+``/status`` at the end.
 
-Usage: ``python bench/bench_lighthouse.py [--groups 1000 10000]``; writes ``bench/results/lighthouse.json``.
+Usage: ``python bench/bench_lighthouse.py --ranks 100000 --group-size 8``; writes ``bench/results/lighthouse.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import gzip
 import json
+import multiprocessing as mp
 import os
 import platform
 import re
 import resource
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 import zlib
+from multiprocessing.connection import Connection
 from pathlib import Path
+
+from lightning_fthsdp.config.timeouts import Timeouts
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse.json"
 CONNECT_BATCH = 256  # stay well under the listen backlog
-TOKEN = secrets.token_urlsafe(32)
-"""The job's token, as every real deployment has one: each request pays for its check."""
+TOKEN = os.environ.setdefault("FTHSDP_BENCH_TOKEN", secrets.token_urlsafe(32))
+"""The job's token, as every real deployment has one: each request pays for its check (the generators, spawned,
+inherit it through the environment)."""
 
 
 def raise_fd_limit(needed: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < needed:
         if hard != resource.RLIM_INFINITY and hard < needed:
-            raise SystemExit(f"bench needs {needed} open files, the hard limit is {hard}: lower --groups")
+            try:  # a privileged user may raise the hard limit too
+                resource.setrlimit(resource.RLIMIT_NOFILE, (needed, needed))
+            except (ValueError, OSError):
+                raise SystemExit(f"bench needs {needed} open files, the hard limit is {hard}: lower --ranks") from None
+            return
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def start_lighthouse(groups: int) -> tuple[subprocess.Popen[str], str, int]:
+def start_lighthouse(fds: int, heartbeat_timeout_ms: int) -> tuple[subprocess.Popen[str], str, int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
-         "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", "60000"],
+         "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-        preexec_fn=lambda: raise_fd_limit(groups + 256), env={**os.environ, "FTHSDP_TOKEN": TOKEN},
+        preexec_fn=lambda: raise_fd_limit(fds), env={**os.environ, "FTHSDP_TOKEN": TOKEN},
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -60,64 +74,220 @@ def start_lighthouse(groups: int) -> tuple[subprocess.Popen[str], str, int]:
 
 
 def post(path: str, body: dict[str, object]) -> bytes:
-    data = json.dumps(body).encode()
+    data = json.dumps(body, separators=(",", ":")).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n"
             f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
 
 
-async def read_response(reader: asyncio.StreamReader, keep: bool = True) -> tuple[int, bytes, int]:
-    """(status, body, crc32 of body); a gzip body stays compressed. With ``keep=False`` a 200 body is dropped:
-    answers are compared by checksum and one is parsed (holding 10,000 would measure the client's allocator)."""
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
-    body = await reader.readexactly(length)
-    return status, body if keep or status != 200 else b"", zlib.crc32(body)
+    return status, await reader.readexactly(length)
 
 
-async def quorum_round(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]], round_no: int) -> dict:
-    n = len(conns)
-    requests = [post("/v1/quorum", {"replica_id": f"g{i:05d}", "incarnation": "bench", "step": round_no,
-                                    "shard_count": 8, "address": "",
-                                    "commit_failed": False, "quorum_id": round_no - 1 if round_no else -1,
-                                    "members": [], "committed_in": round_no - 1 if round_no else -1,
-                                    "following": False,
-                                    "timeout_ms": 60_000}) for i in range(n)]
-    readers = [asyncio.ensure_future(read_response(r, keep=i == 0)) for i, (r, _) in enumerate(conns)]
-    # The client process stands in for 10,000 processes: keep its own GC pauses out of the lighthouse's numbers.
-    gc.collect()
-    gc.disable()
-    for (_, writer), request in zip(conns, requests, strict=True):
-        writer.write(request)
-    last_sent = time.perf_counter()
-    answers = await asyncio.wait_for(asyncio.gather(*readers), 120)
-    latency = time.perf_counter() - last_sent
-    gc.enable()
-    assert all(code == 200 for code, _, _ in answers), {(code, body) for code, body, _ in answers}
-    assert all(crc == answers[0][2] for _, _, crc in answers), "members got different quorums"
-    first = answers[0][1]
-    quorum = json.loads(gzip.decompress(first) if first[:2] == b"\x1f\x8b" else first)
-    assert len(quorum["members"]) == n and quorum["max_step"] == round_no, quorum["quorum_id"]
-    return {"quorum_id": quorum["quorum_id"], "latency_s": latency, "answer_bytes": len(first)}
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench(groups: int) -> dict:
-    proc, host, port = start_lighthouse(groups)
-    try:
+# ---- one generator process ----
+
+class Generator:
+    """The groups ``first..first+count-1`` of ``total``: their heartbeat loops, and quorum rounds on demand."""
+
+    def __init__(self, host: str, port: int, first: int, count: int, total: int, group_size: int,
+                 interval_ms: int) -> None:
+        self.host, self.port, self.total, self.group_size = host, port, total, group_size
+        self.ids = [f"g{i:06d}" for i in range(first, first + count)]
+        self.interval_ms = interval_ms
+        self.window = (float("inf"), float("inf"))
+        self.rtts: list[float] = []
+        self.errors = 0
+        self.stop = False
+        self.round: tuple[int, asyncio.Event, int] | None = None
+        self.asked = [-1] * count
+        self.answers: list[tuple[int, int, bytes]] = []
+        self.last_sent = self.last_answer = 0.0
+
+    def heartbeat(self, replica_id: str, epoch: int, wait_ms: int) -> bytes:
+        return post("/v1/heartbeat", {"replica_id": replica_id, "incarnation": "bench", "rank": 0, "step": 0,
+                                      "shard_count": self.group_size, "known_epoch": epoch, "wait_ms": wait_ms,
+                                      "losses": 0, "lost": []})
+
+    async def connect(self) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
         conns = []
-        for start in range(0, groups, CONNECT_BATCH):
-            conns += await asyncio.gather(*(asyncio.open_connection(host, port, limit=1 << 24)
-                                            for _ in range(start, min(groups, start + CONNECT_BATCH))))
-        for i, (_, writer) in enumerate(conns):
-            writer.write(post("/v1/heartbeat", {"replica_id": f"g{i:05d}", "incarnation": "bench", "step": 0,
-                                                "shard_count": 8, "known_epoch": -1, "wait_ms": 0}))
-        assert all(s == 200 for s, _, _ in await asyncio.gather(*(read_response(r) for r, _ in conns)))
-        fresh = await quorum_round(conns, 0)
-        steady = await quorum_round(conns, 1)
-        for _, writer in conns:
-            writer.close()
-        return {"groups": groups, "fresh": fresh, "steady": steady}
+        for start in range(0, len(self.ids), CONNECT_BATCH):
+            batch = min(len(self.ids), start + CONNECT_BATCH) - start
+            conns += await asyncio.gather(*(asyncio.open_connection(self.host, self.port, limit=1 << 24)
+                                            for _ in range(batch)))
+        return conns
+
+    async def beat(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   epoch: int) -> None:
+        """One group's leader: heartbeat long-polls; when a quorum round is on, its quorum request in between, on
+        the same connection."""
+        replica_id = self.ids[index]
+        while not self.stop:
+            if self.round is not None and self.asked[index] != self.round[0]:
+                await self.ask(index, reader, writer)
+                continue
+            sent = time.monotonic()
+            writer.write(self.heartbeat(replica_id, epoch, self.interval_ms))
+            status, body = await read_response(reader)
+            done = time.monotonic()
+            if status != 200:
+                self.errors += 1
+                await asyncio.sleep(self.interval_ms / 1000)
+                continue
+            epoch = int(re.search(rb'"epoch": ?(\d+)', body).group(1))  # type: ignore[union-attr]
+            if self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
+                self.rtts.append(done - sent)
+
+    async def ask(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.round is not None
+        round_no, answered, held = self.round
+        writer.write(post("/v1/quorum", {"replica_id": self.ids[index], "incarnation": "bench", "step": round_no,
+                                         "shard_count": self.group_size, "address": "", "commit_failed": False,
+                                         "quorum_id": held, "members": [],
+                                         "committed_in": held, "following": False,
+                                         "timeout_ms": 120_000}))
+        self.asked[index] = round_no
+        self.last_sent = max(self.last_sent, time.monotonic())
+        status, body = await read_response(reader)
+        self.last_answer = max(self.last_answer, time.monotonic())
+        self.answers.append((status, zlib.crc32(body), body if not self.answers else b""))
+        if len(self.answers) == len(self.ids):
+            answered.set()
+
+    async def quorum_round(self, round_no: int, held: int) -> dict[str, object]:
+        """Every group asks once, between two of its heartbeats (a leader asks as its step's forward starts), holding
+        the quorum ``held`` (-1: none) and having committed step ``round_no`` in it."""
+        self.answers, self.last_sent, self.last_answer = [], 0.0, 0.0
+        answered = asyncio.Event()
+        self.round = (round_no, answered, held)
+        await asyncio.wait_for(answered.wait(), 300)
+        bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
+        assert not bad, bad[:3]
+        assert len({crc for _, crc, _ in self.answers}) == 1, "members got different quorums"
+        return {"last_sent": self.last_sent, "last_answer": self.last_answer, "answer": self.answers[0][2]}
+
+
+def generator_main(pipe: Connection, host: str, port: int, first: int, count: int, total: int, group_size: int,
+                   interval_ms: int) -> None:
+    raise_fd_limit(count + 256)
+    asyncio.run(_generator(pipe, Generator(host, port, first, count, total, group_size, interval_ms)))
+
+
+async def _generator(pipe: Connection, gen: Generator) -> None:
+    loop = asyncio.get_running_loop()
+    beats = await gen.connect()
+    for rid, (_, writer) in zip(gen.ids, beats, strict=True):  # every group known before the window
+        writer.write(gen.heartbeat(rid, -1, 0))
+    first_answers = await asyncio.gather(*(read_response(r) for r, _ in beats))
+    refused = [(code, body[:200]) for code, body in first_answers if code != 200]
+    assert not refused, f"{len(refused)} first heartbeats refused, e.g. {refused[0]}"
+    epochs = [int(json.loads(body)["epoch"]) for _, body in first_answers]
+    tasks = [asyncio.ensure_future(gen.beat(index, r, w, epoch))
+             for index, ((r, w), epoch) in enumerate(zip(beats, epochs, strict=True))]
+    pipe.send("ready")
+    while True:
+        command = await loop.run_in_executor(None, pipe.recv)
+        if command[0] == "window":
+            gen.window = (command[1], command[2])
+            await asyncio.sleep(max(0.0, command[2] - time.monotonic()))
+            usage_start = command[3]
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            pipe.send({"rtts": gen.rtts, "errors": gen.errors,
+                       "cpu_s": usage.ru_utime + usage.ru_stime - usage_start})
+        elif command[0] == "cpu":
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            pipe.send(usage.ru_utime + usage.ru_stime)
+        elif command[0] == "quorum":
+            result = await gen.quorum_round(command[1], command[2])
+            pipe.send(result)
+        else:
+            gen.stop = True
+            for task in tasks:
+                task.cancel()
+            return
+
+
+# ---- the driver ----
+
+def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds: int,
+          timeouts: Timeouts) -> dict[str, object]:
+    if ranks % group_size:
+        raise SystemExit(f"--ranks {ranks} is no multiple of --group-size {group_size}")
+    groups = ranks // group_size
+    proc, host, port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms)
+    ctx = mp.get_context("spawn")
+    pipes, workers = [], []
+    try:
+        share = -(-groups // generators)
+        for g in range(generators):
+            first, count = g * share, min(share, groups - g * share)
+            ours, theirs = ctx.Pipe()
+            worker = ctx.Process(target=generator_main, args=(theirs, host, port, first, count, groups, group_size,
+                                                              timeouts.heartbeat_interval_ms), daemon=True)
+            worker.start()
+            pipes.append(ours)
+            workers.append(worker)
+        for pipe in pipes:
+            if not pipe.poll(600):
+                raise SystemExit("a generator did not connect its groups within 600 s")
+            assert pipe.recv() == "ready"
+        time.sleep(3 * timeouts.heartbeat_interval_ms / 1000)  # warm-up: the long-polls spread out
+        for pipe in pipes:
+            pipe.send(("cpu",))
+        gen_cpu_start = [pipe.recv() for pipe in pipes]
+        start = time.monotonic()
+        lighthouse_cpu_start = cpu_seconds_of(proc.pid)
+        for pipe, cpu in zip(pipes, gen_cpu_start, strict=True):
+            pipe.send(("window", start, start + window_s, cpu))
+        reports = [pipe.recv() for pipe in pipes]
+        elapsed = time.monotonic() - start
+        lighthouse_cpu = (cpu_seconds_of(proc.pid) - lighthouse_cpu_start) / elapsed
+        rtts = sorted(r for report in reports for r in report["rtts"])
+        quorum_rounds: list[dict[str, object]] = []
+        for round_no in range(rounds):
+            held = int(quorum_rounds[-1]["quorum_id"]) if quorum_rounds else -1  # type: ignore[call-overload]
+            for pipe in pipes:
+                pipe.send(("quorum", round_no, held))
+            results = [pipe.recv() for pipe in pipes]
+            first = results[0]["answer"]
+            answer = json.loads(gzip.decompress(first) if first[:2] == b"\x1f\x8b" else first)
+            assert len(answer["members"]) == groups and answer["max_step"] == round_no, answer["quorum_id"]
+            quorum_rounds.append({"kind": "fresh" if round_no == 0 else "steady", "quorum_id": answer["quorum_id"],
+                                  "answer_bytes": len(first),
+                                  "latency_s": max(r["last_answer"] for r in results) -
+                                  max(r["last_sent"] for r in results)})
+        request = urllib.request.Request(f"http://{host}:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status = json.loads(response.read())
+        dead = sum(1 for g in status["groups"] if g["dead"])
+        return {
+            "ranks": ranks, "group_size": group_size, "groups": groups, "generators": generators,
+            "heartbeat_interval_ms": timeouts.heartbeat_interval_ms,
+            "heartbeat_timeout_ms": timeouts.heartbeat_timeout_ms, "window_s": round(elapsed, 3),
+            "heartbeats_per_s": round(len(rtts) / elapsed, 1),
+            "ideal_heartbeats_per_s": round(groups * 1000 / timeouts.heartbeat_interval_ms, 1),
+            "lighthouse_cpu": round(lighthouse_cpu, 3),
+            "generator_cpu": [round(r["cpu_s"] / elapsed, 3) for r in reports],
+            "heartbeat_errors": sum(r["errors"] for r in reports),
+            "rtt_p50_ms": round(statistics.median(rtts) * 1000, 1) if rtts else None,
+            "rtt_p99_ms": round(rtts[int(len(rtts) * 0.99)] * 1000, 1) if rtts else None,
+            "groups_dead": dead, "quorum_rounds": quorum_rounds,
+            "load_average": os.getloadavg(),
+        }
     finally:
+        for pipe in pipes:
+            pipe.send(("stop",))
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -127,16 +297,30 @@ async def bench(groups: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, nargs="+", default=[1000, 10_000])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[100_000])
+    parser.add_argument("--group-size", type=int, default=8, help="ranks per replica group")
+    parser.add_argument("--generators", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--window-s", type=float, default=20.0, help="length of the steady window")
+    parser.add_argument("--rounds", type=int, default=3, help="quorum rounds (the first fresh, then steady)")
+    defaults = Timeouts()
+    parser.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=defaults.heartbeat_timeout_ms,
+                        help="the lighthouse's (a group silent this long is declared dead)")
     args = parser.parse_args()
-    raise_fd_limit(max(args.groups) + 256)
-    rows = [asyncio.run(bench(n)) for n in args.groups]
-    print(f"{'groups':>7} {'round':>7} {'quorum_id':>9} {'answer KiB':>10} {'latency ms':>10}")
+    timeouts = Timeouts(heartbeat_interval_ms=args.heartbeat_interval_ms,
+                        heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
+    print(f"{'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
+          f"{'dead':>4} {'quorum fresh/steady s':>21} {'generators CPU':>16}")
     for row in rows:
-        for kind in ("fresh", "steady"):
-            r = row[kind]
-            print(f"{row['groups']:>7} {kind:>7} {r['quorum_id']:>9} {r['answer_bytes'] / 1024:>10.1f} "
-                  f"{r['latency_s'] * 1000:>10.1f}")
+        rounds = row["quorum_rounds"]
+        steady = [r["latency_s"] for r in rounds[1:]]
+        print(f"{row['ranks']:>7} {row['groups']:>6} {row['heartbeats_per_s']:>7.0f} "
+              f"({row['ideal_heartbeats_per_s']:>5.0f})"
+              f" {row['lighthouse_cpu'] * 100:>13.0f}% {row['rtt_p50_ms']:>7} / {row['rtt_p99_ms']:<6}"
+              f" {row['groups_dead']:>4} {rounds[0]['latency_s']:>10.2f} / "
+              f"{(max(steady) if steady else float('nan')):<8.2f}"
+              f" {'+'.join(f'{c * 100:.0f}%' for c in row['generator_cpu']):>16}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
                                   indent=2) + "\n")

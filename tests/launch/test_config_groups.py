@@ -59,7 +59,7 @@ def test_a_choice_replaces_the_option_where_the_tree_names_it_and_the_recipe_key
     assert recipe.trainer.max_steps == 50  # key overrides come last whatever their place in the list
     assert (recipe.ft.min_replicas, recipe.launch.replicas) == (2, 3)  # the recipe's own keys
     swapped = load_recipe(RECIPES / "tiny_gpt.yaml", ["ft=datacenter"])
-    assert swapped.ft.timeouts.heartbeat_timeout_ms == 5000
+    assert swapped.ft.timeouts.heartbeat_timeout_ms == 15000
     assert swapped.ft.checkpoint_dir == ""  # loopback's checkpoints went with it: replaced, not layered
 
 

@@ -36,6 +36,12 @@ class HeartbeatRequest:
     known_epoch: int
     """The epoch the rank last saw: while it is still the lighthouse's, the answer is held up to ``wait_ms``."""
     wait_ms: int
+    lost: tuple[int, ...] = ()
+    """The ranks of the group its leader has lost now (``lighthouse.group_relay``): the group stays dead while any
+    is. Empty from a client that heartbeats per rank."""
+    losses: int = 0
+    """How many ranks the leader has lost so far: a heartbeat reporting fewer losses than the lighthouse knows was
+    sent before the newest one and revives nothing."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,40 @@ def parse_heartbeat(request: Request) -> HeartbeatRequest:
     replica_id = _replica_id(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
     known_epoch, wait_ms = require_int(body, "known_epoch", None), require_int(body, "wait_ms", 0)
-    return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms)
+    losses = require_int(body, "losses", 0) if "losses" in body else 0
+    lost = require(body, "lost", list, "a list of ranks >= 1") if "lost" in body else []
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 < r < shard_count for r in lost):
+        raise HttpError(400, f"field 'lost' must list ranks from 1 to shard_count - 1 = {shard_count - 1}, got "
+                             f"{lost!r}")
+    return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms,
+                            tuple(lost), losses)
+
+
+LOSS_CAUSES = ("crash", "hang")
+
+
+@dataclass(frozen=True)
+class LostRequest:
+    """``POST /v1/lost``: a group's leader reports at once that it lost one of its other ranks."""
+
+    replica_id: str
+    incarnation: str
+    rank: int
+    """The rank lost (>= 1: the leader reports only others)."""
+    cause: str
+    """``crash`` (its connection to the leader closed) or ``hang`` (it sent nothing for the heartbeat timeout)."""
+    losses: int
+    """The leader's count of ranks lost so far, this one included."""
+
+
+def parse_lost(request: Request) -> LostRequest:
+    body = request.json_object()
+    replica_id, incarnation = _replica_id(body), _incarnation(body)
+    rank, losses = require_int(body, "lost_rank", 1), require_int(body, "losses", 1)
+    cause = require(body, "cause", str, f"one of {', '.join(LOSS_CAUSES)}")
+    if cause not in LOSS_CAUSES:
+        raise HttpError(400, f"field 'cause' must be one of {', '.join(LOSS_CAUSES)}, got {cause!r}")
+    return LostRequest(replica_id, incarnation, rank, cause, losses)
 
 
 def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int, CaughtUp | None]:

@@ -1,9 +1,10 @@
-"""The replica side of the control plane: heartbeats (with pushed membership) and quorum requests.
+"""The replica side of the control plane: the leader's heartbeats (with pushed membership) and quorum requests.
 
-Every rank of a replica group heartbeats on its own persistent connection: the lighthouse declares the group
-dead the moment any of those connections closes (a crash) or falls silent past the heartbeat timeout (a hang),
-and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
-for a collective timeout. Only the group's leader (shard rank 0) asks for quorums.
+Liveness has two levels. A group's leader (shard rank 0) heartbeats on one persistent connection: the lighthouse
+declares the group dead the moment that connection closes (a crash) or falls silent past the heartbeat timeout (a
+hang), and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
+for a collective timeout. The group's other ranks beat to their leader (``lighthouse.group_relay``), which reports
+one lost at once and relays every answer to them. Only the leader asks for quorums.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import logging
 import socket
 import threading
 import time
@@ -19,11 +19,10 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.group_relay import GroupRelay
+from lightning_fthsdp.lighthouse.membership import Membership
 from lightning_fthsdp.lighthouse.quorum import Quorum
-
-_qlog = logging.getLogger(log.QUORUM)
 
 
 class LighthouseUnavailable(ConnectionError):
@@ -125,22 +124,14 @@ class _Connection:
 
 
 class Heartbeat:
-    """A daemon thread that heartbeats as long-polls and reports who the lighthouse declared dead.
+    """The leader's heartbeat: a daemon thread that heartbeats as long-polls, reports who the lighthouse declared
+    dead, and relays every answer to the group's other ranks (``relay``; None for a one-rank group).
 
-    ``on_dead(dead_ids)`` runs on the heartbeat thread whenever the set of dead groups changes;
-    ``on_quorum(quorum_id, rank, size, store_address)`` when the lighthouse decides a new quorum with this group in
-    it (this group's rank among ``size`` members; the store hosts the quorum's rendezvous); ``on_lost()`` when an
-    answering lighthouse stops answering (it died or restarts, and its store with it).
-    ``lease_valid(deaths)`` is the commit fence, see there. ``deaths`` is how often the lighthouse has declared
-    this group dead, as of the last acknowledged heartbeat. ``incarnation``: this start of the group's processes
-    (the same on every rank; see lighthouse.registry).
-
-    The lease lasts the lighthouse's heartbeat timeout (``lease_ms``, from every heartbeat answer), not
-    ``timeouts.heartbeat_timeout_ms``: the lighthouse is the one that declares a silent group dead, so only its
-    value tells how long an acknowledgement keeps us alive. Adopting it, rather than refusing to start on a
-    mismatch, keeps a job running when its lighthouse is restarted with another value, and a lighthouse value above
-    ours is as safe (it declares us dead later). Our own value bounds a heartbeat request, and the lease until the
-    first answer.
+    ``on_dead``, ``on_quorum``, ``on_lost`` and the lease are ``lighthouse.membership.Membership``'s. ``deaths`` is
+    how often the lighthouse has declared this group dead, as of the last acknowledged heartbeat. ``incarnation``:
+    this start of the group's processes (the same on every rank; see lighthouse.registry). A rank the relay loses
+    is reported at once (``POST /v1/lost``, on a connection of its own: the heartbeat's may be held in a long-poll),
+    and every later heartbeat carries the ranks lost, so the lighthouse keeps the group dead while one is.
     """
 
     def __init__(
@@ -156,31 +147,24 @@ class Heartbeat:
         on_dead: Callable[[frozenset[str]], None],
         on_quorum: Callable[[int, int, int, str], None],
         on_lost: Callable[[], None],
+        relay: GroupRelay | None = None,
     ) -> None:
         self._conn = _Connection(url, token)
-        self._replica_id, self._shard_count = replica_id, shard_count
+        self._report_conn = _Connection(url, token)
+        self._report_lock = threading.Lock()
+        self._shard_count = shard_count
         self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
         self._timeouts = timeouts
         self._step = step
-        self._on_dead = on_dead
-        self._on_quorum = on_quorum
-        self._on_lost = on_lost
-        self._quorum_id = -1
+        self._relay = relay
+        self.membership = Membership(replica_id, timeouts, on_dead, on_quorum, on_lost)
         self._stop = threading.Event()
-        self._epoch = -1
-        self._dead: frozenset[str] = frozenset()
-        self._last_ack_sent = time.monotonic()
-        self.deaths = 0
-        self.lease_ms = timeouts.heartbeat_timeout_ms
-        """The lighthouse's heartbeat timeout once it answered (ours until then): how long an acknowledgement lasts."""
         self._started = False
-        # "ok": acknowledged; "unverified": the connection broke (we may have been declared dead: find out before
-        # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
-        self._state = "unverified"
-        self._settled = threading.Event()  # set in "ok" and "away"
         self._thread = threading.Thread(target=self._run, name=f"fthsdp-heartbeat-{replica_id}-{rank}", daemon=True)
 
     def start(self) -> None:
+        if self._relay is not None:
+            self._relay.start(self._report_lost)
         self._thread.start()
         self._started = True
 
@@ -190,21 +174,19 @@ class Heartbeat:
 
     @property
     def dead(self) -> frozenset[str]:
-        return self._dead
+        return self.membership.dead
+
+    @property
+    def deaths(self) -> int:
+        return self.membership.deaths
+
+    @property
+    def lease_ms(self) -> int:
+        return self.membership.lease_ms
 
     def lease_valid(self, deaths_before: int) -> bool:
-        """Whether this group may commit a step it started when the lighthouse had declared it dead
-        ``deaths_before`` times: False if it was declared dead since (a broken heartbeat connection, a SIGSTOP)
-        or could have been (no acknowledgement for a heartbeat timeout). After a broken connection it waits (a
-        few heartbeat intervals at most) for the reconnect that tells. While nothing listens at the lighthouse's
-        address, nobody can be declared dead and the lease holds (a lighthouse that declared us dead and then
-        died within one heartbeat interval is the residual risk)."""
-        if not self._settled.wait(3 * self._timeouts.heartbeat_interval_ms / 1000):
-            return False
-        if self._state == "away":
-            return True
-        fresh = time.monotonic() - self._last_ack_sent < self.lease_ms / 1000
-        return fresh and self.deaths == deaths_before
+        """See ``Membership.lease_valid``."""
+        return self.membership.lease_valid(deaths_before)
 
     def _run(self) -> None:
         interval_s = self._timeouts.heartbeat_interval_ms / 1000
@@ -215,63 +197,40 @@ class Heartbeat:
                 **self._identity,
                 "step": self._step(),
                 "shard_count": self._shard_count,
-                "known_epoch": self._epoch,
+                "known_epoch": self.membership.epoch,
                 "wait_ms": self._timeouts.heartbeat_interval_ms,
             }
+            if self._relay is not None:
+                body["losses"], body["lost"] = self._relay.losses, self._relay.lost
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:
-                if self._state == "ok" and not exc.timed_out:  # refused or broken: the process (and store) is gone
-                    self._on_lost()
-                if exc.refused:
-                    self._state = "away"
-                    self._settled.set()
-                    self._stop.wait(interval_s)
-                elif self._state != "unverified":
-                    self._state = "unverified"
-                    self._settled.clear()  # reconnect at once: a commit may be waiting for the answer
-                else:
+                if self._relay is not None:
+                    self._relay.publish({"unavailable": {"refused": exc.refused, "timed_out": exc.timed_out}})
+                if not self.membership.unavailable(exc.refused, exc.timed_out):
                     self._stop.wait(interval_s)
                 continue
             except LighthouseRejected:
                 # A request the lighthouse refuses (e.g. wrong token) never becomes valid by retrying fast.
                 self._stop.wait(interval_s)
                 continue
-            # Deaths and the lease length before the acknowledgement time: lease_valid (another thread) that sees
-            # the new time must see what the same answer says of them.
-            self.deaths = int(dict(answer.get("deaths", {})).get(self._replica_id, 0))
-            self._adopt_lease(answer.get("heartbeat_timeout_ms"))
-            self._last_ack_sent = sent
-            self._state = "ok"
-            self._settled.set()
-            epoch = int(answer.get("epoch", -1))
-            if epoch < self._epoch:
-                self._on_lost()  # a new lighthouse (epochs only grow within one) answered our resent request
-            self._epoch = epoch
-            dead = frozenset(str(d) for d in answer.get("dead", ()))
-            if dead != self._dead:
-                self._dead = dead
-                self._on_dead(dead)
-            quorum_id = int(answer.get("quorum_id", -1))
-            if "quorum_rank" in answer and quorum_id != self._quorum_id:
-                self._quorum_id = quorum_id
-                try:
-                    self._on_quorum(quorum_id, int(answer["quorum_rank"]), int(answer["quorum_size"]),
-                                    str(answer["store"]))
-                except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
-                    _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+            self.membership.answered(answer, sent)
+            if self._relay is not None:
+                self._relay.publish({"answer": answer, "age_ms": round((time.monotonic() - sent) * 1000, 3)})
 
-    def _adopt_lease(self, lighthouse_ms: object) -> None:
-        if not isinstance(lighthouse_ms, int) or lighthouse_ms <= 0 or lighthouse_ms == self.lease_ms:
-            return
-        _qlog.warning("the lighthouse declares a silent group dead after heartbeat_timeout_ms=%d, this group's "
-                      "timeouts say %d: the commit lease follows the lighthouse (set both alike)", lighthouse_ms,
-                      self._timeouts.heartbeat_timeout_ms)
-        self.lease_ms = lighthouse_ms
+    def _report_lost(self, rank: int, cause: str, reason: str) -> None:
+        """The relay lost ``rank`` (``crash`` or ``hang``): tell the lighthouse now rather than with the next
+        heartbeat (up to an interval away)."""
+        assert self._relay is not None, "only a relay loses ranks"
+        body = {**self._identity, "lost_rank": rank, "cause": cause, "losses": self._relay.losses}
+        with self._report_lock, contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
+            self._report_conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
         self._stop.set()
+        if self._relay is not None:
+            self._relay.close()
         # Outlasts a heartbeat in flight (held up to the interval, then answered within the timeout): the leave
         # below uses the same connection.
         in_flight_ms = self._timeouts.heartbeat_interval_ms + self._timeouts.heartbeat_timeout_ms
@@ -280,7 +239,8 @@ class Heartbeat:
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
             self._conn.post("/v1/leave", self._identity, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
         self._conn.close()
-
+        with self._report_lock:
+            self._report_conn.close()
 
 
 class QuorumClient:

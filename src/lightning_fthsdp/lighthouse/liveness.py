@@ -1,7 +1,13 @@
 """Which open connection carries each rank's heartbeats: the close of one is how the lighthouse learns at once that
-a process of that replica group died (crash detection; hangs are left to the heartbeat timeout)."""
+a process of that replica group died (crash detection; hangs are left to the heartbeat timeout).
+
+Our own clients heartbeat from each group's leader only (its other ranks beat to the leader, which reports one lost
+itself, see ``lighthouse.group_relay``): one connection per group. A client that heartbeats from every rank is still
+served, one connection per rank."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from lightning_fthsdp.lighthouse.http import Connection
 
@@ -38,6 +44,10 @@ class HeartbeatConnections:
         """The group left: release every one of its ranks."""
         for key in [key for key in self._connection if key[0] == replica_id]:
             self.release(key)
+
+    def per_group(self) -> Counter[str]:
+        """Replica id -> how many heartbeat connections of its ranks are open."""
+        return Counter(replica_id for replica_id, _ in self._connection)
 
     def closed(self, connection: Connection) -> RankKey | None:
         """``connection`` closed: the rank whose process died with it, or None when it carried no live heartbeats."""

@@ -52,6 +52,10 @@ class GroupRecord:
     """The newest quorum this incarnation was answered (-1: none)."""
     deaths_answered: int = 0
     """``deaths`` when it was answered that quorum."""
+    lost: tuple[int, ...] = ()
+    """The ranks its leader reports lost now: the group stays dead while any is (nothing it says revives it)."""
+    losses: int = 0
+    """Ranks its leader reported lost so far (this incarnation)."""
 
     @property
     def lost_contact(self) -> bool:
@@ -115,6 +119,7 @@ class Registry:
             record = self._records[replica_id] = GroupRecord(incarnation, 0, now, now)
             return record, True
         record.incarnation, record.step, record.answered = incarnation, 0, -1
+        record.lost, record.losses = (), 0
         record.incarnations += 1
         record.last_seen = record.joined_s = now
         return record, True

@@ -16,7 +16,6 @@ decision would answer, kept per event), ``liveness`` (which connection's close d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -32,6 +31,7 @@ from lightning_fthsdp.lighthouse.api import (
     parse_checkpoint,
     parse_heartbeat,
     parse_leave,
+    parse_lost,
     parse_quorum,
     quorum_answer,
 )
@@ -80,7 +80,8 @@ class Lighthouse:
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
-    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/checkpoint`` (a
+    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/lost`` (a
+    group's leader reports a rank it lost: the group is dead while one is), ``POST /v1/checkpoint`` (a
     writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events`` (the event log and
     membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only), ``GET /`` (the status
     page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
@@ -134,7 +135,10 @@ class Lighthouse:
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
         self._epoch = 0
-        self._epoch_changed = asyncio.Event()
+        # The held heartbeats, each released by the next epoch change or its own timer: a set, so a timer releasing one
+        # costs O(1) (a waiter list of an Event or a shared future is scanned on every timeout: O(groups^2) per
+        # interval at scale), and no task per heartbeat (asyncio.wait_for makes one).
+        self._held: set[asyncio.Future[None]] = set()
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -149,6 +153,7 @@ class Lighthouse:
             "/v1/heartbeat": ("POST", self._heartbeat),
             "/v1/quorum": ("POST", self._quorum),
             "/v1/leave": ("POST", self._leave),
+            "/v1/lost": ("POST", self._lost),
             "/v1/checkpoint": ("POST", self._checkpoint),
             "/status": ("GET", self._status),
             "/events": ("GET", self._events),
@@ -251,11 +256,16 @@ class Lighthouse:
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
         self._check_claim(replica_id, beat.incarnation, beat.step, None)
-        self._touch(self._admit(replica_id, beat.incarnation, beat.step), replica_id, beat.step)
+        record = self._admit(replica_id, beat.incarnation, beat.step)
+        if beat.losses >= record.losses:  # else sent before the newest loss report: it revives nothing
+            record.losses, record.lost = beat.losses, beat.lost
+            if beat.lost:
+                self._declare_dead(replica_id, "crash", f"its leader reports rank(s) "
+                                                        f"{','.join(map(str, beat.lost))} lost")
+            self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._epoch_changed.wait(), min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
@@ -272,6 +282,17 @@ class Lighthouse:
             return Response(200, b'%s,"quorum_rank":%d}' % (self._heartbeat_body[:-1],
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
+
+    async def _hold(self, timeout_s: float) -> None:
+        """Wait until the epoch changes or ``timeout_s`` passed."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._held.add(waiter)
+        timer = asyncio.get_running_loop().call_later(timeout_s, _release, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._held.discard(waiter)
 
     async def _quorum(self, request: Request) -> Response:
         asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
@@ -325,6 +346,16 @@ class Lighthouse:
         self._schedule_decide(force=True)
         return json_response({})
 
+    async def _lost(self, request: Request) -> Response:
+        lost = parse_lost(request)
+        record = self._registry.owner(lost.replica_id, lost.incarnation)
+        record.losses = max(record.losses, lost.losses)
+        record.lost = tuple(sorted({*record.lost, lost.rank}))
+        how = ("its connection to the leader closed" if lost.cause == "crash" else
+               "it sent the leader nothing for the heartbeat timeout")
+        self._declare_dead(lost.replica_id, lost.cause, f"its leader lost rank {lost.rank}: {how}")
+        return json_response({})
+
     async def _checkpoint(self, request: Request) -> Response:
         replica_id, incarnation, step, path = parse_checkpoint(request)
         self._registry.owner(replica_id, incarnation)
@@ -366,6 +397,7 @@ class Lighthouse:
         its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
+        connections = self._heartbeat_connections.per_group()
         catch_up_from = quorum.catch_up_from if quorum else {}
         return {
             "quorum_id": quorum.quorum_id if quorum else -1,
@@ -385,7 +417,8 @@ class Lighthouse:
                  "heartbeat_age_s": round(now - r.last_seen, 3), "in_quorum": rid in members,
                  "pending": rid in self._readiness.pending, "state": self._state(rid, r),
                  "lag": max(0, self._ledger.committed_step - r.step), "incarnations": r.incarnations,
-                 "deaths": r.deaths, "cause": r.cause}
+                 "deaths": r.deaths, "cause": r.cause, "heartbeat_connections": connections.get(rid, 0),
+                 "lost_ranks": list(r.lost)}
                 for rid, r in sorted(self._registry.items())
             ],
             "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
@@ -446,10 +479,11 @@ class Lighthouse:
         return record
 
     def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
-        """A sign of life: record it; revive a dead replica (epoch change)."""
+        """A sign of life: record it; revive a dead replica (epoch change) unless its leader reports a rank lost (the
+        leader's word is no sign of life of the whole group then)."""
         restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
         record.step, record.last_seen = step, time.monotonic()
-        if record.dead:
+        if record.dead and not record.lost:
             record.dead = False
             log.info("replica %s is alive again at step %d", replica_id, step)
             if not restarted:
@@ -508,8 +542,10 @@ class Lighthouse:
     def _bump_epoch(self) -> None:
         self._epoch += 1
         self._heartbeat_body = None
-        self._epoch_changed.set()  # wakes every held long-poll; later polls wait on a fresh event
-        self._epoch_changed = asyncio.Event()
+        held, self._held = self._held, set()
+        for waiter in held:  # wakes every held long-poll
+            if not waiter.done():
+                waiter.set_result(None)
 
     # ---- deciding ----
 
@@ -568,14 +604,17 @@ class Lighthouse:
                     ",".join(quorum.member_ids), quorum.max_step,
                     f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
             answer = self._answer = quorum_answer(quorum, self.store_address)
-            self._answered = set(quorum.member_ids if receivers is None else receivers)
+            answered_before, self._answered = self._answered, set(quorum.member_ids if receivers is None else receivers)
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 waiter = self._waiters.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(answer)
-            self._bump_epoch()
+            if changed or self._answered != answered_before:
+                # Heartbeats carry the quorum's id and each member's rank in it: news only when those change. The
+                # same quorum answered again each step wakes no held heartbeat (at scale: one per group per step).
+                self._bump_epoch()
         self._arm_join_timer()
 
     def _resume_from_checkpoint(self, quorum: Quorum) -> Quorum:
@@ -667,6 +706,11 @@ def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
         log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
         return None
     return LighthouseMetrics(status)
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _declared_id(replica_id: str) -> str:

@@ -44,6 +44,10 @@ class GroupAgreement:
         lighthouse lets only this incarnation speak for the group until it dies."""
         return str(self._broadcast_from_leader({"incarnation": secrets.token_hex(16)})["incarnation"])
 
+    def from_leader(self, value: str) -> str:
+        """The leader's ``value``, the same on every rank (the others pass anything)."""
+        return str(self._broadcast_from_leader({"value": value})["value"])
+
     def gather_addresses(self, address: str) -> list[str]:
         """Every rank's state-server address (the leader advertises them all, shard rank order)."""
         if self._process_group is None:

@@ -36,6 +36,8 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
 from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, QuorumClient
+from lightning_fthsdp.lighthouse.group_relay import GroupRelay
+from lightning_fthsdp.lighthouse.member import MemberHeartbeat
 from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
@@ -149,10 +151,7 @@ class FTManager:
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token)
         self.incarnation = self._agreement.incarnation()
-        self._heartbeat = Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count,
-                                    self.timeouts, step=lambda: self.step, on_dead=self._on_dead,
-                                    on_quorum=self._comm.prepare,
-                                    on_lost=lambda: self._comm.abort_rendezvous("the lighthouse went away"))
+        self._heartbeat = self._make_heartbeat(url, token, state_host)
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
@@ -414,6 +413,26 @@ class FTManager:
                 self._elog.exception("shutdown: closing %s failed", what)
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    def _make_heartbeat(self, url: str, token: str | None, host: str) -> Heartbeat | MemberHeartbeat:
+        """Liveness in two levels: the leader heartbeats to the lighthouse and relays its answers to the group's
+        other ranks, which beat to the leader (on ``host``, where this rank serves its state). One relay address,
+        agreed over the group's process group."""
+        relay = GroupRelay(host, token, self.incarnation, self.timeouts) if self.is_leader and self.shard_count > 1 \
+            else None
+        leader = self._agreement.from_leader(relay.address if relay is not None else "")
+        if not self.is_leader:
+            return MemberHeartbeat(leader, token, self.replica_id, self.incarnation, self.rank, self.timeouts,
+                                   on_dead=self._on_dead, on_quorum=self._comm.prepare,
+                                   on_lost=self._lighthouse_lost)
+        return Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count, self.timeouts,
+                         step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare,
+                         on_lost=self._lighthouse_lost, relay=relay)
+
+    def _lighthouse_lost(self) -> None:
+        """The lighthouse (or, for a rank other than the leader, the leader relaying it) went away, and with it the
+        store hosting the cross-group rendezvous: a rendezvous under way would wait for nothing."""
+        self._comm.abort_rendezvous("the lighthouse went away")
 
     def _count_failure(self, cause: str) -> None:
         self._failed_commits += 1

@@ -1,0 +1,127 @@
+"""What one rank knows of the job's membership from the lighthouse's heartbeat answers, and its commit lease.
+
+A group's leader gets the answers from the lighthouse itself; its other ranks get the same answers relayed by the
+leader (``lighthouse.group_relay``). Both feed them here, so every rank reacts alike: the dead groups (the watchdog
+that aborts an in-flight exchange), the newest quorum (its rendezvous started early), a lighthouse that went away,
+and the lease that fences a commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from lightning_fthsdp.config import log
+from lightning_fthsdp.config.timeouts import Timeouts
+
+_qlog = logging.getLogger(log.QUORUM)
+
+
+class Membership:
+    """``on_dead(dead_ids)`` runs whenever the set of dead groups changes; ``on_quorum(quorum_id, rank, size,
+    store_address)`` when a new quorum with this group in it is decided; ``on_lost()`` when an answering lighthouse
+    stops answering (it died or restarts, and its store with it). All run on the thread that feeds the answers.
+
+    The lease lasts the lighthouse's heartbeat timeout (``lease_ms``, from every answer), not
+    ``timeouts.heartbeat_timeout_ms``: the lighthouse is the one that declares a silent group dead, so only its
+    value tells how long an acknowledgement keeps us alive. Adopting it, rather than refusing to start on a
+    mismatch, keeps a job running when its lighthouse is restarted with another value, and a lighthouse value above
+    ours is as safe (it declares us dead later). Our own value is the lease until the first answer.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        timeouts: Timeouts,
+        on_dead: Callable[[frozenset[str]], None],
+        on_quorum: Callable[[int, int, int, str], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._replica_id = replica_id
+        self._timeouts = timeouts
+        self._on_dead, self._on_quorum, self._on_lost = on_dead, on_quorum, on_lost
+        self._quorum_id = -1
+        self.epoch = -1
+        """The lighthouse's epoch in the newest answer (-1: none yet)."""
+        self.dead: frozenset[str] = frozenset()
+        self.deaths = 0
+        """How often the lighthouse declared this group dead, as of the newest answer."""
+        self.lease_ms = timeouts.heartbeat_timeout_ms
+        """The lighthouse's heartbeat timeout once it answered (ours until then): how long an acknowledgement lasts."""
+        self._acknowledged = time.monotonic()
+        # "ok": acknowledged; "unverified": the connection broke (we may have been declared dead: find out before
+        # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
+        self.state = "unverified"
+        self._settled = threading.Event()  # set in "ok" and "away"
+
+    def lease_valid(self, deaths_before: int) -> bool:
+        """Whether this group may commit a step it started when the lighthouse had declared it dead
+        ``deaths_before`` times: False if it was declared dead since (a broken heartbeat connection, a SIGSTOP)
+        or could have been (no acknowledgement for a heartbeat timeout). After a broken connection it waits (a
+        few heartbeat intervals at most) for the reconnect that tells. While nothing listens at the lighthouse's
+        address, nobody can be declared dead and the lease holds (a lighthouse that declared us dead and then
+        died within one heartbeat interval is the residual risk)."""
+        if not self._settled.wait(3 * self._timeouts.heartbeat_interval_ms / 1000):
+            return False
+        if self.state == "away":
+            return True
+        fresh = time.monotonic() - self._acknowledged < self.lease_ms / 1000
+        return fresh and self.deaths == deaths_before
+
+    def answered(self, answer: Mapping[str, object], sent: float) -> None:
+        """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``."""
+        # Deaths and the lease length before the acknowledgement time: lease_valid (another thread) that sees the new
+        # time must see what the same answer says of them.
+        deaths = answer.get("deaths", {})
+        self.deaths = int(deaths.get(self._replica_id, 0)) if isinstance(deaths, dict) else 0
+        self._adopt_lease(answer.get("heartbeat_timeout_ms"))
+        self._acknowledged = sent
+        self.state = "ok"
+        self._settled.set()
+        epoch = _int(answer.get("epoch"), -1)
+        if epoch < self.epoch:
+            self._on_lost()  # a new lighthouse (epochs only grow within one) answered our resent request
+        self.epoch = epoch
+        dead_ids = answer.get("dead", ())
+        dead = frozenset(str(d) for d in dead_ids) if isinstance(dead_ids, list | tuple) else frozenset()
+        if dead != self.dead:
+            self.dead = dead
+            self._on_dead(dead)
+        quorum_id = _int(answer.get("quorum_id"), -1)
+        if "quorum_rank" in answer and quorum_id != self._quorum_id:
+            self._quorum_id = quorum_id
+            try:
+                self._on_quorum(quorum_id, _int(answer["quorum_rank"], 0), _int(answer.get("quorum_size"), 0),
+                                str(answer.get("store", "")))
+            except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
+                _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+
+    def unavailable(self, refused: bool, timed_out: bool) -> bool:
+        """No answer: nothing listens (``refused``), no answer in time (``timed_out``) or the connection broke.
+        Returns whether to retry at once (a commit may be waiting for the reconnect that tells) rather than after
+        an interval."""
+        if self.state == "ok" and not timed_out:  # refused or broken: the process (and store) is gone
+            self._on_lost()
+        if refused:
+            self.state = "away"
+            self._settled.set()
+            return False
+        if self.state != "unverified":
+            self.state = "unverified"
+            self._settled.clear()
+            return True
+        return False
+
+    def _adopt_lease(self, lighthouse_ms: object) -> None:
+        if not isinstance(lighthouse_ms, int) or lighthouse_ms <= 0 or lighthouse_ms == self.lease_ms:
+            return
+        _qlog.warning("the lighthouse declares a silent group dead after heartbeat_timeout_ms=%d, this group's "
+                      "timeouts say %d: the commit lease follows the lighthouse (set both alike)", lighthouse_ms,
+                      self._timeouts.heartbeat_timeout_ms)
+        self.lease_ms = lighthouse_ms
+
+
+def _int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
