@@ -165,11 +165,12 @@ class Job:
         self.lighthouse.wait(timeout=10)
 
     def close(self) -> None:
-        # Every process group, even one whose leader has exited: its other ranks (children) may outlive it.
-        for proc in self._procs:
+        # Every process group, even one whose leader has exited: its other ranks (children) may outlive it. torchrun
+        # starts each rank in a session of its own, out of reach of its launcher's group: those are ended by PID.
+        for pgid in [proc.pid for proc in self._procs] + _children_of({proc.pid for proc in self._procs}):
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
-                    os.killpg(proc.pid, sig)
+                    os.killpg(pgid, sig)
                 except ProcessLookupError:
                     break
         for proc in self._procs:
@@ -196,3 +197,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _children_of(parents: set[int]) -> list[int]:
+    """The processes whose parent is one of ``parents`` and that lead a session of their own (torchrun's ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited meanwhile
+        pid, ppid, session = int(entry.name), int(fields[1]), int(fields[3])
+        if ppid in parents and session == pid:
+            found.append(pid)
+    return found
