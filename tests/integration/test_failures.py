@@ -102,8 +102,10 @@ def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
     """2 groups x 2 ranks (FSDP2 inside each group, torchrun): rank 1 of b dies; b exits whole; a continues."""
     job.min_replicas = 1
     job.start_lighthouse()
-    steps = 150  # at 50 ms a step, a still trains when b (a torchrun launch: seconds to start) joins and dies
-    a = job.start_group("a", steps, shard_count=2, step_time_ms=50)
+    # At 100 ms a step a trains for 40 s or more: b (a torchrun launch of 2 ranks: 10-30 s to start on a loaded
+    # 2-core machine) joins and dies before a finishes.
+    steps = 400
+    a = job.start_group("a", steps, shard_count=2, step_time_ms=100)
     # b joins a job that a already trains (it catches up), so a holds the job's state whatever b does.
     wait_for(lambda: a.last_step() >= 1, 120, "a's first committed step")
     b = job.start_group("b", steps, shard_count=2, fault=f"sigkill:step={KILL_STEP}:rank=1")
