@@ -11,7 +11,7 @@ import torch
 from lightning_fthsdp.launch.processes import Job, wait_for
 from tests.paths import EXAMPLES
 
-from .groups import kill_and_restart, max_diff, start_lightning_group
+from .groups import KILL_RUN_STEPS, kill_and_restart, max_diff, start_lightning_group
 
 sys.path.insert(0, str(EXAMPLES))
 from train_lightning import TinyRegressor, make_dataset
@@ -122,7 +122,7 @@ def test_keep_global_batch_while_degraded_equals_the_healthy_batch(job_alone_ok:
 
 @pytest.mark.timeout(240)
 def test_killed_group_catches_up_and_both_end_identical(job_alone_ok: Job) -> None:
-    steps = 150  # kill_and_restart's run
+    steps = KILL_RUN_STEPS
     a, b, first_life = kill_and_restart(job_alone_ok, ("--data.samples=512", "--data.batch_size=4"))
 
     a_steps = a.records("commit")
