@@ -1,13 +1,16 @@
-"""Delta quorum answers (``Quorum.to_delta_json`` / ``Quorum.from_json`` with the quorum held): pure, no lighthouse."""
+"""Delta quorum answers (``Quorum.to_delta_json`` / ``Quorum.from_json`` with the quorum held) and their encodings
+shared by every requester holding one base (``api.QuorumAnswers``): pure, no lighthouse."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES, KEPT_BASES, QuorumAnswers
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 
 BASE = Quorum(3, (Member("a", 7, "a:1"), Member("b", 7, "b:1"), Member("c", 7, "c:1")), 7, 2)
@@ -98,3 +101,37 @@ def test_any_delta_rebuilds_the_full_quorum(base: dict[str, tuple[int, str]], nx
                                             data: st.DataObject) -> None:
     held, quorum = quorum_of(1, base, data), quorum_of(2, nxt, data)
     assert round_trip(quorum, held) == Quorum.from_json(wire(quorum.to_json())) == quorum
+
+
+def many(quorum_id: int, n: int, step: int = 1) -> Quorum:
+    return Quorum(quorum_id, tuple(Member(f"g{i:05d}", step, f"host{i}:29500") for i in range(n)), step, 8)
+
+
+def decoded(body: bytes) -> dict[str, object]:
+    return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
+
+
+def test_every_holder_of_a_base_gets_the_same_encoding_and_others_the_full_answer() -> None:
+    answers = QuorumAnswers()
+    first = many(0, 2000)
+    answers.formed(first, "lh:1")
+    full = answers.to("")
+    assert full is answers.to("no-such-digest") and full.gzipped is not None and len(full.body) > GZIP_OVER_BYTES
+    assert Quorum.from_json(decoded(full.body)) == first and decoded(full.body)["store"] == "lh:1"
+    steady = many(0, 2000, step=2)
+    answers.formed(steady, "lh:1")
+    delta = answers.to(first.members_digest)
+    assert delta is answers.to(first.members_digest) and delta.gzipped is None and len(delta.body) < 300
+    assert Quorum.from_json(decoded(delta.body), first) == steady
+    assert answers.base(first.members_digest) is steady  # the newest quorum of that member list
+
+
+def test_only_the_newest_member_lists_stay_bases() -> None:
+    answers = QuorumAnswers()
+    quorums = [many(i, 3 + i) for i in range(KEPT_BASES + 1)]
+    for quorum in quorums:
+        answers.formed(quorum, "lh:1")
+    assert answers.base(quorums[0].members_digest) is None
+    assert all(answers.base(q.members_digest) is q for q in quorums[1:])
+    assert "members" in decoded(answers.to(quorums[0].members_digest).body)
+    assert "delta" in decoded(answers.to(quorums[1].members_digest).body)
