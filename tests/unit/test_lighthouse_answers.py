@@ -3,6 +3,7 @@ members of that quorum sent only when the lighthouse asks for them (428), by han
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse import client as client_module
+from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES
 from lightning_fthsdp.lighthouse.client import QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from tests.unit.test_lighthouse import Client, form, inc, lighthouse, qr, replica
@@ -126,3 +128,19 @@ def test_an_unsettled_lighthouse_asks_for_the_members_only_of_a_quorum_it_did_no
     assert code_b == code_c == 200, (full, delta)
     assert "delta" in delta and Quorum.from_json(delta, ours) == Quorum.from_json(full)
     assert full["max_step"] == 100 and full["catch_up_from"] == {"c": "b"}
+
+
+def test_the_client_takes_a_large_full_answer_gzip_compressed(lighthouse: Callable[..., str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full answer over ``api.GZIP_OVER_BYTES`` (here one member with a long address) comes compressed to a client
+    that accepts it, as the real client does."""
+    unpacked: list[int] = []
+    decompress = gzip.decompress
+    monkeypatch.setattr(gzip, "decompress", lambda data: unpacked.append(len(data)) or decompress(data))
+    client = QuorumClient(lighthouse(), None, TIMEOUTS, inc("solo"))
+    address = "h:" + "9" * 2 * GZIP_OVER_BYTES
+    try:
+        quorum, _ = client.request("solo", 0, 1, address, False, None, -1, False)
+    finally:
+        client.close()
+    assert quorum.member("solo").address == address and len(unpacked) == 1 and unpacked[0] < GZIP_OVER_BYTES

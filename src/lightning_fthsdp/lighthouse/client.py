@@ -10,12 +10,14 @@ one lost at once and relays every answer to them. Only the leader asks for quoru
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
 import json
 import socket
 import threading
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
@@ -61,7 +63,8 @@ class _Connection:
         if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
             raise ValueError(f"lighthouse URL must look like http://HOST:PORT, got {url!r}")
         self._host, self._port = parsed.hostname, parsed.port
-        self._headers = {"Content-Type": "application/json"}
+        # A full quorum answer is O(members) bytes: the lighthouse gzips it once for every member that accepts it.
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "gzip"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
@@ -99,8 +102,10 @@ class _Connection:
             self.close()  # aborted while it connected
             raise LighthouseUnavailable(f"{path}: the connection was closed for good")
         try:
+            if response.getheader("Content-Encoding") == "gzip":
+                payload = gzip.decompress(payload)
             answer = json.loads(payload or b"{}")
-        except ValueError as exc:
+        except (ValueError, OSError, EOFError, zlib.error) as exc:
             self.close()
             raise LighthouseUnavailable(f"{path}: unreadable answer {payload[:200]!r}") from exc
         if response.status != 200:
