@@ -8,8 +8,17 @@ other ranks beat to their leader, never here), and, in a quorum round, the group
 hold on this machine). After a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat
 round trip (which includes the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under
 that load: round 1 a fresh quorum (decided when the last group asks), the next ones the steady state (every member asks
-again). A round's time runs from the last request written to the last answer read. Groups declared dead are counted from
-``/status`` at the end.
+again), and a last one after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id
+changes). A round's time runs from the last request written to the last answer read; a round's answer bytes are one
+group's answer as sent (gzip-compressed when large). Groups declared dead are counted from ``/status`` at the end.
+
+The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
+id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
+delta against the quorum held, are decoded with ``Quorum.from_json`` into the quorum each group holds next. Every group
+of a generator holds the same quorum and the lighthouse sends every holder of one quorum the same bytes (each round
+checks the answers' CRCs are all equal), so each generator decodes one answer a round and stands it for all of its
+groups: decoding each (O(groups) per group) would make the generators, not the lighthouse, the bottleneck. The driver
+checks every generator rebuilt the same membership, the one expected.
 
 Usage: ``python bench/bench_lighthouse.py --ranks 100000 --group-size 8``; writes ``bench/results/lighthouse.json``.
 """
@@ -37,6 +46,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.client import quorum_request_body, with_members
+from lightning_fthsdp.lighthouse.quorum import Quorum
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse.json"
 CONNECT_BATCH = 256  # stay well under the listen backlog
@@ -73,6 +84,10 @@ def start_lighthouse(fds: int, heartbeat_timeout_ms: int) -> tuple[subprocess.Po
     return proc, match.group(1), int(match.group(2))
 
 
+QUORUM_TIMEOUT_MS = 120_000
+INCARNATION = "bench"
+
+
 def post(path: str, body: dict[str, object]) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n"
@@ -84,6 +99,10 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     status = int(head.split(b" ", 2)[1])
     length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
     return status, await reader.readexactly(length)
+
+
+def read_json(body: bytes) -> dict[str, object]:
+    return json.loads(gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body)
 
 
 def cpu_seconds_of(pid: int) -> float:
@@ -100,36 +119,41 @@ class Generator:
     def __init__(self, host: str, port: int, first: int, count: int, total: int, group_size: int,
                  interval_ms: int) -> None:
         self.host, self.port, self.total, self.group_size = host, port, total, group_size
+        self.first = first
         self.ids = [f"g{i:06d}" for i in range(first, first + count)]
         self.interval_ms = interval_ms
         self.window = (float("inf"), float("inf"))
         self.rtts: list[float] = []
         self.errors = 0
         self.stop = False
-        self.round: tuple[int, asyncio.Event, int] | None = None
+        self.left: set[int] = set()
+        self.round: tuple[int, asyncio.Event] | None = None
+        self.held: Quorum | None = None
+        """The quorum every group of this generator holds (see the module docstring)."""
         self.asked = [-1] * count
+        self.conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.answers: list[tuple[int, int, bytes]] = []
         self.last_sent = self.last_answer = 0.0
 
     def heartbeat(self, replica_id: str, epoch: int, wait_ms: int) -> bytes:
-        return post("/v1/heartbeat", {"replica_id": replica_id, "incarnation": "bench", "rank": 0, "step": 0,
+        return post("/v1/heartbeat", {"replica_id": replica_id, "incarnation": INCARNATION, "rank": 0, "step": 0,
                                       "shard_count": self.group_size, "known_epoch": epoch, "wait_ms": wait_ms,
                                       "losses": 0, "lost": []})
 
     async def connect(self) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        conns = []
+        self.conns = []
         for start in range(0, len(self.ids), CONNECT_BATCH):
             batch = min(len(self.ids), start + CONNECT_BATCH) - start
-            conns += await asyncio.gather(*(asyncio.open_connection(self.host, self.port, limit=1 << 24)
-                                            for _ in range(batch)))
-        return conns
+            self.conns += await asyncio.gather(*(asyncio.open_connection(self.host, self.port, limit=1 << 24)
+                                                 for _ in range(batch)))
+        return self.conns
 
     async def beat(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                    epoch: int) -> None:
         """One group's leader: heartbeat long-polls; when a quorum round is on, its quorum request in between, on
         the same connection."""
         replica_id = self.ids[index]
-        while not self.stop:
+        while not self.stop and index not in self.left:
             if self.round is not None and self.asked[index] != self.round[0]:
                 await self.ask(index, reader, writer)
                 continue
@@ -146,32 +170,51 @@ class Generator:
                 self.rtts.append(done - sent)
 
     async def ask(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The group's quorum request, as ``QuorumClient.request`` makes it: sent again with the members of the quorum
+        held when the lighthouse answers 428 for them."""
         assert self.round is not None
-        round_no, answered, held = self.round
-        writer.write(post("/v1/quorum", {"replica_id": self.ids[index], "incarnation": "bench", "step": round_no,
-                                         "shard_count": self.group_size, "address": "", "commit_failed": False,
-                                         "quorum_id": held, "members": [],
-                                         "committed_in": held, "following": False,
-                                         "timeout_ms": 120_000}))
+        round_no, answered = self.round
+        held = self.held
+        body = quorum_request_body(self.ids[index], INCARNATION, round_no, self.group_size, "", False, held,
+                                   held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS)
+        writer.write(post("/v1/quorum", body))
         self.asked[index] = round_no
         self.last_sent = max(self.last_sent, time.monotonic())
-        status, body = await read_response(reader)
+        status, answer = await read_response(reader)
+        if status == 428 and held is not None:
+            writer.write(post("/v1/quorum", with_members(body, held)))
+            status, answer = await read_response(reader)
         self.last_answer = max(self.last_answer, time.monotonic())
-        self.answers.append((status, zlib.crc32(body), body if not self.answers else b""))
-        if len(self.answers) == len(self.ids):
+        self.answers.append((status, zlib.crc32(answer), answer if not self.answers or status != 200 else b""))
+        if len(self.answers) == len(self.ids) - len(self.left):
             answered.set()
 
-    async def quorum_round(self, round_no: int, held: int) -> dict[str, object]:
-        """Every group asks once, between two of its heartbeats (a leader asks as its step's forward starts), holding
-        the quorum ``held`` (-1: none) and having committed step ``round_no`` in it."""
+    async def quorum_round(self, round_no: int) -> dict[str, object]:
+        """Every group still in the job asks once, between two of its heartbeats (a leader asks as its step's forward
+        starts), holding the quorum of the last round and having committed step ``round_no`` in it."""
         self.answers, self.last_sent, self.last_answer = [], 0.0, 0.0
         answered = asyncio.Event()
-        self.round = (round_no, answered, held)
+        self.round = (round_no, answered)
         await asyncio.wait_for(answered.wait(), 300)
         bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
         assert not bad, bad[:3]
-        assert len({crc for _, crc, _ in self.answers}) == 1, "members got different quorums"
-        return {"last_sent": self.last_sent, "last_answer": self.last_answer, "answer": self.answers[0][2]}
+        assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
+        answer = self.answers[0][2]
+        self.held = Quorum.from_json(read_json(answer), self.held)
+        return {"last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
+                "quorum_id": self.held.quorum_id, "max_step": self.held.max_step, "members": self.held.member_ids}
+
+    async def leave(self, group: int, beat: asyncio.Future[None]) -> None:
+        """Group number ``group`` (one of this generator's) leaves as ``Heartbeat.leave`` does: its heartbeats stop,
+        the one in flight is answered, and ``POST /v1/leave`` follows on the same connection."""
+        index = group - self.first
+        self.left.add(index)
+        await beat
+        reader, writer = self.conns[index]
+        writer.write(post("/v1/leave", {"replica_id": self.ids[index], "incarnation": INCARNATION, "rank": 0}))
+        status, body = await read_response(reader)
+        assert status == 200, body[:200]
+        writer.close()
 
 
 def generator_main(pipe: Connection, host: str, port: int, first: int, count: int, total: int, group_size: int,
@@ -205,8 +248,10 @@ async def _generator(pipe: Connection, gen: Generator) -> None:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             pipe.send(usage.ru_utime + usage.ru_stime)
         elif command[0] == "quorum":
-            result = await gen.quorum_round(command[1], command[2])
-            pipe.send(result)
+            pipe.send(await gen.quorum_round(command[1]))
+        elif command[0] == "leave":
+            await gen.leave(command[1], tasks[command[1] - gen.first])
+            pipe.send("left")
         else:
             gen.stop = True
             for task in tasks:
@@ -251,16 +296,24 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
         lighthouse_cpu = (cpu_seconds_of(proc.pid) - lighthouse_cpu_start) / elapsed
         rtts = sorted(r for report in reports for r in report["rtts"])
         quorum_rounds: list[dict[str, object]] = []
-        for round_no in range(rounds):
-            held = int(quorum_rounds[-1]["quorum_id"]) if quorum_rounds else -1  # type: ignore[call-overload]
+        members = tuple(f"g{i:06d}" for i in range(groups))
+        for round_no in range(rounds + 1):
+            kind = "fresh" if round_no == 0 else "steady" if round_no < rounds else "change"
+            if kind == "change":  # the first group leaves: every other leader gets the new membership as a delta
+                pipes[0].send(("leave", 0))
+                assert pipes[0].recv() == "left"
+                members = members[1:]
             for pipe in pipes:
-                pipe.send(("quorum", round_no, held))
+                pipe.send(("quorum", round_no))
             results = [pipe.recv() for pipe in pipes]
-            first = results[0]["answer"]
-            answer = json.loads(gzip.decompress(first) if first[:2] == b"\x1f\x8b" else first)
-            assert len(answer["members"]) == groups and answer["max_step"] == round_no, answer["quorum_id"]
-            quorum_rounds.append({"kind": "fresh" if round_no == 0 else "steady", "quorum_id": answer["quorum_id"],
-                                  "answer_bytes": len(first),
+            for result in results:  # every generator rebuilt the membership expected, at the step expected
+                assert result["members"] == members and result["max_step"] == round_no, (kind, result["quorum_id"])
+            assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
+            if quorum_rounds:
+                same = results[0]["quorum_id"] == quorum_rounds[-1]["quorum_id"]
+                assert same == (kind == "steady"), (kind, results[0]["quorum_id"], quorum_rounds[-1]["quorum_id"])
+            quorum_rounds.append({"kind": kind, "quorum_id": results[0]["quorum_id"],
+                                  "answer_bytes": len(results[0]["answer"]),
                                   "latency_s": max(r["last_answer"] for r in results) -
                                   max(r["last_sent"] for r in results)})
         request = urllib.request.Request(f"http://{host}:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -301,7 +354,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8, help="ranks per replica group")
     parser.add_argument("--generators", type=int, default=2, help="load-generator processes")
     parser.add_argument("--window-s", type=float, default=20.0, help="length of the steady window")
-    parser.add_argument("--rounds", type=int, default=3, help="quorum rounds (the first fresh, then steady)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="quorum rounds (the first fresh, then steady), then one more after a group leaves")
     defaults = Timeouts()
     parser.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=defaults.heartbeat_timeout_ms,
@@ -311,16 +365,21 @@ def main() -> int:
                         heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
     print(f"{'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
-          f"{'dead':>4} {'quorum fresh/steady s':>21} {'generators CPU':>16}")
+          f"{'dead':>4} {'quorum fresh/steady/change s':>28} {'generators CPU':>16}")
     for row in rows:
         rounds = row["quorum_rounds"]
-        steady = [r["latency_s"] for r in rounds[1:]]
+        steady = [r["latency_s"] for r in rounds if r["kind"] == "steady"]
         print(f"{row['ranks']:>7} {row['groups']:>6} {row['heartbeats_per_s']:>7.0f} "
               f"({row['ideal_heartbeats_per_s']:>5.0f})"
               f" {row['lighthouse_cpu'] * 100:>13.0f}% {row['rtt_p50_ms']:>7} / {row['rtt_p99_ms']:<6}"
               f" {row['groups_dead']:>4} {rounds[0]['latency_s']:>10.2f} / "
-              f"{(max(steady) if steady else float('nan')):<8.2f}"
+              f"{(max(steady) if steady else float('nan')):<6.2f} / {rounds[-1]['latency_s']:<6.2f}"
               f" {'+'.join(f'{c * 100:.0f}%' for c in row['generator_cpu']):>16}")
+    print(f"\n{'ranks':>7} {'round':>5} {'kind':>6} {'quorum_id':>9} {'latency_s':>9} {'answer_bytes':>12}")
+    for row in rows:
+        for number, rnd in enumerate(row["quorum_rounds"]):
+            print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>6} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
+                  f"{rnd['answer_bytes']:>12}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
                                   indent=2) + "\n")

@@ -12,6 +12,7 @@ import binascii
 import gzip
 import hmac
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ from lightning_fthsdp.lighthouse.registry import check_incarnation
 MAX_QUORUM_TIMEOUT_MS = 3_600_000
 GZIP_OVER_BYTES = 16384
 """Quorum answers larger than this are also sent gzip-compressed to clients that accept it."""
+MAX_DIGEST = 64
+"""Longest ``members_digest`` a quorum request may send (``Quorum.members_digest`` is 32 hex digits)."""
+KEPT_BASES = 8
+"""Member lists kept as bases of delta answers: the newest answered. A steady group holds the newest one; after a few
+changes in a row, or an answer lost on its way, an older one."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,13 @@ def parse_lost(request: Request) -> LostRequest:
 
 def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int, CaughtUp | None]:
     """``POST /v1/quorum``: the quorum request, the requester's incarnation, how long (ms) it waits for the answer,
-    and the catch-up it reports (optional field ``caught_up``: ``source``, ``step``, ``bytes``, ``fetch_s``)."""
+    and the catch-up it reports (optional field ``caught_up``: ``source``, ``step``, ``bytes``, ``fetch_s``).
+
+    Fields: ``replica_id``, ``incarnation``, ``step``, ``shard_count``, ``address``, ``commit_failed``,
+    ``committed_in``, ``following``, ``timeout_ms``; of the quorum the requester holds, ``quorum_id`` (-1: none),
+    ``members_digest`` (optional, ``Quorum.members_digest``: lets the answer be a delta) and ``members`` (optional,
+    its member ids: sent only when the lighthouse answers 428 because it needs them, then at once with the same
+    request). The answer (``QuorumAnswers``) is the quorum with ``store``, the rendezvous store's address."""
     body = request.json_object()
     replica_id, incarnation = _replica_id(body), _incarnation(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
@@ -151,14 +163,22 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str
     if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
         raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
                              f"{timeout_ms}: a quorum request is bounded")
-    members = require(body, "members", list, "a list of replica ids")
+    members = require(body, "members", list, "a list of replica ids") if "members" in body else []
     for member in members:
         try:
             check_replica_id(member)
         except ValueError as e:
             raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
-    return QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id, tuple(members),
-                         committed_in, following), incarnation, timeout_ms, _caught_up(body)
+    digest = ""
+    if "members_digest" in body:
+        digest = require(body, "members_digest", str, 'a string: the members digest of the quorum held ("": none)')
+    if len(digest) > MAX_DIGEST:
+        raise HttpError(400, f"field 'members_digest' must be at most {MAX_DIGEST} characters (the digest the client "
+                             f"computes), got {len(digest)}")
+    request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
+                            members=tuple(members), members_digest=digest, committed_in=committed_in,
+                            following=following)
+    return request, incarnation, timeout_ms, _caught_up(body)
 
 
 def _caught_up(body: dict[str, object]) -> CaughtUp | None:
@@ -210,11 +230,46 @@ def check_shard_count(replica_id: str, shard_count: int, previous: Quorum | None
                              f"{source}: every replica group must use the same number of shard ranks")
 
 
-def quorum_answer(quorum: Quorum, store_address: str) -> Response:
-    """The answer every member of ``quorum`` gets: one encoding shared by all of them, compressed once when large
-    (the members list makes a quorum's answers O(members^2) bytes in all)."""
-    body = json.dumps({**quorum.to_json(), "store": store_address}, separators=(",", ":")).encode()
-    return Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > GZIP_OVER_BYTES else None)
+class QuorumAnswers:
+    """The encoded answers of the current quorum: a delta (``Quorum.to_delta_json``) for a requester holding one of
+    the last ``KEPT_BASES`` member lists answered, the full quorum for any other.
+
+    A full answer is O(members) bytes and every member asks each step: O(members^2) bytes a step in all. A delta
+    carries what changed since the requester's quorum, nothing in the steady state but the fields of the step. Each
+    (answer, base) is encoded once, compressed once when large, and the same bytes go to every requester holding
+    that base.
+    """
+
+    def __init__(self) -> None:
+        self._bases: OrderedDict[str, Quorum] = OrderedDict()
+        self._current: Quorum | None = None
+        self._store = ""
+        self._encoded: dict[str, Response] = {}
+
+    def formed(self, quorum: Quorum, store_address: str) -> None:
+        """``quorum`` is the answer from now on; its rendezvous store is at ``store_address``."""
+        self._current, self._store, self._encoded = quorum, store_address, {}
+        self._bases[quorum.members_digest] = quorum
+        self._bases.move_to_end(quorum.members_digest)
+        if len(self._bases) > KEPT_BASES:
+            self._bases.popitem(last=False)
+
+    def base(self, members_digest: str) -> Quorum | None:
+        """A kept quorum whose member list ``members_digest`` names (None: not one of those kept)."""
+        return self._bases.get(members_digest)
+
+    def to(self, members_digest: str) -> Response:
+        """The answer for a requester holding the member list ``members_digest`` names ("": none)."""
+        assert self._current is not None, "QuorumAnswers.to follows formed()"
+        base = self._bases.get(members_digest)
+        key = members_digest if base is not None else ""
+        response = self._encoded.get(key)
+        if response is None:
+            answer = self._current.to_json() if base is None else self._current.to_delta_json(base)
+            body = json.dumps({**answer, "store": self._store}, separators=(",", ":")).encode()
+            response = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > GZIP_OVER_BYTES else None)
+            self._encoded[key] = response
+        return response
 
 
 def _replica_id(body: dict[str, object]) -> str:

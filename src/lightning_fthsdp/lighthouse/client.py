@@ -10,13 +10,16 @@ one lost at once and relays every answer to them. Only the leader asks for quoru
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
 import json
 import socket
 import threading
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -60,7 +63,8 @@ class _Connection:
         if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
             raise ValueError(f"lighthouse URL must look like http://HOST:PORT, got {url!r}")
         self._host, self._port = parsed.hostname, parsed.port
-        self._headers = {"Content-Type": "application/json"}
+        # A full quorum answer is O(members) bytes: the lighthouse gzips it once for every member that accepts it.
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "gzip"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._conn: http.client.HTTPConnection | None = None
@@ -98,8 +102,10 @@ class _Connection:
             self.close()  # aborted while it connected
             raise LighthouseUnavailable(f"{path}: the connection was closed for good")
         try:
+            if response.getheader("Content-Encoding") == "gzip":
+                payload = gzip.decompress(payload)
             answer = json.loads(payload or b"{}")
-        except ValueError as exc:
+        except (ValueError, OSError, EOFError, zlib.error) as exc:
             self.close()
             raise LighthouseUnavailable(f"{path}: unreadable answer {payload[:200]!r}") from exc
         if response.status != 200:
@@ -268,31 +274,54 @@ class QuorumClient:
         group finished since its last request (``source``, ``step``, ``bytes``, ``fetch_s``), for the lighthouse's
         event log and metrics.
 
-        Raises LighthouseUnavailable (unreachable) or LighthouseRejected (an error answer, 504 on timeout).
+        The request names ``current`` by its id and members digest; its members go only to a lighthouse that asks for
+        them (428: it is new or restarted, or must tell its own quorum of that id from its predecessor's), in the same
+        request sent again at once. The answer may be a delta against ``current``.
+
+        Raises LighthouseUnavailable (unreachable), LighthouseRejected (an error answer, 504 on timeout), or
+        ValueError for a delta answer that does not fit ``current`` (a protocol error: never a guessed membership).
         """
         timeout_ms = self._timeouts.quorum_timeout_ms
-        body = {
-            "replica_id": replica_id,
-            "incarnation": self._incarnation,
-            "step": step,
-            "shard_count": shard_count,
-            "address": address,
-            "commit_failed": commit_failed,
-            "quorum_id": current.quorum_id if current else -1,
-            "members": list(current.member_ids) if current else [],
-            "committed_in": committed_in,
-            "following": following,
-            "timeout_ms": timeout_ms,
-        }
+        body = quorum_request_body(replica_id, self._incarnation, step, shard_count, address, commit_failed, current,
+                                   committed_in, following, timeout_ms)
         if caught_up is not None:
             body["caught_up"] = caught_up
-        answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
-        return Quorum.from_json(answer), str(answer["store"])
-
+        try:
+            answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
+        except LighthouseRejected as exc:
+            if exc.status != HTTPStatus.PRECONDITION_REQUIRED or current is None:
+                raise
+            answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=timeout_ms / 1000 + 5)
+        return Quorum.from_json(answer, current), str(answer["store"])
 
     def close(self) -> None:
         """End the connection for good, waking a request blocked on it (from any thread)."""
         self._conn.abort()
+
+
+def quorum_request_body(replica_id: str, incarnation: str, step: int, shard_count: int, address: str,
+                        commit_failed: bool, current: Quorum | None, committed_in: int, following: bool,
+                        timeout_ms: int) -> dict[str, object]:
+    """The body of a ``POST /v1/quorum`` (``lighthouse.api.parse_quorum``) without the members of ``current``, which
+    go only where the lighthouse asks for them (``with_members``)."""
+    return {
+        "replica_id": replica_id,
+        "incarnation": incarnation,
+        "step": step,
+        "shard_count": shard_count,
+        "address": address,
+        "commit_failed": commit_failed,
+        "quorum_id": current.quorum_id if current else -1,
+        "members_digest": current.members_digest if current else "",
+        "committed_in": committed_in,
+        "following": following,
+        "timeout_ms": timeout_ms,
+    }
+
+
+def with_members(body: dict[str, object], current: Quorum) -> dict[str, object]:
+    """``body`` sent again to a lighthouse that answered it 428: with the members of the quorum held."""
+    return {**body, "members": list(current.member_ids)}
 
 
 class CheckpointReporter:

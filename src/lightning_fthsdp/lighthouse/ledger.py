@@ -15,12 +15,17 @@ step. Before it has formed a quorum it has nothing to check against.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from lightning_fthsdp.lighthouse.quorum import Quorum
 
 MAX_QUORUMS = 4096
 """Quorums whose step ranges the ledger keeps (a claim naming an older one is held to the step bound only)."""
+
+
+class MembersNeeded(Exception):
+    """``CommitLedger.refusal`` needs the members of the quorum the claimer holds, which it was not given."""
 
 
 @dataclass
@@ -112,14 +117,15 @@ class CommitLedger:
         return None
 
     def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
-                held: tuple[int, tuple[str, ...]] = (-1, ())) -> str | None:
+                held: tuple[int, Collection[str] | None] = (-1, ())) -> str | None:
         """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: not stated, as in a heartbeat)
         is refused, or None when it is consistent with what this lighthouse answered.
 
         ``lost_contact_in``: the quorum the claimer's incarnation was answered last, if the lighthouse has declared
         it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
         trained on: it may hold more steps than the lighthouse answered, committed in that quorum. ``held``: the
-        id and members of the quorum the claimer holds (a quorum request says; -1: none).
+        id and members of the quorum the claimer holds (a quorum request says; -1: none; members None: not known,
+        then MembersNeeded is raised where they decide).
         """
         if self._newest < 0:
             return None
@@ -150,8 +156,14 @@ class CommitLedger:
                     f"{last + 1} only: that state was never committed by this job")
         return None
 
-    def _foreign(self, held: tuple[int, tuple[str, ...]]) -> bool:
+    def _foreign(self, held: tuple[int, Collection[str] | None]) -> bool:
         """Whether the quorum a group holds is not the one this lighthouse formed under that id (a lighthouse before
-        it formed it). Hashes its members: asked only while the lighthouse settles, never on the steady path."""
+        it formed it). Hashes its members: asked only while the lighthouse settles, never on the steady path. Raises
+        MembersNeeded when that takes the members and ``held`` has none (None)."""
         held_id, held_members = held
-        return held_id >= 0 and self._members.get(held_id) != hash(frozenset(held_members))
+        if held_id not in self._members:
+            return held_id >= 0
+        if held_members is None:
+            raise MembersNeeded(f"this lighthouse formed a quorum {held_id} too, and has not settled (it started less "
+                                f"than lost_state_wait_s ago): only the members tell which of the two the group holds")
+        return self._members[held_id] != hash(frozenset(held_members))

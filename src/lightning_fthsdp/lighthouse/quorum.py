@@ -6,6 +6,8 @@ the lighthouse only feeds it requests and liveness.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -43,7 +45,8 @@ class QuorumRequest:
     quorum_id: int = -1
     """The requester's current quorum id (-1: none). Lets a restarted lighthouse continue the numbering."""
     members: tuple[str, ...] = ()
-    """The requester's current members. Lets a restarted lighthouse keep the membership without a reconfigure."""
+    """The requester's current members, sent only when the lighthouse asks for them (empty otherwise): lets a
+    restarted lighthouse keep the membership without a reconfigure."""
     committed_in: int = -1
     """The quorum in which the requester committed its latest step (-1: none since its process started). The
     step count alone does not identify a state: a group may commit a step that the others discarded and then
@@ -51,6 +54,9 @@ class QuorumRequest:
     following: bool = False
     """The requester follows the job while its state is still in transfer: ``step`` counts the steps it holds the
     averaged gradients of, to replay once the state arrives. It contributes zeros and serves nobody."""
+    members_digest: str = ""
+    """``Quorum.members_digest`` of the quorum the requester holds ("": none): the lighthouse answers with a delta
+    against it when it still knows those members."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,12 @@ class Quorum:
         return tuple(m.replica_id for m in self.members)
 
     @cached_property
+    def member_set(self) -> frozenset[str]:
+        """The member ids as a set, built once, and its hash too (a frozenset keeps it): a lighthouse that has not
+        settled checks each request against the quorum the request holds (``ledger.CommitLedger``)."""
+        return frozenset(self.member_ids)
+
+    @cached_property
     def _index(self) -> dict[str, int]:
         # O(1) lookups: the lighthouse checks every request of a job of thousands of groups against the quorum.
         return {m.replica_id: i for i, m in enumerate(self.members)}
@@ -104,10 +116,37 @@ class Quorum:
     def member(self, replica_id: str) -> Member:
         return self.members[self.rank_of(replica_id)]
 
+    @cached_property
+    def members_digest(self) -> str:
+        """Names the member list, ids and addresses (not steps): the base of a delta answer. The quorum id does not
+        name one on its own: an adopted quorum learns its members' addresses later under the same id, and a restarted
+        lighthouse may form an id its predecessor's groups still hold with other members."""
+        pairs = json.dumps([[m.replica_id, m.address] for m in self.members], separators=(",", ":"))
+        return hashlib.blake2b(pairs.encode(), digest_size=16).hexdigest()
+
     def to_json(self) -> dict[str, object]:
+        """The full answer: every member with its step and address."""
+        return {**self._fields_json(), "members": [_member_json(m) for m in self.members]}
+
+    def to_delta_json(self, base: Quorum) -> dict[str, object]:
+        """The answer as a change of ``base``, the quorum its requester holds: the members of ``base`` that this one
+        lacks (``removed``; a member whose address changed, a new incarnation, counts as removed and added), the
+        members it adds with their steps and addresses (``added``), and each kept member's step where it is not
+        ``max_step`` (``steps``). ``from_json`` given ``base`` rebuilds this quorum exactly. Its size grows with what
+        changed, where the full answer's grows with the members."""
+        held = {m.replica_id: m.address for m in base.members}
+        kept = {m.replica_id for m in self.members if held.get(m.replica_id) == m.address}
+        return {**self._fields_json(), "delta": {
+            "base": base.members_digest,
+            "removed": [rid for rid in held if rid not in kept],
+            "added": [_member_json(m) for m in self.members if m.replica_id not in kept],
+            "steps": {m.replica_id: m.step for m in self.members if m.replica_id in kept and m.step != self.max_step},
+        }}
+
+    def _fields_json(self) -> dict[str, object]:
+        """Every field of the answer but the members."""
         return {
             "quorum_id": self.quorum_id,
-            "members": [{"replica_id": m.replica_id, "step": m.step, "address": m.address} for m in self.members],
             "max_step": self.max_step,
             "shard_count": self.shard_count,
             "catch_up_from": dict(self.catch_up_from),
@@ -115,21 +154,60 @@ class Quorum:
         } | ({"resume_step": self.resume_step, "resume_path": self.resume_path} if self.resume_step >= 0 else {})
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> Quorum:
-        members = tuple(
-            Member(str(m["replica_id"]), int(m["step"]), str(m.get("address", "")))  # type: ignore[index,union-attr]
-            for m in data["members"]  # type: ignore[union-attr]
-        )
+    def from_json(cls, data: Mapping[str, object], held: Quorum | None = None) -> Quorum:
+        """The quorum of a full answer, or of a delta answer against ``held`` (the quorum the requester holds).
+
+        Raises ValueError when a delta's base is not ``held`` or the delta does not fit it: a membership is never
+        guessed."""
+        max_step = int(data["max_step"])  # type: ignore[call-overload]
+        delta = data.get("delta")
         return cls(
-            quorum_id=int(data["quorum_id"]),  # type: ignore[arg-type]
-            members=members,
-            max_step=int(data["max_step"]),  # type: ignore[arg-type]
-            shard_count=int(data["shard_count"]),  # type: ignore[arg-type]
+            quorum_id=int(data["quorum_id"]),  # type: ignore[call-overload]
+            members=_members(data["members"]) if delta is None else _apply_delta(delta, held, max_step),  # type: ignore[arg-type]
+            max_step=max_step,
+            shard_count=int(data["shard_count"]),  # type: ignore[call-overload]
             catch_up_from={str(k): str(v) for k, v in dict(data.get("catch_up_from", {})).items()},  # type: ignore[call-overload]
             following=frozenset(str(r) for r in data.get("following", ())),  # type: ignore[union-attr]
             resume_step=int(data.get("resume_step", -1)),  # type: ignore[call-overload]
             resume_path=str(data.get("resume_path", "")),
         )
+
+
+def _member_json(member: Member) -> dict[str, object]:
+    return {"replica_id": member.replica_id, "step": member.step, "address": member.address}
+
+
+def _members(data: list[Mapping[str, object]]) -> tuple[Member, ...]:
+    return tuple(Member(str(m["replica_id"]), int(m["step"]), str(m.get("address", "")))  # type: ignore[call-overload]
+                 for m in data)
+
+
+def _apply_delta(delta: Mapping[str, object], held: Quorum | None, max_step: int) -> tuple[Member, ...]:
+    """The members a delta answer (``Quorum.to_delta_json``) makes of ``held``'s, sorted by replica_id."""
+    base = str(delta["base"])
+    if held is None or held.members_digest != base:
+        holds = "no quorum" if held is None else f"quorum {held.quorum_id} (members digest {held.members_digest})"
+        raise ValueError(f"the lighthouse answered a delta against members digest {base}, but this group holds "
+                         f"{holds}: lighthouse and client disagree on the quorum held, a protocol error (run the same "
+                         f"lightning-fthsdp version on both; if they are, report it)")
+    removed = {str(rid) for rid in delta["removed"]}  # type: ignore[attr-defined]
+    kept = [m for m in held.members if m.replica_id not in removed]
+    kept_ids = {m.replica_id for m in kept}
+    added = _members(delta["added"])  # type: ignore[arg-type]
+    steps = {str(rid): int(step) for rid, step in dict(delta["steps"]).items()}  # type: ignore[call-overload]
+    added_ids = [m.replica_id for m in added]
+    misfits = {
+        "removes members it does not hold": sorted(removed - set(held.member_ids)),
+        "adds members it keeps": sorted(set(added_ids) & kept_ids),
+        "adds members twice": sorted(rid for rid, count in Counter(added_ids).items() if count > 1),
+        "gives steps of members it does not keep": sorted(set(steps) - kept_ids),
+    }
+    wrong = "; ".join(f"{what}: {', '.join(ids)}" for what, ids in misfits.items() if ids)
+    if wrong:
+        raise ValueError(f"the lighthouse's delta answer does not fit quorum {held.quorum_id} that this group holds: "
+                         f"it {wrong} (a protocol error: report it)")
+    members = [Member(m.replica_id, steps.get(m.replica_id, max_step), m.address) for m in kept] + list(added)
+    return tuple(sorted(members, key=lambda m: m.replica_id))
 
 
 @dataclass(frozen=True)

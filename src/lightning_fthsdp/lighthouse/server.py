@@ -2,10 +2,10 @@
 
 State is soft: replicas (last heartbeat, step, dead or not), pending quorum requests and the previous quorum.
 A restarted lighthouse rebuilds it from the groups' heartbeats and requests (``quorum.decide`` continues the
-numbering from the requests' ``quorum_id``/``members``). Failure detection: a replica whose heartbeat
-connection closes is declared dead at once (crash); one silent for ``heartbeat_timeout_ms`` is declared dead by
-a timer (hang). Every epoch change (death, revival, leave, new quorum) answers all held heartbeat long-polls,
-which is how survivors learn to abort an in-flight allreduce.
+numbering from the requests' ``quorum_id``/``members``; a request sends its members only when the lighthouse answers
+428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
+silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). Every epoch change (death, revival, leave, new
+quorum) answers all held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
@@ -21,11 +21,12 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.api import (
+    QuorumAnswers,
     authorize,
     check_shard_count,
     parse_checkpoint,
@@ -33,7 +34,6 @@ from lightning_fthsdp.lighthouse.api import (
     parse_leave,
     parse_lost,
     parse_quorum,
-    quorum_answer,
 )
 from lightning_fthsdp.lighthouse.http import (
     IDLE_TIMEOUT_S,
@@ -44,7 +44,7 @@ from lightning_fthsdp.lighthouse.http import (
     Response,
     json_response,
 )
-from lightning_fthsdp.lighthouse.ledger import CommitLedger
+from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
 from lightning_fthsdp.lighthouse.liveness import HeartbeatConnections
 from lightning_fthsdp.lighthouse.quorum import (
     Quorum,
@@ -80,11 +80,12 @@ class Lighthouse:
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
-    requester is decided, 504 after ``timeout_ms``), ``POST /v1/leave`` (graceful exit), ``POST /v1/lost`` (a
-    group's leader reports a rank it lost: the group is dead while one is), ``POST /v1/checkpoint`` (a
-    writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events`` (the event log and
-    membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only), ``GET /`` (the status
-    page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
+    requester is decided, 504 after ``timeout_ms``; see ``api.parse_quorum`` for the request, ``api.QuorumAnswers``
+    for the answer, full or a delta against the quorum the requester holds), ``POST /v1/leave`` (graceful exit),
+    ``POST /v1/lost`` (a group's leader reports a rank it lost: the group is dead while one is),
+    ``POST /v1/checkpoint`` (a writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events``
+    (the event log and membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only),
+    ``GET /`` (the status page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
     Bad input is answered 4xx with ``{"error": ...}`` naming the field, the value and the fix.
     """
 
@@ -129,7 +130,7 @@ class Lighthouse:
         self._readiness = Readiness(self.rules)
         self._waiters: dict[str, asyncio.Future[Response]] = {}
         self._previous: Quorum | None = None
-        self._answer: Response | None = None  # the encoded answer of _previous
+        self._answers = QuorumAnswers()  # the encoded answers of _previous
         # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
         # (a new incarnation of a member must not take an answer meant for its predecessor).
         self._answered: set[str] = set()
@@ -299,16 +300,20 @@ class Lighthouse:
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
         self._registry.check(replica_id, incarnation, 0)
-        self._check_claim(replica_id, incarnation, asked.step, asked.committed_in, (asked.quorum_id, asked.members))
+        try:
+            self._check_claim(replica_id, incarnation, asked.step, asked.committed_in,
+                              (asked.quorum_id, self._held_members(asked)))
+        except MembersNeeded as e:
+            raise _members_needed(asked, str(e)) from None
         self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
-        if self._answer is not None and is_late_member(self._previous, asked):
+        if self._previous is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
-            return self._answer
+            return self._answers.to(asked.members_digest)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[Response] = loop.create_future()
         self._add_pending(asked, waiter)
@@ -454,9 +459,23 @@ class Lighthouse:
 
     # ---- state changes ----
 
+    def _held_members(self, asked: QuorumRequest) -> Collection[str] | None:
+        """The members of the quorum ``asked`` holds (None: not known). A request sends them only when the lighthouse
+        asks for them (428), so they come from the member list this lighthouse answered under the request's members
+        digest where it can. A lighthouse without a previous quorum (fresh or restarted) asks for them at once: it
+        continues the quorum the groups hold (``quorum.adopt``, ``quorum.reference``)."""
+        if asked.members or asked.quorum_id < 0:
+            return asked.members
+        if self._previous is None:
+            raise _members_needed(asked, "this lighthouse holds no quorum yet (it is new, or was restarted) and "
+                                         "continues the one the groups hold")
+        base = self._answers.base(asked.members_digest)
+        return base.member_set if base is not None else None
+
     def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None,
-                     held: tuple[int, tuple[str, ...]] = (-1, ())) -> None:
-        """Refuse (409) a claimed state this job never committed, before it changes anything."""
+                     held: tuple[int, Collection[str] | None] = (-1, ())) -> None:
+        """Refuse (409) a claimed state this job never committed, before it changes anything. MembersNeeded when
+        that takes the members of the quorum held and ``held`` has none."""
         record = self._registry.get(replica_id)
         own = record if record is not None and record.incarnation == incarnation else None
         lost_contact_in = own.answered if own is not None and own.lost_contact else -1
@@ -603,14 +622,14 @@ class Lighthouse:
             log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
                     ",".join(quorum.member_ids), quorum.max_step,
                     f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
-            answer = self._answer = quorum_answer(quorum, self.store_address)
+            self._answers.formed(quorum, self.store_address)
             answered_before, self._answered = self._answered, set(quorum.member_ids if receivers is None else receivers)
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
-                waiter = self._waiters.get(replica_id)
+                waiter, request = self._waiters.get(replica_id), self._readiness.pending.get(replica_id)
                 self._drop_pending(replica_id)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(answer)
+                    waiter.set_result(self._answers.to(request.members_digest if request is not None else ""))
             if changed or self._answered != answered_before:
                 # Heartbeats carry the quorum's id and each member's rank in it: news only when those change. The
                 # same quorum answered again each step wakes no held heartbeat (at scale: one per group per step).
@@ -706,6 +725,12 @@ def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
         log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
         return None
     return LighthouseMetrics(status)
+
+
+def _members_needed(asked: QuorumRequest, why: str) -> HttpError:
+    """428 for a quorum request that holds a quorum and sent no members where the lighthouse needs them."""
+    return HttpError(428, f"the quorum request of {asked.replica_id!r} holds quorum {asked.quorum_id} but sent no "
+                          f"'members': {why}; resend it with the members of the quorum it holds")
 
 
 def _release(waiter: asyncio.Future[None]) -> None:
