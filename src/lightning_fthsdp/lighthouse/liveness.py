@@ -21,38 +21,47 @@ class HeartbeatConnections:
     replaced by a reconnect, or released by a rank that finished, closes without declaring anything."""
 
     def __init__(self) -> None:
-        self._connection: dict[RankKey, Connection] = {}
+        # Per group, so that a group's release touches its own ranks only, not every connection of the job.
+        self._connection: dict[str, dict[int, Connection]] = {}
         self._key: dict[Connection, RankKey] = {}
 
     def bind(self, key: RankKey, connection: Connection) -> None:
         """``connection`` carries the heartbeats of ``key`` from now on."""
-        old = self._connection.get(key)
+        ranks = self._connection.setdefault(key[0], {})
+        old = ranks.get(key[1])
         if old is connection:
             return
         if old is not None:
             self._key.pop(old, None)
-        self._connection[key] = connection
+        ranks[key[1]] = connection
         self._key[connection] = key
 
     def release(self, key: RankKey) -> None:
         """The rank finished: its connection's close means nothing any more."""
-        connection = self._connection.pop(key, None)
+        connection = self._pop(key)
         if connection is not None:
             self._key.pop(connection, None)
 
     def release_group(self, replica_id: str) -> None:
         """The group left: release every one of its ranks."""
-        for key in [key for key in self._connection if key[0] == replica_id]:
-            self.release(key)
+        for connection in self._connection.pop(replica_id, {}).values():
+            self._key.pop(connection, None)
 
     def per_group(self) -> Counter[str]:
         """Replica id -> how many heartbeat connections of its ranks are open."""
-        return Counter(replica_id for replica_id, _ in self._connection)
+        return Counter({replica_id: len(ranks) for replica_id, ranks in self._connection.items()})
 
     def closed(self, connection: Connection) -> RankKey | None:
         """``connection`` closed: the rank whose process died with it, or None when it carried no live heartbeats."""
         key = self._key.pop(connection, None)
-        if key is None or self._connection.get(key) is not connection:
+        if key is None or self._connection.get(key[0], {}).get(key[1]) is not connection:
             return None
-        del self._connection[key]
+        self._pop(key)
         return key
+
+    def _pop(self, key: RankKey) -> Connection | None:
+        ranks = self._connection.get(key[0], {})
+        connection = ranks.pop(key[1], None)
+        if not ranks:
+            self._connection.pop(key[0], None)
+        return connection
