@@ -1,4 +1,4 @@
-"""The chaos soak's short profile: three plain groups and a real lighthouse under about 60 s of seeded random
+"""The chaos soak's short profile: three plain groups and a real lighthouse for about 2 minutes of seeded random
 failures (SIGKILL and SIGSTOP at every phase, the source killed while serving, the recovering group killed while
 fetching, following or replaying, two groups at once, the lighthouse killed during a membership change, restarts
 killed while starting); the run's invariants hold throughout. ``bench/bench_soak.py`` runs the long one."""
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
 def test_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
-    config = SoakConfig(duration_s=60, seed=2, mean_gap_s=2.5, ballast_mib=32)
+    config = SoakConfig(duration_s=115, seed=2, mean_gap_s=2.5, ballast_mib=32)
     result = Soak(tmp_path, config).run()
     table = format_table(result)
     print(table)
