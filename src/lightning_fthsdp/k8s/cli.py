@@ -8,7 +8,8 @@ creating the token Secret. These manifests were not run on a cluster here; their
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from lightning_fthsdp.launch.cluster_args import add_job_arguments, job_overrides, ranks_per_node
 
 EXTRAS = ("launch",)
 
@@ -19,11 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "k8s", help="print Kubernetes manifests for a recipe: lighthouse Deployment, groups as JobSet or LWS",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
-                        help="config group choices and recipe overrides, e.g. trainer.max_steps=50")
-    parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
-    parser.add_argument("--nodes-per-replica", type=int, default=1, help="pods (nodes) per replica group (default 1)")
+    add_job_arguments(parser, node="pod")
     parser.add_argument("--engine", choices=ENGINES, default="jobset",
                         help="jobset (restarts only the failed group's Job) or lws (LeaderWorkerSet); default jobset")
     parser.add_argument("--image", required=True, help="container image with lightning-fthsdp[launch,lightning]")
@@ -40,15 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.k8s.manifests import JobSpec, manifests
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
-    overrides = list(args.overrides) + ([f"launch.replicas={args.replicas}"] if args.replicas is not None else [])
     try:
-        recipe = load_recipe(args.recipe, overrides)
-        shards, per = recipe.launch.shard_count, args.nodes_per_replica
-        if per < 1 or shards % per:
-            raise ValueError(f"--nodes-per-replica {per} must be >= 1 and divide launch.shard_count={shards} (the "
-                             f"ranks of a group over all its pods)")
+        recipe = load_recipe(args.recipe, job_overrides(args))
+        per = args.nodes_per_replica
+        ranks = ranks_per_node(recipe.launch.shard_count, per, node="pod")
         timeouts = recipe.ft.timeouts
-        spec = JobSpec(args.name, args.image, to_yaml(recipe), recipe.launch.replicas, per, shards // per,
+        spec = JobSpec(args.name, args.image, to_yaml(recipe), recipe.launch.replicas, per, ranks,
                        recipe.trainer.accelerator != "cpu", recipe.ft.min_replicas, timeouts.heartbeat_timeout_ms,
                        timeouts.join_timeout_ms, recipe.launch.max_restarts,
                        args.token_secret or f"{args.name}-token", args.namespace)

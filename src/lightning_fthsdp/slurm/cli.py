@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_fthsdp.launch.cluster_args import add_job_arguments, job_overrides, ranks_per_node
+
 if TYPE_CHECKING:
     from lightning_fthsdp.slurm.script import SbatchScript
 
@@ -30,11 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "slurm", help="submit a recipe as a fault-tolerant SLURM job: groups as steps, restarts, spares, report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", type=Path, metavar="RECIPE.yaml", help="an omegaconf recipe (recipes/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
-                        help="config group choices and recipe overrides, e.g. trainer.max_steps=50")
-    parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
-    parser.add_argument("--nodes-per-replica", type=int, default=1, help="nodes of each replica group (default 1)")
+    add_job_arguments(parser, node="node")
     parser.add_argument("--spares", type=int, default=0,
                         help="extra nodes in the allocation that a group on a lost node moves to (default 0)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
@@ -51,23 +49,18 @@ def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
     from lightning_fthsdp.slurm.script import SbatchScript
 
-    overrides = list(args.overrides)
-    if args.replicas is not None:
-        overrides.append(f"launch.replicas={args.replicas}")
-    overrides.append("launch.standby=false")  # a standby is a process on this machine; a step is started fresh
+    # A standby is a process on this machine; a step is started fresh.
+    overrides = [*job_overrides(args), "launch.standby=false"]
     try:
         recipe = load_recipe(args.recipe, overrides)
-        shards, per_replica = recipe.launch.shard_count, args.nodes_per_replica
-        if per_replica < 1 or shards % per_replica:
-            raise ValueError(f"--nodes-per-replica {per_replica} must be >= 1 and divide launch.shard_count={shards} "
-                             f"(the ranks of a group over all its nodes): set launch.shard_count="
-                             f"{max(1, per_replica) * max(1, shards // max(1, per_replica))} or change the nodes")
+        per_replica = args.nodes_per_replica
+        ranks = ranks_per_node(recipe.launch.shard_count, per_replica, node="node")
         if recipe.launch.chaos:
             raise ValueError(f"launch.chaos={recipe.launch.chaos!r} is fthsdp launch's: on SLURM inject failures with "
                              f"scancel --signal=KILL JOB.STEP or scontrol update nodename=N state=down; set "
                              f"launch.chaos=''")
         script = SbatchScript(args.out.resolve(), recipe.launch.replicas, per_replica, args.spares,
-                              shards // per_replica, recipe.trainer.accelerator != "cpu", sys.executable,
+                              ranks, recipe.trainer.accelerator != "cpu", sys.executable,
                               sbatch_args=tuple(args.sbatch))
         replica_ids = group_ids(recipe.launch.replicas)
     except (RecipeError, ValueError) as err:
