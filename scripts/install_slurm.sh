@@ -6,13 +6,6 @@
 set -euo pipefail
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
 if have slurmctld && have slurmd && have sbatch && have munged; then exit 0; fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "install_slurm.sh: no apt-get here; install slurmctld, slurmd, slurm-client and munge with your package manager" >&2
-  exit 1
-fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-  slurmctld slurmd slurm-client munge >/dev/null
+source "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh"
+apt_install install_slurm.sh --no-install-recommends slurmctld slurmd slurm-client munge
 have slurmctld && have slurmd && have sbatch && have munged
