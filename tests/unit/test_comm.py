@@ -91,7 +91,7 @@ def test_a_stale_prepared_rendezvous_holds_up_neither_the_next_quorum_nor_an_old
     address = f"127.0.0.1:{store.port}"
     comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
     try:
-        comms[0].prepare(5, 0, 2, address)  # blocks its rendezvous connection for connect_timeout (8 s)
+        comms[0].prepare(5, 0, 2, address)  # its other member never comes
         results = run_ranks(lambda rank: (comms[rank].configure(6, rank, 2, address),
                                           comms[rank].allreduce_sum(buf := torch.ones(2)), buf)[2], timeout_s=4)
         assert all(torch.equal(b, torch.full((2,), 2.0)) for b in results)  # type: ignore[arg-type]
@@ -208,24 +208,89 @@ def test_a_build_error_no_retry_fixes_is_not_an_aborted_collective(store: dist.T
         raise TypeError("ProcessGroupGloo() incompatible constructor arguments")
 
     monkeypatch.setattr(comm_module, "new_backend", broken)
-    comm = CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0)
-    try:
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
         with pytest.raises(CrossGroupConfigError, match="no retry can fix it: TypeError"):
-            comm.configure(1, 0, 2, f"127.0.0.1:{store.port}")
+            comms[rank].configure(1, rank, 2, f"127.0.0.1:{store.port}")
+
+    try:
+        run_ranks(rank_fn)
     finally:
-        comm.close()
+        for c in comms:
+            c.close()
 
 
-def test_close_waits_for_a_rendezvous_whose_peer_never_came(store: dist.TCPStore) -> None:
-    """A rendezvous thread still blocked in native code when the interpreter finalizes kills the process (SIGABRT):
-    close() returns only once it ended, within its bound."""
-    short = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=100, collective_timeout_ms=200,
-                     quorum_timeout_ms=300, connect_timeout_ms=600, join_timeout_ms=100)
-    comm = CrossGroupComm("gloo", torch.device("cpu"), short, shard_rank=0)
+def test_close_ends_a_rendezvous_whose_peer_never_came_within_a_poll(store: dist.TCPStore) -> None:
+    """A rendezvous thread still blocked in native code when the interpreter finalizes kills the process (SIGABRT),
+    so close() returns only once it ended; a member that never came holds it up for a poll, not connect_timeout."""
+    comm = CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0)
     comm.prepare(1, 0, 2, f"127.0.0.1:{store.port}")  # the peer never comes
+    wait_for(lambda: store.check(["fthsdp/q1/s0/arrived"]), 5, "rank 0 never arrived at the rendezvous")
     started = time.monotonic()
     comm.close()
-    assert time.monotonic() - started < 2 * short.connect_timeout_ms / 1000 + 1
+    assert time.monotonic() - started < comm_module._ARRIVAL_POLL_MS / 1000 + 0.5 < TIMEOUTS.connect_timeout_ms / 1000
+    assert not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"]
+
+
+def test_a_member_giving_up_a_rendezvous_ends_it_for_the_members_waiting(store: dist.TCPStore) -> None:
+    """Quorum 2 has three members; the third never comes, and the first gives its rendezvous up (a newer quorum
+    superseded it): the second's configure fails at once, not after connect_timeout, and no member built a group."""
+    address = f"127.0.0.1:{store.port}"
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
+    try:
+        comms[0].prepare(2, 0, 3, address)
+        outcome: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                comms[1].configure(2, 1, 3, address)
+            except CollectiveAborted as exc:
+                outcome.append(exc)
+
+        waiting = threading.Thread(target=second, daemon=True)
+        waiting.start()
+        wait_for(lambda: store.add("fthsdp/q2/s0/arrived", 0) == 2, 5, "the two members never arrived")
+        started = time.monotonic()
+        comms[0].prepare(3, 0, 3, address)  # supersedes quorum 2's rendezvous
+        waiting.join(TIMEOUTS.connect_timeout_ms / 1000)
+        assert time.monotonic() - started < comm_module._ARRIVAL_POLL_MS / 1000 + 1
+        assert outcome and "given up" in str(outcome[0]), outcome
+        assert store.get("fthsdp/q2/s0/outcome") == b"abandoned"
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_a_member_dead_inside_the_gloo_rendezvous_holds_up_close_for_a_poll(store: dist.TCPStore) -> None:
+    """All three members of quorum 1 arrived, then the third died before it published its address to gloo: the two
+    left wait inside gloo's rendezvous until their abort (the lighthouse declares it dead), and close() then ends
+    their rendezvous threads within a poll, not at gloo's timeout."""
+    address = f"127.0.0.1:{store.port}"
+    store.add("fthsdp/q1/s0/arrived", 1)  # the third member's arrival
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
+    failures: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            comms[rank].configure(1, rank, 3, address)
+        except CollectiveAborted as exc:
+            failures.append(exc)
+
+    members = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(2)]
+    for t in members:
+        t.start()
+    wait_for(lambda: store.check(["fthsdp/q1/s0/0/0", "fthsdp/q1/s0/0/1"]), 5, "gloo's rendezvous never began")
+    for c in comms:
+        c.abort("the third member was declared dead")
+    for t in members:
+        t.join(5)
+    assert len(failures) == 2 and all("declared dead" in str(f) for f in failures), failures
+    started = time.monotonic()
+    for c in comms:
+        c.close()
+    closed_in = time.monotonic() - started
+    assert closed_in < comm_module._ARRIVAL_POLL_MS / 1000 + 0.5 < TIMEOUTS.collective_timeout_ms / 1000, closed_in
     assert not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"]
 
 

@@ -15,7 +15,10 @@ emptied once its op has finished. NCCL's ``abort()`` does cancel, and is called.
 Interpreter exit: a native thread that calls into Python, or takes the GIL back, after the interpreter has
 finalized kills the process (SIGSEGV or SIGABRT, exit code -11 or -6 after a successful run). So no Python callback is
 ever attached to a collective (an abandoned one completes at its timeout, maybe during exit): completion is polled;
-and every rendezvous thread (blocked in native code until its peers come or connect_timeout) is joined by ``close``.
+and every rendezvous thread is joined by ``close``. Gloo's rendezvous waits in native code, beyond reach until
+connect_timeout, for a member that never comes; so a rendezvous first waits for every member to arrive in Python
+(``RendezvousStore.arrive``) and enters gloo's only once all are there, on a store whose waits end within a poll
+once the rendezvous is abandoned.
 
 Errors no retry can fix (a backend name that does not exist, NCCL missing) raise ``CrossGroupConfigError`` at once
 instead of aborting the step.
@@ -23,6 +26,7 @@ instead of aborting the step.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import hmac
@@ -32,10 +36,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -45,6 +51,10 @@ _log = logging.getLogger(log.ERRORS)
 _POLL_S = (0.00005, 0.001)
 """First and longest interval between checks of a collective's completion (doubling in between): short for the
 small exchanges of tiny models, bounded in CPU for long ones."""
+
+_ARRIVAL_POLL_MS = 1000
+"""How often a rendezvous waiting for its members looks whether it was abandoned: how long an abandoned one outlives
+its abandonment. Longer would hold ``close`` up; shorter costs the store a request per waiting rank that often."""
 
 BACKENDS = ("gloo", "nccl")
 
@@ -67,9 +77,11 @@ class _Parked:
 class _Prepared:
     key: tuple[int, int, int, str]
     """quorum_id, rank, size, store address"""
-    build: Future[dist.ProcessGroup]
     store_losses: int
     """``CrossGroupComm.store_losses`` when the build began: a build begun before the store went away never ends."""
+    build: Future[dist.ProcessGroup] = field(default_factory=Future)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    """Nobody will use the group: its rendezvous gives up if it is still waiting for a member."""
 
 
 def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
@@ -77,6 +89,64 @@ def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
     if not host or not port.isdigit():
         raise ValueError(f"store address must be HOST:PORT, got {address!r}")
     return dist.TCPStore(host, int(port), is_master=False, timeout=Timeouts.delta(timeout_ms), wait_for_workers=False)
+
+
+class RendezvousStore(dist.Store):
+    """The store as one rendezvous sees it, gloo's or NCCL's included: every wait on it (for the other members'
+    arrival, then for each one's address) ends within a poll once ``abandoned`` is set, where the store's own wait
+    would block in native code until its timeout."""
+
+    def __init__(self, inner: dist.Store, abandoned: threading.Event) -> None:
+        super().__init__()
+        self._inner = inner
+        self._abandoned = abandoned
+
+    def arrive(self, size: int, timeout: timedelta) -> bool:
+        """Count this rank in and wait until the rendezvous is decided: True once all ``size`` members arrived,
+        False once a member gave up first (abandoned, or ``timeout`` passed, at any member). The first to write the
+        outcome decides it for all: no member builds a group another gave up on, and one that gives up on a group
+        the others build builds it too."""
+        if self.add("arrived", 1) == size:
+            self.compare_set("outcome", "", "build")
+        with contextlib.suppress(CollectiveAborted, dist.DistStoreError):  # given up: unless a member decided first
+            self.wait(["outcome"], timeout)
+        return self.compare_set("outcome", "", "abandoned") == b"build"
+
+    @override
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self._inner.timeout).total_seconds()
+        while True:
+            if self._abandoned.is_set():
+                raise CollectiveAborted(f"the rendezvous was given up while waiting for {keys}")
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise dist.DistStoreError(f"timed out waiting for {keys}")
+            try:
+                self._inner.wait(keys, timedelta(milliseconds=min(_ARRIVAL_POLL_MS, remaining_ms)))
+                return
+            except dist.DistStoreError:
+                continue  # one poll's worth: look at abandoned again
+
+    @override
+    def get(self, key: str) -> bytes:
+        self.wait([key])  # the store's get waits for the key in native code
+        return self._inner.get(key)
+
+    @override
+    def set(self, key: str, value: str | bytes) -> None:
+        self._inner.set(key, value)
+
+    @override
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    @override
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    @override
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
 
 
 def rendezvous_prefix(token: bytes | None, quorum_id: int) -> str:
@@ -229,7 +299,8 @@ class CrossGroupComm:
         # Failure-injection point (lightning_fthsdp.faults): runs while a collective is in flight.
         self._on_collective_started = on_collective_started
         self._closed = False
-        self._rendezvous: list[tuple[threading.Thread, float]] = []  # every build thread alive, and its deadline
+        # Every build thread alive, its deadline and what it builds.
+        self._rendezvous: list[tuple[threading.Thread, float, _Prepared]] = []
         _REAPER.start()
 
     @property
@@ -273,15 +344,14 @@ class CrossGroupComm:
         keys are stale)."""
         if size == 1:
             return
-        build: Future[dist.ProcessGroup] = Future()
         with self._lock:
             if quorum_id <= self._newest or self._closed:
                 return
             self._newest = quorum_id
             superseded = self._prepared
-            self._prepared = _Prepared((quorum_id, rank, size, store_address), build, self._store_losses)
+            self._prepared = pending = _Prepared((quorum_id, rank, size, store_address), self._store_losses)
         self._discard(superseded)
-        self._build_in_thread(quorum_id, rank, size, store_address, build)  # outside the lock: a thread start waits
+        self._build_in_thread(pending)  # outside the lock: a thread start waits
 
     def configure(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
         """Make this rank a member of quorum ``quorum_id``'s group; no-op if it already is.
@@ -302,22 +372,23 @@ class CrossGroupComm:
                 self._prepared = None  # one for a newer quorum stays prepared for it
             self._newest = max(self._newest, quorum_id)
         if prepared is not None and prepared.key == key:
-            build, began_at = prepared.build, prepared.store_losses
+            pending: _Prepared | None = prepared
         else:
             self._discard(prepared)
-            began_at = self._store_losses
-            build = self._build_in_thread(*key, Future()) if size > 1 else None
-        if build is not None:
+            pending = _Prepared(key, self._store_losses) if size > 1 else None
+            if pending is not None:
+                self._build_in_thread(pending)
+        if pending is not None:
             with self._lock:
-                stale = began_at != self._store_losses
+                stale = pending.store_losses != self._store_losses
                 self._awaiting_build = not stale
             if stale:
-                self._discard(_Prepared(key, build, began_at))
+                self._discard(pending)
                 raise CollectiveAborted(f"the rendezvous of quorum {quorum_id} began before the lighthouse went away")
             try:
-                self._backend = self._wait(build, self._timeouts.connect_timeout_ms)
+                self._backend = self._wait(pending.build, self._timeouts.connect_timeout_ms)
             except CollectiveAborted:
-                self._discard(_Prepared(key, build, began_at))  # destroyed once its rendezvous ends, if ever
+                self._discard(pending)
                 raise
             finally:
                 with self._lock:
@@ -357,9 +428,10 @@ class CrossGroupComm:
             raise CollectiveAborted(f"allreduce failed: {exc}") from exc
 
     def close(self) -> None:
-        """Release every group. Bounded: it waits for rendezvous still under way (each until its connect_timeout,
-        when its peer never comes), for the pending op of a retired group to end and for the destruction of retired
-        groups (collective_timeout each). Idempotent."""
+        """Release every group. Bounded: it abandons the rendezvous still under way and waits for them to end (within
+        a poll while a member is missing; within connect_timeout when one died inside gloo's rendezvous), for the
+        pending op of a retired group to end and for the destruction of retired groups (collective_timeout each).
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -368,10 +440,13 @@ class CrossGroupComm:
             rendezvous, self._rendezvous = self._rendezvous, []
         self._discard(prepared)
         self._retire(None)
-        for thread, deadline in rendezvous:
+        for _, _, pending in rendezvous:
+            pending.abandoned.set()
+        for thread, deadline, _ in rendezvous:
+            thread.join(min(_ARRIVAL_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
             if thread.is_alive():
-                _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member never came): a thread "
-                          "inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
+                _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member died inside it): a "
+                          "thread inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
             thread.join(max(0.0, deadline - time.monotonic()))
         # A retired group whose op is still pending (a peer hung inside it) would have gloo's threads inside that op
         # while the interpreter finalizes; the op ends at its collective timeout at the latest: wait for it.
@@ -393,17 +468,25 @@ class CrossGroupComm:
 
     # ----------------------------------------------------------------------------------------------------
 
-    def _build_in_thread(self, quorum_id: int, rank: int, size: int, store_address: str,
-                         future: Future[dist.ProcessGroup]) -> Future[dist.ProcessGroup]:
+    def _build_in_thread(self, pending: _Prepared) -> None:
+        quorum_id, rank, size, store_address = pending.key
+        future = pending.build
+
         def build() -> None:
             try:
                 client = self._stores.take(store_address)
-                store = dist.PrefixStore(f"{rendezvous_prefix(self._token, quorum_id)}/s{self._shard_rank}", client)
-                # Rendezvous may wait up to connect_timeout for the slowest member; collectives then use the
-                # shorter collective timeout.
-                backend = new_backend(self.backend_name, store, rank, size, self._timeouts.connect_timeout_ms,
+                store = RendezvousStore(dist.PrefixStore(
+                    f"{rendezvous_prefix(self._token, quorum_id)}/s{self._shard_rank}", client), pending.abandoned)
+                # Members may arrive up to connect_timeout apart; once all have, connecting is as quick as a
+                # collective among live members.
+                if not store.arrive(size, Timeouts.delta(self._timeouts.connect_timeout_ms)):
+                    self._stores.give_back(store_address, client)
+                    future.set_exception(CollectiveAborted(
+                        f"the rendezvous of quorum {quorum_id} was given up before every member came"))
+                    self._wake.set()
+                    return
+                backend = new_backend(self.backend_name, store, rank, size, self._timeouts.collective_timeout_ms,
                                       self.device)
-                backend.set_timeout(Timeouts.delta(self._timeouts.collective_timeout_ms))
                 self._stores.give_back(store_address, client)
                 future.set_result(backend)
             except BaseException as exc:
@@ -412,15 +495,16 @@ class CrossGroupComm:
                 future.set_exception(exc)
             self._wake.set()
 
-        # Not a daemon: should close() never run, the interpreter still waits for it (bounded by connect_timeout)
-        # rather than finalizing under it. The slack covers the store client's own connect.
+        # Not a daemon: should close() never run, the interpreter still waits for it (bounded: the arrival within
+        # connect_timeout, then gloo's rendezvous within collective_timeout) rather than finalizing under it. The
+        # slack covers the store client's own connect.
         thread = threading.Thread(target=build, name="fthsdp-rendezvous", daemon=False)
-        deadline = time.monotonic() + 2 * self._timeouts.connect_timeout_ms / 1000
+        bound_ms = 2 * self._timeouts.connect_timeout_ms + self._timeouts.collective_timeout_ms
+        deadline = time.monotonic() + bound_ms / 1000
         with self._lock:
-            self._rendezvous = [(t, d) for t, d in self._rendezvous if t.is_alive()]
-            self._rendezvous.append((thread, deadline))
+            self._rendezvous = [r for r in self._rendezvous if r[0].is_alive()]
+            self._rendezvous.append((thread, deadline, pending))
         thread.start()
-        return future
 
     def _wait(self, ready: Future | Callable[[], bool], timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
         """``ready``'s result once done (a Future wakes us; a predicate is polled), unless aborted or past the
@@ -474,8 +558,10 @@ class CrossGroupComm:
             _REAPER.destroy(done)  # it empties this very list: no reference is left here to destroy one on return
 
     def _discard(self, prepared: _Prepared | None) -> None:
-        """A prepared group nobody will use: destroyed on the reaper thread once built."""
+        """A prepared group nobody will use: its rendezvous is given up, or the group destroyed on the reaper thread
+        once built."""
         if prepared is not None:
+            prepared.abandoned.set()
             prepared.build.add_done_callback(lambda future: _REAPER.destroy([future]))
 
     def expect(self, quorum_id: int) -> None:
