@@ -75,11 +75,12 @@ class TinyData(pl.LightningDataModule):
 
 
 class StepRecorder(CommittedStepCallback):
-    """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps."""
+    """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps, while
+    ``pace_file`` exists if one is given (a test lets go of the pace by deleting it)."""
 
     def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0,
-                 ballast_mib: int = 0) -> None:
-        self.jsonl, self.params, self.sleep_s = jsonl, params, sleep_s
+                 pace_file: str | None = None, ballast_mib: int = 0) -> None:
+        self.jsonl, self.params, self.sleep_s, self.pace_file = jsonl, params, sleep_s, pace_file
         self.ballast_mib = ballast_mib
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,7 +103,7 @@ class StepRecorder(CommittedStepCallback):
                        "participants": list(manager.participants), "discarded": manager.discarded_steps,
                        "catch_up_log": manager.catch_up_log}
         self._write(trainer, record)
-        if self.sleep_s:
+        if self.sleep_s and (self.pace_file is None or os.path.exists(self.pace_file)):
             time.sleep(self.sleep_s)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

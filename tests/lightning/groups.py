@@ -19,7 +19,7 @@ ANY_MODULE = Path(__file__).resolve().parent / "fit_module.py"
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
 KILL_RUN_STEPS = 125
 """kill_and_restart's steps: at 0.15 s a step, a still trains while b (seconds to start, twice) dies and comes back
-(in the whole suite on 2 cores, b's second life joins near step 60)."""
+(in the whole suite on 2 cores, b's second life joins near step 60); the steps after that are not paced."""
 
 
 def start_lightning_group(job: Job, replica_id: str, *, devices: int, max_steps: int, extra: tuple[str, ...] = (),
@@ -60,10 +60,12 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
     every step committed once, identical at every common step and at the end (both ranks). Returns a, b and how many
     steps b's first life logged, per rank."""
     steps = KILL_RUN_STEPS
+    pace = job.workdir / "pace"
+    pace.touch()
 
     def start(replica_id: str, *extra: str) -> Group:
         return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=script, cwd=cwd,
-                                     extra=(*args, "--recorder.sleep_s=0.15", *extra))
+                                     extra=(*args, "--recorder.sleep_s=0.15", f"--recorder.pace_file={pace}", *extra))
 
     a = start("a")
     wait_for(lambda: a.records("commit"), 90, "group a's first step")
@@ -74,6 +76,9 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
     first_life = {rank: len(b.records("commit", rank=rank)) for rank in (0, 1)}
     wait_for(lambda: continued_alone(a.records("commit")), 60, "group a to go on alone after b's death")
     b = start("b")
+    wait_for(lambda: len(b.records("commit", rank=0)) > first_life[0] or b.proc.poll() is not None, 150,
+             "b's first step after its restart")
+    pace.unlink()
     for group in (a, b):
         assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
 

@@ -221,12 +221,11 @@ def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[
 
 
 def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
-    """Groups that kept training on quorum 4 while the lighthouse was away get it back at once, unchanged; a
-    group that failed its commit or is at another step is not given it (it must wait for a real decision)."""
+    """Groups that kept training on quorum 4 while the lighthouse was away get it back at once, unchanged (c, its
+    third member, has not asked yet: it gets it as a late member)."""
     members = ("a", "b", "c")
     held = pending(req("a", 9, address="h:1", quorum_id=4, members=members),
-                   req("b", 9, quorum_id=4, members=members),
-                   req("c", 8, quorum_id=4, members=members, commit_failed=True))
+                   req("b", 9, quorum_id=4, members=members))
     adopted = adopt(held)
     assert adopted is not None
     quorum, receivers = adopted
@@ -234,10 +233,24 @@ def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
     assert receivers == frozenset("ab") and not quorum.catch_up_from
     assert quorum.member("a").address == "h:1"
     assert adopt(pending(req("a"), req("b"))) is None  # a fresh job holds no quorum
-    # Same quorum and step but another state (a commit the others trained again): not a receiver.
-    diverged = dict(held, b=req("b", 9, quorum_id=4, members=members, committed_in=3))
-    assert adopt(diverged) is not None and adopt(diverged)[1] == frozenset("a")
     assert adopt(pending(req("a", 3, quorum_id=2, members=("a",), commit_failed=True))) is None
+
+
+@pytest.mark.parametrize("c", [
+    req("c", 8, quorum_id=4, members=("a", "b", "c"), commit_failed=True),  # it failed the commit a and b made
+    req("c", 9, quorum_id=4, members=("a", "b", "c"), committed_in=3),  # another state of step 9
+    req("c", 7, quorum_id=4, members=("a", "b", "c")),  # another step
+])
+def test_no_adoption_when_a_member_asking_cannot_take_part_in_its_next_exchange(c: QuorumRequest) -> None:
+    """Adopting quorum 4 for a and b would leave them waiting for c inside its next exchange, and c (never given
+    quorum 4) waiting for them in a new quorum: the lighthouse decides for all three instead, c catching up (a new
+    quorum id after c's failed commit; the one all three hold otherwise)."""
+    members = ("a", "b", "c")
+    asking = pending(req("a", 9, quorum_id=4, members=members), req("b", 9, quorum_id=4, members=members), c)
+    assert adopt(asking) is None
+    quorum = decide(QuorumRules(min_replicas=1), None, asking, frozenset(members), now=0.0)
+    assert quorum is not None and quorum.quorum_id == (5 if c.commit_failed else 4) and quorum.member_ids == members
+    assert quorum.max_step == 9 and "c" in quorum.catch_up_from
 
 
 def test_late_member_of_the_answered_round_gets_the_same_quorum() -> None:

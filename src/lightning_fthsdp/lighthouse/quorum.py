@@ -247,7 +247,9 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     no reconfiguration).
 
     Returns the adopted quorum and the requesters that may receive it: those holding that same quorum, healthy
-    (no failed commit) and at the same step as the group it is taken from. None when no request qualifies.
+    (no failed commit) and at the same step as the group it is taken from. None when no request qualifies, or when
+    a member of that quorum asks and is no receiver (it failed its commit, holds another step or state): the
+    receivers would wait for it in the quorum's next exchange, and it for them in a new quorum.
     """
     holders = [r for r in pending.values()
                if r.quorum_id >= 0 and not r.commit_failed and not r.following and r.replica_id in r.members]
@@ -257,6 +259,8 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     receivers = frozenset(r.replica_id for r in holders
                           if r.quorum_id == source.quorum_id and r.step == source.step and r.members == source.members
                           and r.committed_in == source.committed_in)
+    if any(r.replica_id in source.members and r.replica_id not in receivers for r in pending.values()):
+        return None
     members = tuple(Member(rid, source.step, pending[rid].address if rid in pending else "")
                     for rid in sorted(source.members))
     quorum = Quorum(source.quorum_id, members, source.step, source.shard_count)
