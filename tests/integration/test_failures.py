@@ -102,15 +102,18 @@ def test_a_dead_shard_rank_takes_its_whole_group_down(job: Job) -> None:
     """2 groups x 2 ranks (FSDP2 inside each group, torchrun): rank 1 of b dies; b exits whole; a continues."""
     job.min_replicas = 1
     job.start_lighthouse()
-    # At 100 ms a step a trains for 40 s or more: b (a torchrun launch of 2 ranks: 10-30 s to start on a loaded
-    # 2-core machine) joins and dies before a finishes.
+    # At 100 ms a step, until b is gone, a trains for 40 s or more: b (a torchrun launch of 2 ranks: 10-30 s to start
+    # on a loaded 2-core machine) joins and dies before a finishes.
     steps = 400
-    a = job.start_group("a", steps, shard_count=2, step_time_ms=100)
+    pace = job.workdir / "pace"
+    pace.touch()
+    a = job.start_group("a", steps, shard_count=2, step_time_ms=100, extra=("--pace-file", str(pace)))
     # b joins a job that a already trains (it catches up), so a holds the job's state whatever b does.
     wait_for(lambda: a.last_step() >= 1, 120, "a's first committed step")
     b = job.start_group("b", steps, shard_count=2, fault=f"sigkill:step={KILL_STEP}:rank=1")
     assert job.wait_exit(b, 180) != 0
     assert a.proc.poll() is None, "a finished before b joined: the test proves nothing"
+    pace.unlink()
     assert job.wait_exit(a, 180) == 0, a.log.read_text()[-4000:]
     for rank in (0, 1):
         assert_no_step_lost(a, steps, rank=rank)

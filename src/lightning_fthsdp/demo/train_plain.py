@@ -137,6 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pad each step's forward and backward to at least this long: the accelerator compute "
                              "a real model would spend there (what the quorum request and a catch-up snapshot "
                              "overlap with)")
+    parser.add_argument("--pace-file", type=Path, default=None,
+                        help="pad the steps (--step-time-ms) only while this file exists: a harness paces a group "
+                             "until the moment it waits for has come, then lets it run at full speed by deleting it")
     parser.add_argument("--fault", type=Fault.parse, default=None, help="inject a failure, see lightning_fthsdp.faults")
     parser.add_argument("--fault-file", type=Path, default=None,
                         help="a file holding one fault (same grammar as --fault) or nothing, re-read whenever it "
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             on_phase("backward")
             loss.backward()
             pad = args.step_time_ms / 1000 - (time.monotonic() - started)
-            if pad > 0:
+            if pad > 0 and (args.pace_file is None or args.pace_file.exists()):
                 time.sleep(pad)
             for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
                 x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
