@@ -229,7 +229,7 @@ def test_close_ends_a_rendezvous_whose_peer_never_came_within_a_poll(store: dist
     wait_for(lambda: store.check(["fthsdp/q1/s0/arrived"]), 5, "rank 0 never arrived at the rendezvous")
     started = time.monotonic()
     comm.close()
-    assert time.monotonic() - started < comm_module._ARRIVAL_POLL_MS / 1000 + 0.5 < TIMEOUTS.connect_timeout_ms / 1000
+    assert time.monotonic() - started < 2 * comm_module._ARRIVAL_POLL_MS / 1000  # connect_timeout is 8 s
     assert not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"]
 
 
@@ -254,7 +254,7 @@ def test_a_member_giving_up_a_rendezvous_ends_it_for_the_members_waiting(store: 
         started = time.monotonic()
         comms[0].prepare(3, 0, 3, address)  # supersedes quorum 2's rendezvous
         waiting.join(TIMEOUTS.connect_timeout_ms / 1000)
-        assert time.monotonic() - started < comm_module._ARRIVAL_POLL_MS / 1000 + 1
+        assert time.monotonic() - started < 2 * comm_module._ARRIVAL_POLL_MS / 1000  # connect_timeout is 8 s
         assert outcome and "given up" in str(outcome[0]), outcome
         assert store.get("fthsdp/q2/s0/outcome") == b"abandoned"
     finally:
@@ -264,8 +264,8 @@ def test_a_member_giving_up_a_rendezvous_ends_it_for_the_members_waiting(store: 
 
 def test_a_member_dead_inside_the_gloo_rendezvous_holds_up_close_for_a_poll(store: dist.TCPStore) -> None:
     """All three members of quorum 1 arrived, then the third died before it published its address to gloo: the two
-    left wait inside gloo's rendezvous until their abort (the lighthouse declares it dead), and close() then ends
-    their rendezvous threads within a poll, not at gloo's timeout."""
+    left wait inside gloo's rendezvous until their abort (the lighthouse declares it dead) gives it up, and close()
+    finds their rendezvous threads ended within a poll, not at gloo's timeout."""
     address = f"127.0.0.1:{store.port}"
     store.add("fthsdp/q1/s0/arrived", 1)  # the third member's arrival
     comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
@@ -290,7 +290,7 @@ def test_a_member_dead_inside_the_gloo_rendezvous_holds_up_close_for_a_poll(stor
     for c in comms:
         c.close()
     closed_in = time.monotonic() - started
-    assert closed_in < comm_module._ARRIVAL_POLL_MS / 1000 + 0.5 < TIMEOUTS.collective_timeout_ms / 1000, closed_in
+    assert closed_in < 2 * comm_module._ARRIVAL_POLL_MS / 1000, closed_in  # the collective timeout is 5 s
     assert not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"]
 
 

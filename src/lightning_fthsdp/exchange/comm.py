@@ -31,6 +31,7 @@ import ctypes
 import hashlib
 import hmac
 import logging
+import os
 import queue
 import threading
 import time
@@ -55,6 +56,11 @@ small exchanges of tiny models, bounded in CPU for long ones."""
 _ARRIVAL_POLL_MS = 1000
 """How often a rendezvous waiting for its members looks whether it was abandoned: how long an abandoned one outlives
 its abandonment. Longer would hold ``close`` up; shorter costs the store a request per waiting rank that often."""
+
+_GLOO_CONNECT_WAITS = 5
+"""How many times its timeout gloo's rendezvous waits, at most, for a member that published its address and then
+died (the side that listens for it retries): gloo is built with the collective timeout divided by this, so such a
+member costs the survivors' rendezvous threads one collective timeout, and collectives then get the whole one."""
 
 BACKENDS = ("gloo", "nccl")
 
@@ -101,20 +107,33 @@ class RendezvousStore(dist.Store):
         self._inner = inner
         self._abandoned = abandoned
 
+    @property
+    def plain(self) -> dist.Store:
+        """The store without the abandonable waits."""
+        return self._inner
+
     def arrive(self, size: int, timeout: timedelta) -> bool:
         """Count this rank in and wait until the rendezvous is decided: True once all ``size`` members arrived,
         False once a member gave up first (abandoned, or ``timeout`` passed, at any member). The first to write the
-        outcome decides it for all: no member builds a group another gave up on, and one that gives up on a group
-        the others build builds it too."""
-        if self.add("arrived", 1) == size:
-            self.compare_set("outcome", "", "build")
+        outcome decides it for all, so no member builds a group another gave up on; a member that gives up after
+        "build" was decided gets True, but its abandoned wait then ends its gloo rendezvous at once, and the others
+        wait for it there until they give up too or the collective timeout."""
+        if self._inner.add("arrived", 1) == size:
+            self._decide("build")
         with contextlib.suppress(CollectiveAborted, dist.DistStoreError):  # given up: unless a member decided first
-            self.wait(["outcome"], timeout)
-        return self.compare_set("outcome", "", "abandoned") == b"build"
+            self.wait(["decided"], timeout)
+        return self._decide("abandoned") == b"build"
+
+    def _decide(self, outcome: str) -> bytes:
+        """Write ``outcome`` unless a member decided first; the outcome either way. The "decided" key is what wakes
+        the members waiting: not every store server wakes waiters on a compare_set."""
+        decided = self._inner.compare_set("outcome", "", outcome)
+        self._inner.set("decided", b"")
+        return decided
 
     @override
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self._inner.timeout).total_seconds()
+        deadline = time.monotonic() + (self._inner.timeout if timeout is None else timeout).total_seconds()
         while True:
             if self._abandoned.is_set():
                 raise CollectiveAborted(f"the rendezvous was given up while waiting for {keys}")
@@ -124,8 +143,9 @@ class RendezvousStore(dist.Store):
             try:
                 self._inner.wait(keys, timedelta(milliseconds=min(_ARRIVAL_POLL_MS, remaining_ms)))
                 return
-            except dist.DistStoreError:
-                continue  # one poll's worth: look at abandoned again
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc):
+                    raise  # not the end of one poll: the store failed
 
     @override
     def get(self, key: str) -> bytes:
@@ -135,18 +155,6 @@ class RendezvousStore(dist.Store):
     @override
     def set(self, key: str, value: str | bytes) -> None:
         self._inner.set(key, value)
-
-    @override
-    def add(self, key: str, amount: int) -> int:
-        return self._inner.add(key, amount)
-
-    @override
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return self._inner.compare_set(key, expected, desired)
-
-    @override
-    def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
 
 
 def rendezvous_prefix(token: bytes | None, quorum_id: int) -> str:
@@ -429,9 +437,9 @@ class CrossGroupComm:
 
     def close(self) -> None:
         """Release every group. Bounded: it abandons the rendezvous still under way and waits for them to end (within
-        a poll while a member is missing; within connect_timeout when one died inside gloo's rendezvous), for the
-        pending op of a retired group to end and for the destruction of retired groups (collective_timeout each).
-        Idempotent."""
+        a poll; within collective_timeout when a member died inside gloo's connecting or NCCL's rendezvous),
+        for the pending op of a retired group to end and for the destruction of retired groups (collective_timeout
+        each). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -443,7 +451,7 @@ class CrossGroupComm:
         for _, _, pending in rendezvous:
             pending.abandoned.set()
         for thread, deadline, _ in rendezvous:
-            thread.join(min(_ARRIVAL_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
+            thread.join(min(1.5 * _ARRIVAL_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
             if thread.is_alive():
                 _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member died inside it): a "
                           "thread inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
@@ -485,8 +493,15 @@ class CrossGroupComm:
                         f"the rendezvous of quorum {quorum_id} was given up before every member came"))
                     self._wake.set()
                     return
-                backend = new_backend(self.backend_name, store, rank, size, self._timeouts.collective_timeout_ms,
-                                      self.device)
+                # Only gloo's eager rendezvous waits on the store inside this call. NCCL keeps its store for the
+                # group's life and calls it from its own threads (its heartbeat monitor), as lazily connecting gloo
+                # does at its first collective: a Python store must not outlive this call, so they get the plain one.
+                lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+                gloo = self.backend_name == "gloo"
+                collective_ms = self._timeouts.collective_timeout_ms
+                backend = new_backend(self.backend_name, store if gloo and not lazy else store.plain, rank, size,
+                                      collective_ms // _GLOO_CONNECT_WAITS if gloo else collective_ms, self.device)
+                backend.set_timeout(Timeouts.delta(collective_ms))
                 self._stores.give_back(store_address, client)
                 future.set_result(backend)
             except BaseException as exc:
@@ -502,7 +517,8 @@ class CrossGroupComm:
         bound_ms = 2 * self._timeouts.connect_timeout_ms + self._timeouts.collective_timeout_ms
         deadline = time.monotonic() + bound_ms / 1000
         with self._lock:
-            self._rendezvous = [r for r in self._rendezvous if r[0].is_alive()]
+            # A thread not started yet (another thread's build, started right after it left the lock) stays too.
+            self._rendezvous = [r for r in self._rendezvous if r[0].ident is None or r[0].is_alive()]
             self._rendezvous.append((thread, deadline, pending))
         thread.start()
 

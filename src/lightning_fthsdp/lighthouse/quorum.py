@@ -249,7 +249,8 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     Returns the adopted quorum and the requesters that may receive it: those holding that same quorum, healthy
     (no failed commit) and at the same step as the group it is taken from. None when no request qualifies, or when
     a member of that quorum asks and is no receiver (it failed its commit, holds another step or state): the
-    receivers would wait for it in the quorum's next exchange, and it for them in a new quorum.
+    receivers would wait for it in the quorum's next exchange, and it for them in a new quorum. Such a member whose
+    request comes only after the adoption is not covered: the receivers wait for it until their collective timeout.
     """
     holders = [r for r in pending.values()
                if r.quorum_id >= 0 and not r.commit_failed and not r.following and r.replica_id in r.members]
