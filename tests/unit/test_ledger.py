@@ -107,9 +107,10 @@ def test_strays_are_forgotten_members_are_not() -> None:
     assert sorted(registry) == ["alive", "member"]
     # Without a declaration a group that only heartbeats counts towards the majority for its grace only; one that
     # asks for a quorum or was a member counts as long as it lives.
-    assert registry.counts("alive", pending=False, now=4.0) and not registry.counts("alive", pending=False, now=5.0)
-    assert registry.past_grace(now=5.0) == ["alive"]
-    assert registry.counts("alive", pending=True, now=9.0)
+    assert registry.counts("alive", pending=False, now=4.0, committed_step=0)
+    assert not registry.counts("alive", pending=False, now=5.0, committed_step=0)
+    assert registry.past_grace(now=5.0, committed_step=0) == ["alive"]
+    assert registry.counts("alive", pending=True, now=9.0, committed_step=0)
 
 
 @pytest.mark.parametrize("bad", ["", "a" * 65, "has space", "slash/", 7, None])

@@ -491,3 +491,26 @@ def test_importing_the_lighthouse_imports_no_torch() -> None:
     allowed = {"lightning_fthsdp", "lightning_fthsdp.config", "lightning_fthsdp.lighthouse"}
     unexpected = [name for name in loaded if ".".join(name.split(".")[:2]) not in allowed]
     assert not unexpected, unexpected
+
+
+def test_a_group_behind_that_has_not_asked_yet_holds_up_no_quorum(lighthouse: Callable[..., str]) -> None:
+    """b restarts (it heartbeats at step 0 while it builds) as a, alone in the job, asks for its next step: a is
+    answered at once. b holds nothing a lacks, so it counts neither as a group to wait for nor against a's majority;
+    it joins the next round and catches up."""
+    url = lighthouse(min_replicas=1, join_timeout_s=30.0)
+    first = form(url, "a")[0]
+    second = form(url, "a", step=1, quorum_id=first["quorum_id"], committed_in=first["quorum_id"], members=("a",))[0]
+    b = Client(url)  # its heartbeat connection stays open: b is alive
+    assert b.call("POST", "/v1/heartbeat", hb("b", step=0))[0] == 200
+    started = time.monotonic()
+    code, third = Client(url).call("POST", "/v1/quorum", qr("a", 2, quorum_id=second["quorum_id"], members=("a",),
+                                                            committed_in=second["quorum_id"], timeout_ms=20_000))
+    assert code == 200 and [m["replica_id"] for m in third["members"]] == ["a"], third
+    assert time.monotonic() - started < 5, "a waited for b, a group behind that had not asked"
+    asking = Client(url)
+    asking.send("POST", "/v1/quorum", qr("b", 0, timeout_ms=20_000))
+    code, fourth = Client(url).call("POST", "/v1/quorum", qr("a", 3, quorum_id=third["quorum_id"], members=("a",),
+                                                             committed_in=third["quorum_id"], timeout_ms=20_000))
+    code_b, with_b = asking.recv()
+    assert code == code_b == 200 and with_b["quorum_id"] == fourth["quorum_id"], (fourth, with_b)
+    assert with_b["max_step"] == 3 and with_b["catch_up_from"] == {"b": "a"}, with_b

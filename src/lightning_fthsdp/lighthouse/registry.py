@@ -134,16 +134,22 @@ class Registry:
                                  f"the process that joined may speak for it")
         return record
 
-    def counts(self, replica_id: str, pending: bool, now: float) -> bool:
-        """Whether the group counts towards the majority of a quorum now (it must also be alive)."""
+    def counts(self, replica_id: str, pending: bool, now: float, committed_step: int) -> bool:
+        """Whether the group counts towards the majority of a quorum now (it must also be alive). An id that only
+        heartbeats counts in its grace only while it holds ``committed_step``: one behind (a restarting group
+        heartbeats while it builds) holds nothing the others lack, so they neither wait for it nor need it for
+        their majority; it joins the next round and catches up."""
         record = self._records.get(replica_id)
         if record is None or record.dead:
             return False
-        return self.declared is not None or pending or record.member or now - record.joined_s < self.grace_s
+        return self.declared is not None or pending or record.member or (
+            now - record.joined_s < self.grace_s and record.step >= committed_step)
 
-    def past_grace(self, now: float) -> list[str]:
-        """The live groups that only heartbeat and stopped counting since their grace ended (see the class)."""
-        return [rid for rid, r in self._records.items() if not r.dead and not self.counts(rid, False, now)]
+    def past_grace(self, now: float, committed_step: int) -> list[str]:
+        """The live groups that only heartbeat and stopped counting since their grace ended or the job moved past
+        their step (see ``counts``)."""
+        return [rid for rid, r in self._records.items()
+                if not r.dead and not self.counts(rid, False, now, committed_step)]
 
     def answered(self, replica_id: str, quorum_id: int) -> None:
         """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""

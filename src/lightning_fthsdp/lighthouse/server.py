@@ -529,7 +529,8 @@ class Lighthouse:
 
     def _sync_alive(self, replica_id: str) -> None:
         """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
-        counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic())
+        counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic(),
+                                       self._ledger.committed_step)
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
 
@@ -699,7 +700,7 @@ class Lighthouse:
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
                 self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
-            ended = [rid for rid in self._registry.past_grace(time.monotonic())
+            ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
                      if rid in self._readiness.alive and rid not in self._waiters]
             for replica_id in ended:
                 self._sync_alive(replica_id)
