@@ -18,9 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,11 +186,33 @@ class Job:
             env[ENV_TOKEN] = self.token
         env.update(extra_env or {})
         env[ENV_SPAWNED_AT] = repr(time.time())  # the start of the process's anatomy (config.anatomy)
-        with out.open("wb") as sink:
+        with out.open("wb") as sink, _signals_held():
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env=env)
-        self._procs.append(proc)
+            self._procs.append(proc)
         return proc
+
+
+_HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Run SIGTERM's and SIGINT's handlers only after the block: a handler that raises (the launcher's, Python's
+    KeyboardInterrupt) while ``Popen`` waits for its child's exec, or before the child is recorded, would leave a
+    process nothing ends. A signal is recorded meanwhile and raised again once the handlers are back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python runs signal handlers in the main thread only
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in _HELD_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
