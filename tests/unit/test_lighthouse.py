@@ -272,7 +272,7 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     assert replica(status, "a") | {"heartbeat_age_s": 0} == {
         "replica_id": "a", "step": 4, "alive": True, "dead": False, "heartbeat_age_s": 0, "in_quorum": False,
         "pending": False, "state": "waiting", "lag": 0, "incarnations": 1, "deaths": 0, "cause": "",
-        "heartbeat_connections": 1, "lost_ranks": []}
+        "heartbeat_connections": 1, "connections": 1, "lost_ranks": []}
     code, page = obs.call("GET", "/")
     # The page is static; its script renders what /status and /events say (tests/browser checks it in Chromium).
     assert code == 200 and "<h1>fthsdp lighthouse</h1>" in page and 'getJSON("/status")' in page

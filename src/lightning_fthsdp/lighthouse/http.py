@@ -4,11 +4,13 @@ Why not ``http.server`` or aiohttp: the lighthouse must learn the moment a clien
 process's socket closes: that is crash detection), hold thousands of long-polls on one thread, and stay stdlib
 only. ``Protocol.connection_lost`` gives the first, the event loop the second.
 
-Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order, ``Content-Length`` bodies up to
-``MAX_BODY`` bytes (a larger body is drained without being buffered and answered 413; the connection stays
-usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431), and heads a proxy or
-another parser could read differently (400): a control character anywhere in the head, a repeated Content-Length;
-after those, and after an unparsable request line (400), the connection is closed because its framing is lost.
+Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order (a handler that only waits, a
+long-poll, learns from ``Request.on_superseded`` that a request queues behind it, and answers early),
+``Content-Length`` bodies up to ``MAX_BODY`` bytes (a larger body is drained without being buffered and answered 413;
+the connection stays usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431),
+and heads a proxy or another parser could read differently (400): a control character anywhere in the head, a
+repeated Content-Length; after those, and after an unparsable request line (400), the connection is closed because
+its framing is lost.
 
 Bounded in time, so slow or silent clients cannot hold connections (slowloris): a request must arrive whole, head
 and body, within ``request_timeout_s`` of its first byte (else 408 and the connection is closed), and a keep-alive
@@ -76,6 +78,24 @@ class Request:
     """Lower-cased names."""
     body: bytes
     connection: Connection = field(repr=False)
+    queued: bool = False
+    """It arrived whole while an earlier request of its connection was in flight, and waited for that one's answer."""
+    superseded: bool = field(default=False, init=False)
+    """A request arrived whole behind this one on its connection (pipelined) and waits for this one's answer."""
+    _superseded_callback: Callable[[], None] | None = field(default=None, init=False, repr=False)
+
+    def on_superseded(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` once a request queues behind this one (at once if one has); None: no longer. For a
+        handler that holds its answer only to wait (a long-poll): the request behind must not wait with it."""
+        self._superseded_callback = callback
+        if callback is not None and self.superseded:
+            callback()
+
+    def supersede(self) -> None:
+        if not self.superseded:
+            self.superseded = True
+            if self._superseded_callback is not None:
+                self._superseded_callback()
 
     def json_object(self) -> dict[str, object]:
         """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
@@ -109,6 +129,8 @@ class Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
         self._task: asyncio.Task[None] | None = None
+        self._current: Request | None = None  # the request whose handler runs
+        self._queued = False  # a request arrived whole while _current ran
         # One timer at a time: "idle" while nothing is in flight or arriving, "request" from a request's first byte
         # until it is complete (not restarted by later bytes), none while a handler runs.
         self._timer: asyncio.TimerHandle | None = None
@@ -153,7 +175,10 @@ class Connection(asyncio.Protocol):
         self._arm()
 
     def _start_next(self) -> None:
-        if self._task is not None or self.closed or self._discard:
+        if self.closed or self._discard:
+            return
+        if self._task is not None:
+            self._note_queued()
             return
         head_end = self._buffer.find(b"\r\n\r\n")
         if head_end > MAX_HEAD or (head_end < 0 and len(self._buffer) > MAX_HEAD):
@@ -180,8 +205,28 @@ class Connection(asyncio.Protocol):
         body = bytes(self._buffer[body_start : body_start + length])
         del self._buffer[: body_start + length]
         parts = urlsplit(target)
-        request = Request(method, parts.path, dict(parse_qsl(parts.query)), headers, body, self)
+        request = Request(method, parts.path, dict(parse_qsl(parts.query)), headers, body, self, self._queued)
+        self._current, self._queued = request, False
         self._task = asyncio.get_running_loop().create_task(self._run(request, keep_alive))
+        self._note_queued()  # one pipelined behind it may have arrived with it
+
+    def _note_queued(self) -> None:
+        """A whole request waiting behind the one in flight supersedes it."""
+        assert self._current is not None
+        if not self._current.superseded and self._whole_request_buffered():
+            self._queued = True
+            self._current.supersede()
+
+    def _whole_request_buffered(self) -> bool:
+        """Whether the buffer holds a whole request (or a head that will be refused: it waits for nothing either)."""
+        head_end = self._buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            return len(self._buffer) > MAX_HEAD
+        try:
+            length = _parse_head(bytes(self._buffer[:head_end]))[4]
+        except HttpError:
+            return True
+        return length > MAX_BODY or len(self._buffer) >= head_end + 4 + length
 
     async def _run(self, request: Request, keep_alive: bool) -> None:
         try:
@@ -191,7 +236,7 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
             response = _error(500, "internal error in the lighthouse; see its log")
-        self._task = None
+        self._task, self._current = None, None
         if self.closed:
             return
         self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""))

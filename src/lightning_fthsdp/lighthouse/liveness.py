@@ -36,6 +36,13 @@ class HeartbeatConnections:
         ranks[key[1]] = connection
         self._key[connection] = key
 
+    def carries(self, key: RankKey, connection: Connection) -> bool:
+        """Whether ``connection`` is the one whose close declares ``key`` dead."""
+        return self._connection.get(key[0], {}).get(key[1]) is connection
+
+    def bound(self, key: RankKey) -> bool:
+        return key[1] in self._connection.get(key[0], {})
+
     def release(self, key: RankKey) -> None:
         """The rank finished: its connection's close means nothing any more."""
         connection = self._pop(key)
@@ -65,3 +72,27 @@ class HeartbeatConnections:
         if not ranks:
             self._connection.pop(key[0], None)
         return connection
+
+
+class GroupConnections:
+    """Which open connections carried each group's requests, of any kind: what ``/status`` counts, so a test can tell
+    that a group's leader holds one connection to the lighthouse, not one per kind of request."""
+
+    def __init__(self) -> None:
+        self._groups: dict[Connection, set[str]] = {}
+        self._connections: dict[str, set[Connection]] = {}
+
+    def carried(self, replica_id: str, connection: Connection) -> None:
+        if not connection.closed:  # a handler may run on after its connection closed
+            self._groups.setdefault(connection, set()).add(replica_id)
+            self._connections.setdefault(replica_id, set()).add(connection)
+
+    def closed(self, connection: Connection) -> None:
+        for replica_id in self._groups.pop(connection, ()):
+            connections = self._connections[replica_id]
+            connections.discard(connection)
+            if not connections:
+                del self._connections[replica_id]
+
+    def count(self, replica_id: str) -> int:
+        return len(self._connections.get(replica_id, ()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import socket
@@ -45,7 +46,7 @@ from lightning_fthsdp.lighthouse.http import (
     json_response,
 )
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
-from lightning_fthsdp.lighthouse.liveness import HeartbeatConnections
+from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
 from lightning_fthsdp.lighthouse.quorum import (
     Quorum,
     QuorumRequest,
@@ -135,6 +136,10 @@ class Lighthouse:
         # (a new incarnation of a member must not take an answer meant for its predecessor).
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
+        self._group_connections = GroupConnections()
+        # The groups whose quorum request is held on their heartbeat connection, where it holds up their next heartbeat
+        # (HTTP/1.1 answers in order): alive while it is held, their heartbeat clock restarted as it is answered.
+        self._quorum_holds: dict[str, asyncio.Future[Response]] = {}
         self._epoch = 0
         # The held heartbeats, each released by the next epoch change or its own timer: a set, so a timer releasing one
         # costs O(1) (a waiter list of an Event or a shared future is scanned on every timeout: O(groups^2) per
@@ -234,6 +239,7 @@ class Lighthouse:
 
     def _connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
+        self._group_connections.closed(conn)
         key = self._heartbeat_connections.closed(conn)
         if key is not None and not self._stopping:
             self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
@@ -265,8 +271,11 @@ class Lighthouse:
                                                         f"{','.join(map(str, beat.lost))} lost")
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
-        if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+        self._group_connections.carried(replica_id, request.connection)
+        # A heartbeat that queued behind a held request (the leader's quorum request, on the same connection) is
+        # answered at once: its sender has heard nothing for that long, and its commit lease runs from when it sent it.
+        if self._epoch == beat.known_epoch and beat.wait_ms > 0 and not request.queued:
+            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000, request)
         if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
@@ -284,15 +293,18 @@ class Lighthouse:
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
-    async def _hold(self, timeout_s: float) -> None:
-        """Wait until the epoch changes or ``timeout_s`` passed."""
+    async def _hold(self, timeout_s: float, request: Request) -> None:
+        """Wait until the epoch changes, ``timeout_s`` passed or a request queues behind ``request`` on its connection
+        (the leader's quorum request: it must not wait out the long-poll)."""
         waiter = asyncio.get_running_loop().create_future()
         self._held.add(waiter)
         timer = asyncio.get_running_loop().call_later(timeout_s, _release, waiter)
+        request.on_superseded(functools.partial(_release, waiter))
         try:
             await waiter
         finally:
             timer.cancel()
+            request.on_superseded(None)
             self._held.discard(waiter)
 
     async def _quorum(self, request: Request) -> Response:
@@ -305,7 +317,9 @@ class Lighthouse:
                               (asked.quorum_id, self._held_members(asked)))
         except MembersNeeded as e:
             raise _members_needed(asked, str(e)) from None
-        self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
+        record = self._admit(replica_id, incarnation, asked.step)
+        self._touch(record, replica_id, asked.step)
+        self._group_connections.carried(replica_id, request.connection)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
         if caught_up is not None:
@@ -319,6 +333,7 @@ class Lighthouse:
         self._add_pending(asked, waiter)
         # A plain timer rather than asyncio.wait_for: fewer futures and callbacks per request when every group asks.
         timer = loop.call_later(timeout_ms / 1000, self._time_out, replica_id, timeout_ms, waiter)
+        unbound = self._hold_quorum(replica_id, request.connection, waiter)
         try:
             return await waiter
         finally:
@@ -326,6 +341,25 @@ class Lighthouse:
             if self._waiters.get(replica_id) is waiter:  # timed out or the client went away: forget the request
                 self._drop_pending(replica_id)
                 self._schedule_decide(force=True)
+            if self._quorum_holds.get(replica_id) is waiter:
+                del self._quorum_holds[replica_id]
+                if unbound and self._heartbeat_connections.carries((replica_id, 0), request.connection):
+                    self._heartbeat_connections.release((replica_id, 0))
+                if not request.connection.closed and record is self._registry.get(replica_id) and \
+                        record.incarnation == incarnation:
+                    record.last_seen = time.monotonic()  # a hang right after the answer is found at the timeout
+
+    def _hold_quorum(self, replica_id: str, connection: Connection, waiter: asyncio.Future[Response]) -> bool:
+        """The group's quorum request ``waiter`` is held on ``connection``: if that carries its heartbeats, or none
+        does yet (its first heartbeat may queue behind this request), the held request is its sign of life and the
+        connection's close its crash. Returns whether the connection was bound here (for the hold only)."""
+        key = (replica_id, 0)
+        unbound = not self._heartbeat_connections.bound(key)
+        if unbound:
+            self._heartbeat_connections.bind(key, connection)
+        if self._heartbeat_connections.carries(key, connection):
+            self._quorum_holds[replica_id] = waiter
+        return unbound
 
     def _time_out(self, replica_id: str, timeout_ms: int, waiter: asyncio.Future[Response]) -> None:
         if not waiter.done():
@@ -399,7 +433,9 @@ class Lighthouse:
         the oldest has waited; ``declared`` the job's replica ids (null: any id may join); ``participants`` the
         members contributing gradients; ``step_rate`` committed steps per second over the last minute; per group its
         ``state`` (``lighthouse.metrics.GROUP_STATES``), ``lag`` behind the committed step, ``incarnations`` (starts of
-        its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none)."""
+        its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none),
+        ``heartbeat_connections`` (those whose close declares it dead: one per rank that heartbeats here) and
+        ``connections`` (every open connection that carried a request of its, of any kind)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         connections = self._heartbeat_connections.per_group()
@@ -423,6 +459,7 @@ class Lighthouse:
                  "pending": rid in self._readiness.pending, "state": self._state(rid, r),
                  "lag": max(0, self._ledger.committed_step - r.step), "incarnations": r.incarnations,
                  "deaths": r.deaths, "cause": r.cause, "heartbeat_connections": connections.get(rid, 0),
+                 "connections": self._group_connections.count(rid),
                  "lost_ranks": list(r.lost)}
                 for rid, r in sorted(self._registry.items())
             ],
@@ -697,7 +734,8 @@ class Lighthouse:
         while True:
             await asyncio.sleep(timeout_s / 10)
             cutoff = time.monotonic() - timeout_s
-            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
+            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff
+                               and rid not in self._quorum_holds]:
                 self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
             ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
