@@ -70,13 +70,13 @@ def test_the_client_resends_its_members_to_a_restarted_lighthouse_and_keeps_its_
     (428), at once; it adopts their quorum (the id survives), and later answers are deltas that rebuild the whole
     quorum, addresses included (the adopted quorum learns the address of a member not yet asking under the same id)."""
     sent: list[bool] = []  # per quorum request: whether it carried members
-    post = client_module._Connection.post
+    post = client_module.LighthouseConnection.post
 
-    def spy(conn: Any, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def spy(conn: Any, path: str, body: dict[str, Any], timeout_s: float, **kwargs: Any) -> dict[str, Any]:
         sent.append("members" in body)
-        return post(conn, path, body, timeout_s)
+        return post(conn, path, body, timeout_s, **kwargs)
 
-    monkeypatch.setattr(client_module._Connection, "post", spy)
+    monkeypatch.setattr(client_module.LighthouseConnection, "post", spy)
     url = lighthouse(min_replicas=2)
     clients = {rid: QuorumClient(url, None, TIMEOUTS, inc(rid)) for rid in "ab"}
 

@@ -210,7 +210,7 @@ def test_the_client_resends_once_on_a_connection_the_lighthouse_closed_as_idle(
     client = QuorumClient(url, TOKEN, timeouts, inc("solo"))
     try:
         quorum, _ = client.request("solo", 0, 1, "", False, None, -1, False)
-        sock = client._conn._conn.sock  # type: ignore[union-attr]  # the kept-alive socket, to see its close
+        sock = client._conn._sock  # type: ignore[union-attr]  # the kept-alive socket, to see its close
         wait_for(lambda: select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK), 10,
                  "the lighthouse to close the idle quorum connection")
         again, _ = client.request("solo", 1, 1, "", False, quorum, 0, False)

@@ -4,14 +4,18 @@ Liveness has two levels. A group's leader (shard rank 0) heartbeats on one persi
 declares the group dead the moment that connection closes (a crash) or falls silent past the heartbeat timeout (a
 hang), and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
 for a collective timeout. The group's other ranks beat to their leader (``lighthouse.group_relay``), which reports
-one lost at once and relays every answer to them. Only the leader asks for quorums.
+one lost at once and relays every answer to them. Only the leader asks for quorums, on the same connection as its
+heartbeats (``LighthouseConnection``, pipelined): one persistent lighthouse connection per group. Rare reports (a rank
+lost, a checkpoint written) use short connections of their own.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gzip
 import http.client
+import io
 import json
 import socket
 import threading
@@ -26,6 +30,8 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.membership import Membership
 from lightning_fthsdp.lighthouse.quorum import Quorum
+
+_MAX_LINE = 65536
 
 
 class LighthouseUnavailable(ConnectionError):
@@ -49,13 +55,23 @@ class LighthouseRejected(RuntimeError):
         self.status = status
 
 
-class _Connection:
-    """One keep-alive HTTP connection that reconnects on the next request after any error.
+class LighthouseConnection:
+    """One keep-alive HTTP/1.1 connection to the lighthouse, shared by threads, with requests pipelined on it.
 
-    A reused connection the lighthouse has closed in the meantime (it closes idle ones) fails with a reset or a
-    broken pipe; the request is then sent once more on a fresh connection, as urllib3 does. Every request here is
-    safe to repeat (a heartbeat, a quorum request that replaces the group's earlier one, a leave), and a lighthouse
-    that is gone refuses the fresh connection, which is reported as before.
+    A group's leader needs the heartbeat long-poll and the quorum request in flight together, and one connection for
+    both (at 12,500 groups, two per group are more descriptors than the lighthouse's process may hold). Each request
+    is written whole as it is posted, behind any in flight; the lighthouse answers in order and answers a held
+    heartbeat at once when a request queues behind it (a held quorum request it answers only when decided: a
+    heartbeat behind it waits, and the lighthouse counts the group alive meanwhile). The answers are read in order,
+    each by the thread that waits for it, and each request's timeout runs from when its answer is next to read.
+
+    After any error the connection is dropped and the next request opens a fresh one. Every request in flight on it
+    fails with LighthouseUnavailable: a refused connect says ``refused``, the request whose answer did not come in
+    time ``timed_out``. A request on a reused connection that was reset (the lighthouse closed it as idle, or it broke
+    under another request) is sent once more on a fresh connection, as urllib3 does: every request here is safe to
+    repeat (a heartbeat, a quorum request that replaces the group's earlier one, a leave), and a lighthouse that is
+    gone refuses the fresh connection, which is reported as before. A timeout is never retried: the request may be
+    held.
     """
 
     def __init__(self, url: str, token: str | None) -> None:
@@ -64,69 +80,142 @@ class _Connection:
             raise ValueError(f"lighthouse URL must look like http://HOST:PORT, got {url!r}")
         self._host, self._port = parsed.hostname, parsed.port
         # A full quorum answer is O(members) bytes: the lighthouse gzips it once for every member that accepts it.
-        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "gzip"}
+        headers = {"Host": f"{self._host}:{self._port}", "Content-Type": "application/json", "Accept-Encoding": "gzip"}
         if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._conn: http.client.HTTPConnection | None = None
-        self._aborted = False
-        self._lock = threading.Lock()  # abort() against a request that is connecting
+            headers["Authorization"] = f"Bearer {token}"
+        self._head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        self._lock = threading.Condition()
+        self._sock: socket.socket | None = None
+        self._reader: io.BufferedReader | None = None
+        self._in_flight: collections.deque[object] = collections.deque()  # one ticket per request, in written order
+        self._generation = 0  # counts the connections dropped after an error: a waiter on an older one has failed
+        self._failure: BaseException | None = None  # the error that dropped the last one
 
-    def post(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        data = json.dumps(body)
+    def post(self, path: str, body: dict[str, Any], timeout_s: float,
+             stop: threading.Event | None = None) -> dict[str, Any]:
+        """The lighthouse's answer to ``POST path`` with ``body``; ``stop``: once set, the request is not sent (again)
+        and fails with LighthouseUnavailable. Raises LighthouseUnavailable or LighthouseRejected."""
+        data = json.dumps(body).encode()
+        request = f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n".encode() + data
         for attempt in (1, 2):
-            if self._aborted:
+            if stop is not None and stop.is_set():
                 raise LighthouseUnavailable(f"{path}: the connection was closed for good")
-            reused = self._conn is not None and self._conn.sock is not None
-            if self._conn is None:
-                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
-            self._conn.timeout = timeout_s
-            if self._conn.sock is not None:
-                self._conn.sock.settimeout(timeout_s)
+            # Read without the lock: it only decides whether a reset is worth one more try.
+            reused = self._sock is not None
             try:
-                if self._conn.sock is None:
-                    self._conn.connect()
-                with self._lock:  # an abort() that saw no socket yet is seen here; a later one shuts this one
-                    aborted = self._aborted
-                if not aborted:
-                    self._conn.request("POST", path, body=data, headers=self._headers)
-                    response = self._conn.getresponse()
-                    payload = response.read()
-                    break
+                status, headers, payload = self._exchange(request, timeout_s)
+                break
             except (OSError, http.client.HTTPException) as exc:
-                self.close()
-                # RemoteDisconnected is a ConnectionResetError. A timeout is never retried: the request may be held.
+                # RemoteDisconnected is a ConnectionResetError.
                 if reused and attempt == 1 and isinstance(exc, ConnectionResetError | BrokenPipeError):
                     continue
                 raise LighthouseUnavailable(f"{path}: {exc}", refused=isinstance(exc, ConnectionRefusedError),
                                             timed_out=isinstance(exc, TimeoutError)) from exc
-            self.close()  # aborted while it connected
-            raise LighthouseUnavailable(f"{path}: the connection was closed for good")
         try:
-            if response.getheader("Content-Encoding") == "gzip":
+            if headers.get("content-encoding") == "gzip":
                 payload = gzip.decompress(payload)
             answer = json.loads(payload or b"{}")
         except (ValueError, OSError, EOFError, zlib.error) as exc:
-            self.close()
             raise LighthouseUnavailable(f"{path}: unreadable answer {payload[:200]!r}") from exc
-        if response.status != 200:
-            raise LighthouseRejected(response.status, str(answer.get("error", payload[:200])))
+        if status != 200:
+            raise LighthouseRejected(status, str(answer.get("error", payload[:200])))
         return answer
 
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def abort(self) -> None:
-        """Close for good, from any thread: a request blocked on the connection fails now (a plain close would not
-        wake it), and no later one is sent."""
-        with self._lock:
-            self._aborted = True
-            conn = self._conn
-            sock = conn.sock if conn is not None else None
+    def reset(self) -> None:
+        """Drop the connection, from any thread: every request in flight on it fails now (a request blocked reading
+        is woken by the shutdown), and the next request opens a fresh one."""
+        sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Drop the connection (the next request opens a fresh one)."""
+        with self._lock:
+            self._drop(self._generation, ConnectionAbortedError("the connection was closed"))
+
+    def _exchange(self, request: bytes, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """Write ``request`` behind those in flight, then read its answer in turn. OSError or HTTPException when the
+        connection fails, for every request in flight on it."""
+        ticket = object()
+        with self._lock:
+            if self._sock is None:
+                sock = socket.create_connection((self._host, self._port), timeout=timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sock, self._reader = sock, sock.makefile("rb")
+            generation, sock, reader = self._generation, self._sock, self._reader
+            assert reader is not None
+            try:
+                sock.sendall(request)
+            except OSError as exc:
+                self._drop(generation, exc)
+                raise
+            self._in_flight.append(ticket)
+            while self._generation == generation and self._in_flight[0] is not ticket:
+                self._lock.wait()
+            if self._generation != generation:
+                raise ConnectionResetError(f"the connection broke under an earlier request: {self._failure}")
+            # Ours is the next answer: from here until it is read, nobody else touches the reader.
+            sock.settimeout(timeout_s)
+        try:
+            answer = _read_response(reader)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            with self._lock:
+                dropped = self._generation != generation  # by another thread, under this read
+                self._drop(generation, exc)
+            if dropped:
+                raise ConnectionResetError(f"the connection was dropped: {self._failure}") from exc
+            if isinstance(exc, ValueError):
+                raise http.client.HTTPException(f"malformed answer: {exc}") from exc
+            raise
+        with self._lock:
+            if self._generation == generation:
+                self._in_flight.popleft()
+                self._lock.notify_all()
+                if answer[1].get("connection", "").lower() == "close":  # the lighthouse ends it after this answer
+                    self._drop(generation, ConnectionResetError("the lighthouse closed the connection"))
+        return answer
+
+    def _drop(self, generation: int, failure: BaseException) -> None:
+        """Drop connection number ``generation`` (if not done yet); every request waiting on it fails with
+        ``failure``. Holds the lock."""
+        if generation != self._generation or self._sock is None:
+            return
+        sock, reader, self._sock, self._reader = self._sock, self._reader, None, None
+        with contextlib.suppress(OSError):
+            # Shut first: a thread blocked reading wakes (a plain close would not wake it, and closing the reader
+            # waits for its read); the socket closes for real only with its reader.
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            if reader is not None:
+                reader.close()
+            sock.close()
+        self._generation += 1
+        self._failure = failure
+        self._in_flight.clear()
+        self._lock.notify_all()
+
+
+def _read_response(reader: io.BufferedReader) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-cased names, body) of one HTTP/1.1 answer (the lighthouse always sends
+    Content-Length). RemoteDisconnected for a connection closed before it; ValueError for a malformed one."""
+    line = reader.readline(_MAX_LINE)
+    if not line:
+        raise http.client.RemoteDisconnected("the lighthouse closed the connection without an answer")
+    version, status, *_ = line.decode("latin-1").split(" ", 2)
+    if not version.startswith("HTTP/1.") or not status.isdigit():
+        raise ValueError(f"bad status line {line[:100]!r}")
+    headers: dict[str, str] = {}
+    while (line := reader.readline(_MAX_LINE)) not in (b"\r\n", b"\n"):
+        if not line:
+            raise http.client.RemoteDisconnected("the lighthouse closed the connection within an answer")
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    body = reader.read(length)
+    if len(body) < length:
+        raise http.client.IncompleteRead(body, length - len(body))
+    return int(status), headers, body
 
 
 class Heartbeat:
@@ -136,8 +225,10 @@ class Heartbeat:
     ``on_dead``, ``on_quorum``, ``on_lost`` and the lease are ``lighthouse.membership.Membership``'s. ``deaths`` is
     how often the lighthouse has declared this group dead, as of the last acknowledged heartbeat. ``incarnation``:
     this start of the group's processes (the same on every rank; see lighthouse.registry). A rank the relay loses
-    is reported at once (``POST /v1/lost``, on a connection of its own: the heartbeat's may be held in a long-poll),
-    and every later heartbeat carries the ranks lost, so the lighthouse keeps the group dead while one is.
+    is reported at once (``POST /v1/lost``, on a short connection of its own, closed after the report: the leader's
+    connection may be held by a quorum request), and every later heartbeat carries the ranks lost, so the lighthouse
+    keeps the group dead while one is. ``connection``: the leader's one connection to the lighthouse, shared with its
+    ``QuorumClient`` (None: one of its own).
     """
 
     def __init__(
@@ -154,9 +245,10 @@ class Heartbeat:
         on_quorum: Callable[[int, int, int, str], None],
         on_lost: Callable[[], None],
         relay: GroupRelay | None = None,
+        connection: LighthouseConnection | None = None,
     ) -> None:
-        self._conn = _Connection(url, token)
-        self._report_conn = _Connection(url, token)
+        self._conn = connection or LighthouseConnection(url, token)
+        self._report_conn = LighthouseConnection(url, token)
         self._report_lock = threading.Lock()
         self._shard_count = shard_count
         self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
@@ -230,7 +322,10 @@ class Heartbeat:
         assert self._relay is not None, "only a relay loses ranks"
         body = {**self._identity, "lost_rank": rank, "cause": cause, "losses": self._relay.losses}
         with self._report_lock, contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
-            self._report_conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
+            try:
+                self._report_conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
+            finally:
+                self._report_conn.close()
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
@@ -251,12 +346,17 @@ class Heartbeat:
 
 class QuorumClient:
     """The leader's quorum requests, blocking (the manager runs them on a background thread), for the group
-    incarnation ``incarnation``."""
+    incarnation ``incarnation``. ``connection``: the leader's one connection to the lighthouse, shared with its
+    ``Heartbeat`` (None: one of its own); a quorum request written behind a held heartbeat releases it at once."""
 
-    def __init__(self, url: str, token: str | None, timeouts: Timeouts, incarnation: str) -> None:
-        self._conn = _Connection(url, token)
+    def __init__(self, url: str, token: str | None, timeouts: Timeouts, incarnation: str,
+                 connection: LighthouseConnection | None = None) -> None:
+        self._conn = connection or LighthouseConnection(url, token)
+        self._shared = connection is not None
         self._timeouts = timeouts
         self._incarnation = incarnation
+        self._closed = threading.Event()
+        self._asking = threading.Lock()  # held while a request is in flight: close() shuts the connection only then
 
     def request(
         self,
@@ -286,17 +386,27 @@ class QuorumClient:
                                    committed_in, following, timeout_ms)
         if caught_up is not None:
             body["caught_up"] = caught_up
-        try:
-            answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5)
-        except LighthouseRejected as exc:
-            if exc.status != HTTPStatus.PRECONDITION_REQUIRED or current is None:
-                raise
-            answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=timeout_ms / 1000 + 5)
+        with self._asking:
+            try:
+                answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5, stop=self._closed)
+            except LighthouseRejected as exc:
+                if exc.status != HTTPStatus.PRECONDITION_REQUIRED or current is None:
+                    raise
+                answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=timeout_ms / 1000 + 5,
+                                         stop=self._closed)
         return Quorum.from_json(answer, current), str(answer["store"])
 
     def close(self) -> None:
-        """End the connection for good, waking a request blocked on it (from any thread)."""
-        self._conn.abort()
+        """No more requests (from any thread). A request in flight fails now: the connection is shut under it. A
+        shared connection is shut only then, and the heartbeat goes on on a fresh one (the lighthouse sees that close
+        as the group's crash: close only a group that is going)."""
+        self._closed.set()
+        if not self._shared:
+            self._conn.close()
+        elif not self._asking.acquire(blocking=False):
+            self._conn.reset()
+        else:
+            self._asking.release()
 
 
 def quorum_request_body(replica_id: str, incarnation: str, step: int, shard_count: int, address: str,
@@ -326,10 +436,11 @@ def with_members(body: dict[str, object], current: Quorum) -> dict[str, object]:
 
 class CheckpointReporter:
     """The writing group leader's reports of complete durable checkpoints (``POST /v1/checkpoint``), for the group
-    incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step."""
+    incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step.
+    Each report goes on a short connection of its own, closed after it: one behind a held quorum request would wait."""
 
     def __init__(self, url: str, token: str | None, timeouts: Timeouts, replica_id: str, incarnation: str) -> None:
-        self._conn = _Connection(url, token)
+        self._conn = LighthouseConnection(url, token)
         self._timeouts = timeouts
         self._identity = {"replica_id": replica_id, "incarnation": incarnation}
         self._lock = threading.Lock()
@@ -337,8 +448,11 @@ class CheckpointReporter:
     def report(self, step: int, path: str) -> None:
         """Raises LighthouseUnavailable (unreachable) or LighthouseRejected (e.g. 409: a step beyond the job's)."""
         with self._lock:  # one connection, reports from whichever writer thread finished
-            self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
-                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000 + 5)
+            try:
+                self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
+                                timeout_s=self._timeouts.heartbeat_timeout_ms / 1000 + 5)
+            finally:  # reports are rare: no connection of the group's but the leader's stays open between them
+                self._conn.close()
 
     def close(self) -> None:
         with self._lock:

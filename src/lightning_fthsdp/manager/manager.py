@@ -35,7 +35,7 @@ from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
-from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, QuorumClient
+from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, LighthouseConnection, QuorumClient
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.member import MemberHeartbeat
 from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
@@ -151,7 +151,9 @@ class FTManager:
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token)
         self.incarnation = self._agreement.incarnation()
-        self._heartbeat = self._make_heartbeat(url, token, state_host)
+        # The leader's one persistent connection to the lighthouse: its heartbeats and quorum requests, pipelined.
+        lighthouse = LighthouseConnection(url, token) if self.is_leader else None
+        self._heartbeat = self._make_heartbeat(url, token, state_host, lighthouse)
         self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
@@ -169,7 +171,7 @@ class FTManager:
         addresses = self._agreement.gather_addresses(self._catchup.address)
         self._requester: QuorumRequester | None = None
         if self.is_leader:
-            client = QuorumClient(url, token, self.timeouts, self.incarnation)
+            client = QuorumClient(url, token, self.timeouts, self.incarnation, lighthouse)
             self._requester = QuorumRequester(client, self.replica_id, self.shard_count, addresses, self.timeouts,
                                               self._qlog, step=lambda: self.step, serve=self._catchup.serve)
 
@@ -414,7 +416,8 @@ class FTManager:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _make_heartbeat(self, url: str, token: str | None, host: str) -> Heartbeat | MemberHeartbeat:
+    def _make_heartbeat(self, url: str, token: str | None, host: str,
+                        lighthouse: LighthouseConnection | None) -> Heartbeat | MemberHeartbeat:
         """Liveness in two levels: the leader heartbeats to the lighthouse and relays its answers to the group's
         other ranks, which beat to the leader (on ``host``, where this rank serves its state). One relay address,
         agreed over the group's process group."""
@@ -427,7 +430,7 @@ class FTManager:
                                    on_lost=self._lighthouse_lost)
         return Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count, self.timeouts,
                          step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare,
-                         on_lost=self._lighthouse_lost, relay=relay)
+                         on_lost=self._lighthouse_lost, relay=relay, connection=lighthouse)
 
     def _lighthouse_lost(self) -> None:
         """The lighthouse (or, for a rank other than the leader, the leader relaying it) went away, and with it the
