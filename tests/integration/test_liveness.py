@@ -1,5 +1,6 @@
 """Liveness in two levels, with groups of 2 ranks (torchrun, FSDP2 inside each group): only a group's leader holds a
-heartbeat connection to the lighthouse; its other rank beats to the leader, which reports it lost at once. A SIGKILL
+connection to the lighthouse, one for its heartbeats and quorum requests alike; its other rank beats to the leader,
+which reports it lost at once. A SIGKILL
 of either rank of a group ends the survivors' stall at once, a SIGSTOP of its non-leader rank at the heartbeat
 timeout, and the survivors' non-leader rank learns of it through its own leader. Ranks are signalled from outside,
 once every group trains with all the others."""
@@ -13,7 +14,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import psutil
 import pytest
 
 from lightning_fthsdp.launch.processes import Group, Job, wait_for
@@ -64,18 +67,43 @@ def stall_after(a: Group, signalled: float, participants: int) -> float:
     return max(firsts) - signalled
 
 
+def lighthouse_connections(job: Job, group: Group) -> set[tuple[str, int]]:
+    """The local addresses of the open TCP connections to the lighthouse's port from any process of ``group`` (its
+    torchrun and everything under it), as the OS lists them: a socket inherited by a child counts once."""
+    port = urlsplit(job.lighthouse_url).port
+    root = psutil.Process(group.proc.pid)
+    found: set[tuple[str, int]] = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            connections = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found.update((c.laddr.ip, c.laddr.port) for c in connections
+                     if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    return found
+
+
 def death_of(job: Job, replica_id: str) -> dict[str, Any]:
     return wait_for(lambda: next((e for e in events(job) if e["kind"] == "death" and e["replica_id"] == replica_id),
                                  None), 30, f"the lighthouse to declare {replica_id} dead")
 
 
 def test_killed_ranks_end_the_stall_at_once(job: Job) -> None:
-    """Each group holds one heartbeat connection. c's rank 1, then b's leader, are SIGKILLed: the lighthouse learns
-    each from a closed connection (c's leader's relay connection to its rank 1; b's leader's heartbeat connection),
-    not from a timeout, and both ranks of a commit without the dead group well within the heartbeat timeout."""
+    """Each group holds one connection to the lighthouse, counted by the OS while the groups train (heartbeats and
+    quorum requests share it), and it is the group's heartbeat connection. c's rank 1, then b's leader, are
+    SIGKILLed: the lighthouse learns each from a closed connection (c's leader's relay connection to its rank 1;
+    b's leader's heartbeat connection), not from a timeout, and both ranks of a commit without the dead group
+    well within the heartbeat timeout."""
     a, b, c = training_together(job, "a", "b", "c")
     groups = {g["replica_id"]: g["heartbeat_connections"] for g in job.status()["groups"]}
     assert groups == {"a": 1, "b": 1, "c": 1}, groups
+    for _ in range(3):  # at three moments of training: a quorum request must never open a second connection
+        connections = {g.replica_id: len(lighthouse_connections(job, g)) for g in (a, b, c)}
+        assert connections == {"a": 1, "b": 1, "c": 1}, connections
+        carried = {g["replica_id"]: g["connections"] for g in job.status()["groups"]}
+        assert carried == {"a": 1, "b": 1, "c": 1}, carried
+        a_step = max(r["step"] for r in a.records(rank=0))
+        wait_for(lambda s=a_step: max(r["step"] for r in a.records(rank=0)) > s + 2, 30, "a to commit more steps")
     for group, rank, survivors in ((c, 1, 2), (b, 0, 1)):
         signalled = time.time()
         os.kill(rank_pid(group, rank), signal.SIGKILL)
