@@ -2,15 +2,17 @@
 
 One lighthouse subprocess (the real ``fthsdp lighthouse`` command, default heartbeat timeout) and ``--generators`` load-
 generator processes, each an asyncio loop standing in for a share of the groups. Every group speaks the real protocol as
-its leader does (``lighthouse.client.Heartbeat``): one keep-alive connection carrying heartbeat long-polls (the group's
-other ranks beat to their leader, never here), and, in a quorum round, the group's quorum request between two heartbeats
-(a leader holds a second connection for those; one here keeps the lighthouse within the 20,000 descriptors a process may
-hold on this machine). After a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat
-round trip (which includes the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under
-that load: round 1 a fresh quorum (decided when the last group asks), the next ones the steady state (every member asks
-again), and a last one after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id
-changes). A round's time runs from the last request written to the last answer read; a round's answer bytes are one
-group's answer as sent (gzip-compressed when large). Groups declared dead are counted from ``/status`` at the end.
+its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
+connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
+round, the group's quorum request, pipelined behind the held heartbeat (which the lighthouse then answers at once), the
+next heartbeat pipelined behind the held quorum request. One connection per group keeps the lighthouse within the 20,000
+descriptors a process may hold on this machine at 12,500 groups. After a warm-up, a steady window measures heartbeats/s,
+the lighthouse's CPU share, the heartbeat round trip (which includes the lighthouse's hold of one interval) and the
+generators' CPU; then quorum rounds run under that load: round 1 a fresh quorum (decided when the last group asks), the
+next ones the steady state (every member asks again), and a last one after a membership change (one group leaves, as
+``Heartbeat.leave`` does, so the quorum id changes). A round's time runs from the last request written to the last
+answer read; a round's answer bytes are one group's answer as sent (gzip-compressed when large). Groups declared dead
+are counted from ``/status`` at the end.
 
 The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
@@ -42,6 +44,7 @@ import sys
 import time
 import urllib.request
 import zlib
+from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -127,10 +130,12 @@ class Generator:
         self.errors = 0
         self.stop = False
         self.left: set[int] = set()
-        self.round: tuple[int, asyncio.Event] | None = None
+        self.answered = asyncio.Event()  # every group's quorum request of the round under way was answered
         self.held: Quorum | None = None
         """The quorum every group of this generator holds (see the module docstring)."""
-        self.asked = [-1] * count
+        # Per group, the requests written and not answered yet, in order (the lighthouse answers in order): (path,
+        # when written, the quorum request's body).
+        self.in_flight: list[deque[tuple[str, float, dict[str, object]]]] = [deque() for _ in range(count)]
         self.conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.answers: list[tuple[int, int, bytes]] = []
         self.last_sent = self.last_answer = 0.0
@@ -150,17 +155,21 @@ class Generator:
 
     async def beat(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                    epoch: int) -> None:
-        """One group's leader: heartbeat long-polls; when a quorum round is on, its quorum request in between, on
-        the same connection."""
+        """One group's leader: a heartbeat long-poll always in flight (the next one written as the last is answered,
+        behind a quorum request if one is held), and the answers to the quorum requests ``quorum_round`` pipelines
+        behind it, read in order on the same connection."""
         replica_id = self.ids[index]
+        in_flight = self.in_flight[index]
         while not self.stop and index not in self.left:
-            if self.round is not None and self.asked[index] != self.round[0]:
-                await self.ask(index, reader, writer)
-                continue
-            sent = time.monotonic()
-            writer.write(self.heartbeat(replica_id, epoch, self.interval_ms))
+            if not any(path == "/v1/heartbeat" for path, _, _ in in_flight):
+                writer.write(self.heartbeat(replica_id, epoch, self.interval_ms))
+                in_flight.append(("/v1/heartbeat", time.monotonic(), {}))
             status, body = await read_response(reader)
             done = time.monotonic()
+            path, sent, asked = in_flight.popleft()
+            if path == "/v1/quorum":
+                self.answer(index, writer, status, body, asked)
+                continue
             if status != 200:
                 self.errors += 1
                 await asyncio.sleep(self.interval_ms / 1000)
@@ -169,33 +178,35 @@ class Generator:
             if self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
 
-    async def ask(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The group's quorum request, as ``QuorumClient.request`` makes it: sent again with the members of the quorum
-        held when the lighthouse answers 428 for them."""
-        assert self.round is not None
-        round_no, answered = self.round
-        held = self.held
-        body = quorum_request_body(self.ids[index], INCARNATION, round_no, self.group_size, "", False, held,
-                                   held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS)
-        writer.write(post("/v1/quorum", body))
-        self.asked[index] = round_no
-        self.last_sent = max(self.last_sent, time.monotonic())
-        status, answer = await read_response(reader)
-        if status == 428 and held is not None:
-            writer.write(post("/v1/quorum", with_members(body, held)))
-            status, answer = await read_response(reader)
+    def ask(self, index: int, body: dict[str, object]) -> None:
+        """Write the group's quorum request behind its held heartbeat, as ``QuorumClient.request`` does."""
+        self.conns[index][1].write(post("/v1/quorum", body))
+        self.in_flight[index].append(("/v1/quorum", time.monotonic(), body))
+
+    def answer(self, index: int, writer: asyncio.StreamWriter, status: int, answer: bytes,
+               asked: dict[str, object]) -> None:
+        """The group's quorum answer: sent again with the members of the quorum held when the lighthouse answers 428
+        for them."""
+        if status == 428 and self.held is not None and "members" not in asked:
+            self.ask(index, with_members(asked, self.held))
+            return
         self.last_answer = max(self.last_answer, time.monotonic())
         self.answers.append((status, zlib.crc32(answer), answer if not self.answers or status != 200 else b""))
         if len(self.answers) == len(self.ids) - len(self.left):
-            answered.set()
+            self.answered.set()
 
     async def quorum_round(self, round_no: int) -> dict[str, object]:
-        """Every group still in the job asks once, between two of its heartbeats (a leader asks as its step's forward
-        starts), holding the quorum of the last round and having committed step ``round_no`` in it."""
-        self.answers, self.last_sent, self.last_answer = [], 0.0, 0.0
-        answered = asyncio.Event()
-        self.round = (round_no, answered)
-        await asyncio.wait_for(answered.wait(), 300)
+        """Every group still in the job asks at once (a leader asks as its step's forward starts), holding the quorum
+        of the last round and having committed step ``round_no`` in it."""
+        self.answers, self.last_answer = [], 0.0
+        self.answered.clear()
+        held = self.held
+        for index, replica_id in enumerate(self.ids):
+            if index not in self.left:
+                self.ask(index, quorum_request_body(replica_id, INCARNATION, round_no, self.group_size, "", False,
+                                                    held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS))
+        self.last_sent = time.monotonic()
+        await asyncio.wait_for(self.answered.wait(), 300)
         bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
         assert not bad, bad[:3]
         assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
