@@ -4,8 +4,11 @@ State is soft: replicas (last heartbeat, step, dead or not), pending quorum requ
 A restarted lighthouse rebuilds it from the groups' heartbeats and requests (``quorum.decide`` continues the
 numbering from the requests' ``quorum_id``/``members``; a request sends its members only when the lighthouse answers
 428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
-silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). Every epoch change (death, revival, leave, new
-quorum) answers all held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
+silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). A leader sends its quorum requests on its
+heartbeat connection (one connection per group): a request queued behind a held heartbeat releases it at once, and
+while a quorum request is held there (its next heartbeat waits behind it) the group counts as alive, its timer
+restarted when the answer is written. Every epoch change (death, revival, leave, new quorum) answers all held
+heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
