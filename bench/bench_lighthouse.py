@@ -4,15 +4,15 @@ One lighthouse subprocess (the real ``fthsdp lighthouse`` command, default heart
 generator processes, each an asyncio loop standing in for a share of the groups. Every group speaks the real protocol as
 its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
 connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
-round, the group's quorum request, pipelined behind the held heartbeat (which the lighthouse then answers at once), the
-next heartbeat pipelined behind the held quorum request. One connection per group keeps the lighthouse within the 20,000
-descriptors a process may hold on this machine at 12,500 groups. After a warm-up, a steady window measures heartbeats/s,
-the lighthouse's CPU share, the heartbeat round trip (which includes the lighthouse's hold of one interval) and the
-generators' CPU; then quorum rounds run under that load: round 1 a fresh quorum (decided when the last group asks), the
-next ones the steady state (every member asks again), and a last one after a membership change (one group leaves, as
-``Heartbeat.leave`` does, so the quorum id changes). A round's time runs from the last request written to the last
-answer read; a round's answer bytes are one group's answer as sent (gzip-compressed when large). Groups declared dead
-are counted from ``/status`` at the end.
+round, the group's quorum request, pipelined behind the held heartbeat (which the lighthouse then answers at once), no
+heartbeat while it is held, and after its answer one heartbeat answered at once (the lease's renewal). One connection
+per group keeps the lighthouse within the 20,000 descriptors a process may hold on this machine at 12,500 groups. After
+a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes
+the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh
+quorum (decided when the last group asks), the next ones the steady state (every member asks again), and a last one
+after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id changes). A round's time runs
+from the last request written to the last answer read; a round's answer bytes are one group's answer as sent (gzip-
+compressed when large). Groups declared dead are counted from ``/status`` at the end.
 
 The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
@@ -155,19 +155,22 @@ class Generator:
 
     async def beat(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                    epoch: int) -> None:
-        """One group's leader: a heartbeat long-poll always in flight (the next one written as the last is answered,
-        behind a quorum request if one is held), and the answers to the quorum requests ``quorum_round`` pipelines
-        behind it, read in order on the same connection."""
+        """One group's leader, as ``client.Heartbeat`` and ``QuorumClient`` share one connection: a heartbeat
+        long-poll in flight whenever nothing else is, the quorum requests ``quorum_round`` pipelines behind it (which
+        release it), no heartbeat while a quorum request is held, and after its answer one heartbeat answered at once
+        (the lease's renewal) before the long-polls go on."""
         replica_id = self.ids[index]
         in_flight = self.in_flight[index]
+        after_quorum = False
         while not self.stop and index not in self.left:
-            if not any(path == "/v1/heartbeat" for path, _, _ in in_flight):
-                writer.write(self.heartbeat(replica_id, epoch, self.interval_ms))
+            if not in_flight:
+                writer.write(self.heartbeat(replica_id, epoch, 0 if after_quorum else self.interval_ms))
                 in_flight.append(("/v1/heartbeat", time.monotonic(), {}))
             status, body = await read_response(reader)
             done = time.monotonic()
             path, sent, asked = in_flight.popleft()
-            if path == "/v1/quorum":
+            after_quorum = path == "/v1/quorum"
+            if after_quorum:
                 self.answer(index, writer, status, body, asked)
                 continue
             if status != 200:

@@ -19,8 +19,9 @@ from typing import Any, BinaryIO
 
 import pytest
 
+from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.client import LighthouseConnection, LighthouseUnavailable
+from lightning_fthsdp.lighthouse.client import Heartbeat, LighthouseConnection, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import Client, hb, qr, replica
@@ -185,3 +186,37 @@ def test_a_reset_fails_every_request_in_flight_on_the_connection() -> None:
     finally:
         conn.close()
         listener.close()
+
+
+def test_a_quorum_held_past_the_lease_is_followed_by_a_heartbeat_that_renews_it(
+        lighthouse: Callable[..., LighthouseThread]) -> None:
+    """a's leader asks and its request is held for twice the lease (b asks late): its heartbeat waits meanwhile (the
+    held request keeps a alive), and once the quorum is answered one heartbeat answered at once renews the lease,
+    rather than the next long-poll an interval later."""
+    url = lighthouse(min_replicas=2, heartbeat_timeout_ms=1_000).lighthouse.url
+    timeouts = Timeouts(heartbeat_interval_ms=900, heartbeat_timeout_ms=1_000, collective_timeout_ms=3_000,
+                        quorum_timeout_ms=20_000, connect_timeout_ms=30_000, join_timeout_ms=10_000)
+    leaders = {}
+    for replica_id in ("a", "b"):
+        connection = LighthouseConnection(url, None)
+        heartbeat = Heartbeat(url, None, replica_id, f"inc-{replica_id}", 0, 1, timeouts, step=lambda: 0,
+                              on_dead=lambda dead: None, on_quorum=lambda *args: None, on_lost=lambda: None,
+                              connection=connection)
+        leaders[replica_id] = (heartbeat, QuorumClient(url, None, timeouts, f"inc-{replica_id}", connection))
+        heartbeat.start()
+    (a, a_quorum), (b, b_quorum) = leaders["a"], leaders["b"]
+    try:
+        wait_for(lambda: a.lease_valid(0) and b.lease_valid(0), 10, "both leaders' first heartbeats")
+        with ThreadPoolExecutor(2) as pool:
+            asked = pool.submit(a_quorum.request, "a", 0, 1, "", False, None, -1, False)
+            wait_for(lambda: not a.lease_valid(0), 10, "a's lease to lapse while its quorum request is held")
+            answered = pool.submit(b_quorum.request, "b", 0, 1, "", False, None, -1, False)
+            quorum, _ = asked.result(20)
+            answered.result(20)
+        assert quorum.member_ids == ("a", "b")
+        wait_for(lambda: a.lease_valid(0), 0.3, "a's lease renewed by a heartbeat answered at once")
+        assert a.deaths == 0, "a was declared dead while its quorum request was held"
+    finally:
+        for heartbeat, quorum_client in leaders.values():
+            quorum_client.close()
+            heartbeat.leave()

@@ -121,6 +121,15 @@ class LighthouseConnection:
             raise LighthouseRejected(status, str(answer.get("error", payload[:200])))
         return answer
 
+    def wait_idle(self, stop: threading.Event) -> bool:
+        """Block until no request is in flight (or ``stop`` is set); whether there was one to wait for."""
+        with self._lock:
+            waited = False
+            while self._in_flight and not stop.is_set():
+                waited = True
+                self._lock.wait(timeout=0.1)  # stop is an Event of its own: look at it now and then
+            return waited
+
     def reset(self) -> None:
         """Drop the connection, from any thread: every request in flight on it fails now (a request blocked reading
         is woken by the shutdown), and the next request opens a fresh one."""
@@ -290,13 +299,17 @@ class Heartbeat:
         interval_s = self._timeouts.heartbeat_interval_ms / 1000
         timeout_s = self._timeouts.heartbeat_timeout_ms / 1000
         while not self._stop.is_set():
+            # A quorum request held on the connection keeps the group alive at the lighthouse; a heartbeat queued
+            # behind it would be acknowledged only from when it was sent, before the wait. So none is queued: once
+            # the quorum is answered, one heartbeat answered at once renews the lease (the members' too, relayed).
+            after_quorum = self._conn.wait_idle(self._stop)
             sent = time.monotonic()
             body = {
                 **self._identity,
                 "step": self._step(),
                 "shard_count": self._shard_count,
                 "known_epoch": self.membership.epoch,
-                "wait_ms": self._timeouts.heartbeat_interval_ms,
+                "wait_ms": 0 if after_quorum else self._timeouts.heartbeat_interval_ms,
             }
             if self._relay is not None:
                 body["losses"], body["lost"] = self._relay.losses, self._relay.lost
