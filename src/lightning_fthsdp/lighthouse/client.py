@@ -28,7 +28,7 @@ from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
-from lightning_fthsdp.lighthouse.membership import Membership
+from lightning_fthsdp.lighthouse.membership import Membership, MembershipView
 from lightning_fthsdp.lighthouse.quorum import Quorum
 
 _MAX_LINE = 65536
@@ -227,7 +227,7 @@ def _read_response(reader: io.BufferedReader) -> tuple[int, dict[str, str], byte
     return int(status), headers, body
 
 
-class Heartbeat:
+class Heartbeat(MembershipView):
     """The leader's heartbeat: a daemon thread that heartbeats as long-polls, reports who the lighthouse declared
     dead, and relays every answer to the group's other ranks (``relay``; None for a one-rank group).
 
@@ -274,26 +274,6 @@ class Heartbeat:
             self._relay.start(self._report_lost)
         self._thread.start()
         self._started = True
-
-    @property
-    def started(self) -> bool:
-        return self._started
-
-    @property
-    def dead(self) -> frozenset[str]:
-        return self.membership.dead
-
-    @property
-    def deaths(self) -> int:
-        return self.membership.deaths
-
-    @property
-    def lease_ms(self) -> int:
-        return self.membership.lease_ms
-
-    def lease_valid(self, deaths_before: int) -> bool:
-        """See ``Membership.lease_valid``."""
-        return self.membership.lease_valid(deaths_before)
 
     def _run(self) -> None:
         interval_s = self._timeouts.heartbeat_interval_ms / 1000

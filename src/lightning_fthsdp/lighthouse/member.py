@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.group_relay import BEAT, LEAVE, LineReader, encode
-from lightning_fthsdp.lighthouse.membership import Membership
+from lightning_fthsdp.lighthouse.membership import Membership, MembershipView
 
 
-class MemberHeartbeat:
+class MemberHeartbeat(MembershipView):
     """The heartbeat of rank ``rank`` (> 0) of a group whose leader relays at ``leader`` (``HOST:PORT``).
 
     The same contract as ``lighthouse.client.Heartbeat`` (``on_dead``, ``on_quorum``, ``on_lost``, the lease): the
@@ -51,25 +51,6 @@ class MemberHeartbeat:
     def start(self) -> None:
         self._thread.start()
         self._started = True
-
-    @property
-    def started(self) -> bool:
-        return self._started
-
-    @property
-    def dead(self) -> frozenset[str]:
-        return self.membership.dead
-
-    @property
-    def deaths(self) -> int:
-        return self.membership.deaths
-
-    @property
-    def lease_ms(self) -> int:
-        return self.membership.lease_ms
-
-    def lease_valid(self, deaths_before: int) -> bool:
-        return self.membership.lease_valid(deaths_before)
 
     def leave(self) -> None:
         """Stop; tell the leader this rank finishes (its connection's close then reports nothing)."""

@@ -125,3 +125,31 @@ class Membership:
 
 def _int(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+class MembershipView:
+    """What a heartbeat, the leader's (``client.Heartbeat``) or a member's (``member.MemberHeartbeat``), tells its
+    rank: the lighthouse's view as its ``Membership`` holds it, and whether it has started."""
+
+    membership: Membership
+    _started: bool
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def dead(self) -> frozenset[str]:
+        return self.membership.dead
+
+    @property
+    def deaths(self) -> int:
+        return self.membership.deaths
+
+    @property
+    def lease_ms(self) -> int:
+        return self.membership.lease_ms
+
+    def lease_valid(self, deaths_before: int) -> bool:
+        """See ``Membership.lease_valid``."""
+        return self.membership.lease_valid(deaths_before)
