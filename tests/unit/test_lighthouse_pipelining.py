@@ -220,3 +220,37 @@ def test_a_quorum_held_past_the_lease_is_followed_by_a_heartbeat_that_renews_it(
         for heartbeat, quorum_client in leaders.values():
             quorum_client.close()
             heartbeat.leave()
+
+
+def test_a_quorum_answered_well_within_the_lease_is_followed_by_a_held_heartbeat(
+        lighthouse: Callable[..., LighthouseThread]) -> None:
+    """With most of the lease left after the quorum answer, the next heartbeat is a long-poll like any other: a
+    heartbeat answered at once after every quorum would cost the lighthouse a request per group and round."""
+    url = lighthouse(min_replicas=1, heartbeat_timeout_ms=10_000).lighthouse.url
+    timeouts = Timeouts(heartbeat_interval_ms=500, heartbeat_timeout_ms=10_000, collective_timeout_ms=15_000,
+                        quorum_timeout_ms=20_000, connect_timeout_ms=30_000, join_timeout_ms=10_000)
+    connection = LighthouseConnection(url, None)
+    posted: list[tuple[str, int]] = []
+    post = connection.post
+
+    def recording_post(path: str, body: dict[str, Any], timeout_s: float,
+                       stop: threading.Event | None = None) -> dict[str, Any]:
+        posted.append((path, int(body.get("wait_ms", -1))))
+        return post(path, body, timeout_s, stop)
+
+    connection.post = recording_post  # type: ignore[method-assign]
+    heartbeat = Heartbeat(url, None, "a", "inc-a", 0, 1, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+                          on_quorum=lambda *args: None, on_lost=lambda: None, connection=connection)
+    quorum_client = QuorumClient(url, None, timeouts, "inc-a", connection)
+    heartbeat.start()
+    try:
+        wait_for(lambda: heartbeat.lease_valid(0) and len(posted) >= 2, 10, "a held heartbeat")
+        quorum, _ = quorum_client.request("a", 0, 1, "", False, None, -1, False)
+        assert quorum.member_ids == ("a",)
+        wait_for(lambda: posted[-1][0] == "/v1/heartbeat" and posted.index(("/v1/quorum", -1)) < len(posted) - 1,
+                 10, "the heartbeat after the quorum answer")
+        after = posted[posted.index(("/v1/quorum", -1)) + 1]
+        assert after == ("/v1/heartbeat", timeouts.heartbeat_interval_ms), posted
+    finally:
+        quorum_client.close()
+        heartbeat.leave()

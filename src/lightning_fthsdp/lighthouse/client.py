@@ -280,16 +280,18 @@ class Heartbeat(MembershipView):
         timeout_s = self._timeouts.heartbeat_timeout_ms / 1000
         while not self._stop.is_set():
             # A quorum request held on the connection keeps the group alive at the lighthouse; a heartbeat queued
-            # behind it would be acknowledged only from when it was sent, before the wait. So none is queued: once
-            # the quorum is answered, one heartbeat answered at once renews the lease (the members' too, relayed).
-            after_quorum = self._conn.wait_idle(self._stop)
+            # behind it would be acknowledged only from when it was sent, before the wait. So none is queued. Once
+            # the quorum is answered, the next heartbeat is held as usual unless the lease (the members' too,
+            # relayed) could run out before a held one comes back: then it is answered at once. A membership that
+            # changed meanwhile changed the epoch, and a heartbeat naming an old epoch is answered at once anyway.
+            renew = self._conn.wait_idle(self._stop) and self.membership.lease_left_s() < 2 * interval_s
             sent = time.monotonic()
             body = {
                 **self._identity,
                 "step": self._step(),
                 "shard_count": self._shard_count,
                 "known_epoch": self.membership.epoch,
-                "wait_ms": 0 if after_quorum else self._timeouts.heartbeat_interval_ms,
+                "wait_ms": 0 if renew else self._timeouts.heartbeat_interval_ms,
             }
             if self._relay is not None:
                 body["losses"], body["lost"] = self._relay.losses, self._relay.lost
