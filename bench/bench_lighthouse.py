@@ -5,14 +5,16 @@ generator processes, each an asyncio loop standing in for a share of the groups.
 its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
 connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
 round, the group's quorum request, pipelined behind the held heartbeat (which the lighthouse then answers at once), no
-heartbeat while it is held, and after its answer one heartbeat answered at once (the lease's renewal). One connection
-per group keeps the lighthouse within the 20,000 descriptors a process may hold on this machine at 12,500 groups. After
-a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes
-the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh
-quorum (decided when the last group asks), the next ones the steady state (every member asks again), and a last one
-after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id changes). A round's time runs
-from the last request written to the last answer read; a round's answer bytes are one group's answer as sent (gzip-
-compressed when large). Groups declared dead are counted from ``/status`` at the end.
+heartbeat while it is held, and after its answer the next long-poll (answered at once instead only when the lease could
+run out before a held one came back, as the real leader's). One connection per group keeps the lighthouse within the
+20,000 descriptors a process may hold on this machine at 12,500 groups. After a warm-up, a steady window measures
+heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes the lighthouse's hold of one
+interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh quorum (decided when the last
+group asks), the next ones the steady state (every member asks again), and a last one after a membership change (one
+group leaves, as ``Heartbeat.leave`` does, so the quorum id changes). A round's time runs from the last request written
+to the last answer read, and its CPU seconds, the lighthouse's and each generator's, are counted over it; a round's
+answer bytes are one group's answer as sent (gzip- compressed when large). Groups declared dead are counted from
+``/status`` at the end.
 
 The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
@@ -120,11 +122,11 @@ class Generator:
     """The groups ``first..first+count-1`` of ``total``: their heartbeat loops, and quorum rounds on demand."""
 
     def __init__(self, host: str, port: int, first: int, count: int, total: int, group_size: int,
-                 interval_ms: int) -> None:
+                 interval_ms: int, lease_ms: int) -> None:
         self.host, self.port, self.total, self.group_size = host, port, total, group_size
         self.first = first
         self.ids = [f"g{i:06d}" for i in range(first, first + count)]
-        self.interval_ms = interval_ms
+        self.interval_ms, self.lease_ms = interval_ms, lease_ms  # the lease: the lighthouse's heartbeat timeout
         self.window = (float("inf"), float("inf"))
         self.rtts: list[float] = []
         self.errors = 0
@@ -157,26 +159,30 @@ class Generator:
                    epoch: int) -> None:
         """One group's leader, as ``client.Heartbeat`` and ``QuorumClient`` share one connection: a heartbeat
         long-poll in flight whenever nothing else is, the quorum requests ``quorum_round`` pipelines behind it (which
-        release it), no heartbeat while a quorum request is held, and after its answer one heartbeat answered at once
-        (the lease's renewal) before the long-polls go on."""
+        release it), no heartbeat while a quorum request is held, and after its answer the next heartbeat, answered
+        at once only when the lease (the lighthouse's heartbeat timeout from the newest answered heartbeat's sending)
+        has less than two intervals left."""
         replica_id = self.ids[index]
         in_flight = self.in_flight[index]
-        after_quorum = False
+        renew = False
+        acknowledged = time.monotonic()  # when the newest answered heartbeat was sent: the lease runs from then
         while not self.stop and index not in self.left:
             if not in_flight:
-                writer.write(self.heartbeat(replica_id, epoch, 0 if after_quorum else self.interval_ms))
+                writer.write(self.heartbeat(replica_id, epoch, 0 if renew else self.interval_ms))
                 in_flight.append(("/v1/heartbeat", time.monotonic(), {}))
             status, body = await read_response(reader)
             done = time.monotonic()
             path, sent, asked = in_flight.popleft()
-            after_quorum = path == "/v1/quorum"
-            if after_quorum:
+            if path == "/v1/quorum":
+                renew = self.lease_ms / 1000 - (done - acknowledged) < 2 * self.interval_ms / 1000
                 self.answer(index, writer, status, body, asked)
                 continue
+            renew = False
             if status != 200:
                 self.errors += 1
                 await asyncio.sleep(self.interval_ms / 1000)
                 continue
+            acknowledged = sent
             epoch = int(re.search(rb'"epoch": ?(\d+)', body).group(1))  # type: ignore[union-attr]
             if self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
@@ -202,6 +208,7 @@ class Generator:
         """Every group still in the job asks at once (a leader asks as its step's forward starts), holding the quorum
         of the last round and having committed step ``round_no`` in it."""
         self.answers, self.last_answer = [], 0.0
+        cpu_start = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         self.answered.clear()
         held = self.held
         for index, replica_id in enumerate(self.ids):
@@ -215,7 +222,8 @@ class Generator:
         assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
         answer = self.answers[0][2]
         self.held = Quorum.from_json(read_json(answer), self.held)
-        return {"last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
+        return {"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu_start,
+                "last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
                 "quorum_id": self.held.quorum_id, "max_step": self.held.max_step, "members": self.held.member_ids}
 
     async def leave(self, group: int, beat: asyncio.Future[None]) -> None:
@@ -232,9 +240,9 @@ class Generator:
 
 
 def generator_main(pipe: Connection, host: str, port: int, first: int, count: int, total: int, group_size: int,
-                   interval_ms: int) -> None:
+                   interval_ms: int, lease_ms: int) -> None:
     raise_fd_limit(count + 256)
-    asyncio.run(_generator(pipe, Generator(host, port, first, count, total, group_size, interval_ms)))
+    asyncio.run(_generator(pipe, Generator(host, port, first, count, total, group_size, interval_ms, lease_ms)))
 
 
 async def _generator(pipe: Connection, gen: Generator) -> None:
@@ -289,7 +297,8 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             first, count = g * share, min(share, groups - g * share)
             ours, theirs = ctx.Pipe()
             worker = ctx.Process(target=generator_main, args=(theirs, host, port, first, count, groups, group_size,
-                                                              timeouts.heartbeat_interval_ms), daemon=True)
+                                                              timeouts.heartbeat_interval_ms,
+                                                              timeouts.heartbeat_timeout_ms), daemon=True)
             worker.start()
             pipes.append(ours)
             workers.append(worker)
@@ -317,9 +326,11 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
                 pipes[0].send(("leave", 0))
                 assert pipes[0].recv() == "left"
                 members = members[1:]
+            lighthouse_cpu_before = cpu_seconds_of(proc.pid)
             for pipe in pipes:
                 pipe.send(("quorum", round_no))
             results = [pipe.recv() for pipe in pipes]
+            round_cpu = cpu_seconds_of(proc.pid) - lighthouse_cpu_before
             for result in results:  # every generator rebuilt the membership expected, at the step expected
                 assert result["members"] == members and result["max_step"] == round_no, (kind, result["quorum_id"])
             assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
@@ -328,6 +339,8 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
                 assert same == (kind == "steady"), (kind, results[0]["quorum_id"], quorum_rounds[-1]["quorum_id"])
             quorum_rounds.append({"kind": kind, "quorum_id": results[0]["quorum_id"],
                                   "answer_bytes": len(results[0]["answer"]),
+                                  "lighthouse_cpu_s": round(round_cpu, 3),
+                                  "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
                                   "latency_s": max(r["last_answer"] for r in results) -
                                   max(r["last_sent"] for r in results)})
         request = urllib.request.Request(f"http://{host}:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -389,11 +402,13 @@ def main() -> int:
               f" {row['groups_dead']:>4} {rounds[0]['latency_s']:>10.2f} / "
               f"{(max(steady) if steady else float('nan')):<6.2f} / {rounds[-1]['latency_s']:<6.2f}"
               f" {'+'.join(f'{c * 100:.0f}%' for c in row['generator_cpu']):>16}")
-    print(f"\n{'ranks':>7} {'round':>5} {'kind':>6} {'quorum_id':>9} {'latency_s':>9} {'answer_bytes':>12}")
+    print(f"\n{'ranks':>7} {'round':>5} {'kind':>6} {'quorum_id':>9} {'latency_s':>9} {'answer_bytes':>12} "
+          f"{'lighthouse CPU s':>16} {'generators CPU s':>16}")
     for row in rows:
         for number, rnd in enumerate(row["quorum_rounds"]):
             print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>6} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
-                  f"{rnd['answer_bytes']:>12}")
+                  f"{rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
+                  f"{'+'.join(f'{c:.2f}' for c in rnd['generator_cpu_s']):>16}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
                                   indent=2) + "\n")
