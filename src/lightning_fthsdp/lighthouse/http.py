@@ -21,6 +21,7 @@ connection with no request in flight and none arriving is closed after ``idle_ti
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -309,8 +310,8 @@ class Connection(asyncio.Protocol):
         if accept_gzip and response.gzipped is not None:
             body, extra = response.gzipped, extra + "Content-Encoding: gzip\r\n"
         head = (
-            f"HTTP/1.1 {response.status} {HTTPStatus(response.status).phrase}\r\n"
-            f"Content-Type: {response.content_type}\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+            f"{_status_line(response.status)}Content-Type: {response.content_type}\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}\r\n"
         ).encode()
         if len(body) < 16384:
             self._transport.write(head + body)
@@ -341,6 +342,11 @@ def require_int(body: dict[str, object], name: str, minimum: int | None) -> int:
     if minimum is not None and value < minimum:
         raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
     return value
+
+
+@functools.cache
+def _status_line(status: int) -> str:
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
 
 
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")

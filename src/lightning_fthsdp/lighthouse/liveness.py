@@ -83,6 +83,8 @@ class GroupConnections:
         self._connections: dict[str, set[Connection]] = {}
 
     def carried(self, replica_id: str, connection: Connection) -> None:
+        if replica_id in self._groups.get(connection, ()):
+            return  # every request of a leader but its first: nothing new
         if not connection.closed:  # a handler may run on after its connection closed
             self._groups.setdefault(connection, set()).add(replica_id)
             self._connections.setdefault(replica_id, set()).add(connection)
