@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gzip
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -46,7 +47,6 @@ import sys
 import time
 import urllib.request
 import zlib
-from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -93,17 +93,11 @@ QUORUM_TIMEOUT_MS = 120_000
 INCARNATION = "bench"
 
 
-def post(path: str, body: dict[str, object]) -> bytes:
+def post(path: str, body: dict[str, object], request_id: int) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
     return (f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n"
-            f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
-
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    length = int(re.search(rb"Content-Length: (\d+)", head).group(1))  # type: ignore[union-attr]
-    return status, await reader.readexactly(length)
+            f"Authorization: Bearer {TOKEN}\r\nX-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
+            ).encode() + data
 
 
 def read_json(body: bytes) -> dict[str, object]:
@@ -118,105 +112,167 @@ def cpu_seconds_of(pid: int) -> float:
 
 # ---- one generator process ----
 
+_CONTENT_LENGTH = re.compile(rb"Content-Length: (\d+)")
+_REQUEST_ID = re.compile(rb"X-Request-Id: (\d+)")
+_EPOCH = re.compile(rb'"epoch": ?(\d+)')
+
+
+class Leader(asyncio.Protocol):
+    """One simulated group leader's connection: it parses the lighthouse's answers as they arrive and hands each to
+    its generator with the request it answers (by its ``X-Request-Id``, as ``client.LighthouseConnection`` matches
+    them). A Protocol rather than a stream reader per group: the generators must cost less than the lighthouse they
+    load, and a coroutine per group and answer costs several times the parse."""
+
+    def __init__(self, gen: Generator, index: int) -> None:
+        self.gen, self.index = gen, index
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        # The requests written and not answered yet, by id: (path, when written, the quorum request's body).
+        self.in_flight: dict[int, tuple[str, float, dict[str, object]]] = {}
+        self.ids = itertools.count(1)
+        self.beating = False  # a heartbeat is in flight
+        self.epoch = -1
+        self.leaving: asyncio.Future[tuple[int, bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            head = bytes(self.buffer[:end])
+            length = int(_CONTENT_LENGTH.search(head).group(1))  # type: ignore[union-attr]
+            if len(self.buffer) < end + 4 + length:
+                return
+            body = bytes(self.buffer[end + 4:end + 4 + length])
+            del self.buffer[:end + 4 + length]
+            request_id = int(_REQUEST_ID.search(head).group(1))  # type: ignore[union-attr]
+            self.gen.answered(self, self.in_flight.pop(request_id), int(head[9:12]), body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.leaving is None and not self.gen.stop:
+            self.gen.errors += 1
+
+    def send(self, path: str, body: dict[str, object]) -> None:
+        assert self.transport is not None
+        request_id = next(self.ids)
+        self.transport.write(post(path, body, request_id))
+        self.in_flight[request_id] = (path, time.monotonic(), body)
+
+
 class Generator:
-    """The groups ``first..first+count-1`` of ``total``: their heartbeat loops, and quorum rounds on demand."""
+    """The groups ``first..first+count-1`` of ``total``: their heartbeat long-polls, and quorum rounds on demand."""
 
     def __init__(self, host: str, port: int, first: int, count: int, total: int, group_size: int,
-                 interval_ms: int, lease_ms: int) -> None:
+                 interval_ms: int) -> None:
         self.host, self.port, self.total, self.group_size = host, port, total, group_size
         self.first = first
         self.ids = [f"g{i:06d}" for i in range(first, first + count)]
-        self.interval_ms, self.lease_ms = interval_ms, lease_ms  # the lease: the lighthouse's heartbeat timeout
+        self.interval_ms = interval_ms
         self.window = (float("inf"), float("inf"))
         self.rtts: list[float] = []
         self.errors = 0
         self.stop = False
-        self.left: set[int] = set()
-        self.answered = asyncio.Event()  # every group's quorum request of the round under way was answered
+        self.started = 0  # leaders whose first heartbeat was answered
+        self.ready = asyncio.Event()  # every leader's first heartbeat was answered
+        self.answered_all = asyncio.Event()  # every group's quorum request of the round under way was answered
         self.held: Quorum | None = None
         """The quorum every group of this generator holds (see the module docstring)."""
-        # Per group, the requests written and not answered yet, in order (the lighthouse answers in order): (path,
-        # when written, the quorum request's body).
-        self.in_flight: list[deque[tuple[str, float, dict[str, object]]]] = [deque() for _ in range(count)]
-        self.conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.leaders: list[Leader] = []
         self.answers: list[tuple[int, int, bytes]] = []
+        self.asking = 0  # the groups asking in the round under way
         self.last_sent = self.last_answer = 0.0
 
-    def heartbeat(self, replica_id: str, epoch: int, wait_ms: int) -> bytes:
-        return post("/v1/heartbeat", {"replica_id": replica_id, "incarnation": INCARNATION, "rank": 0, "step": 0,
-                                      "shard_count": self.group_size, "known_epoch": epoch, "wait_ms": wait_ms,
-                                      "losses": 0, "lost": []})
+    @property
+    def staying(self) -> list[Leader]:
+        return [leader for leader in self.leaders if leader.leaving is None]
 
-    async def connect(self) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-        self.conns = []
+    def heartbeat(self, leader: Leader, wait_ms: int) -> None:
+        leader.beating = True
+        leader.send("/v1/heartbeat", {
+            "replica_id": self.ids[leader.index], "incarnation": INCARNATION, "rank": 0, "step": 0,
+            "shard_count": self.group_size, "known_epoch": leader.epoch, "wait_ms": wait_ms, "losses": 0, "lost": []})
+
+    async def connect(self) -> None:
+        """Connect every group (a batch at a time) and send its first heartbeat, answered at once."""
+        loop = asyncio.get_running_loop()
         for start in range(0, len(self.ids), CONNECT_BATCH):
-            batch = min(len(self.ids), start + CONNECT_BATCH) - start
-            self.conns += await asyncio.gather(*(asyncio.open_connection(self.host, self.port, limit=1 << 24)
-                                                 for _ in range(batch)))
-        return self.conns
+            batch = range(start, min(len(self.ids), start + CONNECT_BATCH))
+            connected = await asyncio.gather(*(loop.create_connection(lambda i=i: Leader(self, i), self.host,
+                                                                      self.port) for i in batch))
+            self.leaders += [leader for _, leader in connected]
+        for leader in self.leaders:
+            self.heartbeat(leader, 0)
+        await self.ready.wait()
 
-    async def beat(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   epoch: int) -> None:
-        """One group's leader, as ``client.Heartbeat`` and ``QuorumClient`` share one connection: a heartbeat
-        long-poll in flight whenever nothing else is, the quorum requests ``quorum_round`` pipelines behind it (which
-        release it), no heartbeat while a quorum request is held, and after its answer the next heartbeat, answered
-        at once only when the lease (the lighthouse's heartbeat timeout from the newest answered heartbeat's sending)
-        has less than two intervals left."""
-        replica_id = self.ids[index]
-        in_flight = self.in_flight[index]
-        renew = False
-        acknowledged = time.monotonic()  # when the newest answered heartbeat was sent: the lease runs from then
-        while not self.stop and index not in self.left:
-            if not in_flight:
-                writer.write(self.heartbeat(replica_id, epoch, 0 if renew else self.interval_ms))
-                in_flight.append(("/v1/heartbeat", time.monotonic(), {}))
-            status, body = await read_response(reader)
-            done = time.monotonic()
-            path, sent, asked = in_flight.popleft()
-            if path == "/v1/quorum":
-                renew = self.lease_ms / 1000 - (done - acknowledged) < 2 * self.interval_ms / 1000
-                self.answer(index, writer, status, body, asked)
-                continue
-            renew = False
-            if status != 200:
-                self.errors += 1
-                await asyncio.sleep(self.interval_ms / 1000)
-                continue
-            acknowledged = sent
-            epoch = int(re.search(rb'"epoch": ?(\d+)', body).group(1))  # type: ignore[union-attr]
-            if self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
+    def answered(self, leader: Leader, request: tuple[str, float, dict[str, object]], status: int,
+                 body: bytes) -> None:
+        """The answer to ``request`` of ``leader``: as ``client.Heartbeat`` and ``QuorumClient`` do on one connection,
+        a heartbeat long-poll is in flight all along, and the quorum requests ``quorum_round`` sends are answered
+        beside it."""
+        done = time.monotonic()
+        path, sent, asked = request
+        if path == "/v1/leave":
+            assert leader.leaving is not None
+            leader.leaving.set_result((status, body))
+            return
+        if path == "/v1/quorum":
+            self.answer(leader, status, body, asked)
+            return
+        leader.beating = False
+        if status != 200:
+            self.errors += 1
+            asyncio.get_running_loop().call_later(self.interval_ms / 1000, self.beat, leader)
+            return
+        else:
+            first = leader.epoch < 0
+            leader.epoch = int(_EPOCH.search(body).group(1))  # type: ignore[union-attr]
+            if first:
+                self.started += 1
+                if self.started == len(self.leaders):
+                    self.ready.set()
+            elif self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
+        self.beat(leader)
 
-    def ask(self, index: int, body: dict[str, object]) -> None:
-        """Write the group's quorum request behind its held heartbeat, as ``QuorumClient.request`` does."""
-        self.conns[index][1].write(post("/v1/quorum", body))
-        self.in_flight[index].append(("/v1/quorum", time.monotonic(), body))
+    def beat(self, leader: Leader) -> None:
+        """The next heartbeat long-poll, unless one is in flight (or the group leaves: then, once none is, its leave,
+        as ``Heartbeat.leave`` does)."""
+        if self.stop or leader.beating or not self.ready.is_set():
+            return
+        if leader.leaving is not None:
+            leader.send("/v1/leave", {"replica_id": self.ids[leader.index], "incarnation": INCARNATION, "rank": 0})
+            return
+        self.heartbeat(leader, self.interval_ms)
 
-    def answer(self, index: int, writer: asyncio.StreamWriter, status: int, answer: bytes,
-               asked: dict[str, object]) -> None:
+    def ask(self, leader: Leader, body: dict[str, object]) -> None:
+        """Write the group's quorum request beside its held heartbeat, as ``QuorumClient.request`` does."""
+        leader.send("/v1/quorum", body)
+
+    def answer(self, leader: Leader, status: int, answer: bytes, asked: dict[str, object]) -> None:
         """The group's quorum answer: sent again with the members of the quorum held when the lighthouse answers 428
         for them."""
         if status == 428 and self.held is not None and "members" not in asked:
-            self.ask(index, with_members(asked, self.held))
+            self.ask(leader, with_members(asked, self.held))
             return
         self.last_answer = max(self.last_answer, time.monotonic())
         self.answers.append((status, zlib.crc32(answer), answer if not self.answers or status != 200 else b""))
-        if len(self.answers) == len(self.ids) - len(self.left):
-            self.answered.set()
+        if len(self.answers) == self.asking:
+            self.answered_all.set()
 
     async def quorum_round(self, round_no: int) -> dict[str, object]:
         """Every group still in the job asks at once (a leader asks as its step's forward starts), holding the quorum
         of the last round and having committed step ``round_no`` in it."""
         self.answers, self.last_answer = [], 0.0
         cpu_start = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        self.answered.clear()
-        held = self.held
-        for index, replica_id in enumerate(self.ids):
-            if index not in self.left:
-                self.ask(index, quorum_request_body(replica_id, INCARNATION, round_no, self.group_size, "", False,
-                                                    held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS))
+        self.answered_all.clear()
+        held, staying = self.held, self.staying
+        self.asking = len(staying)
+        for leader in staying:
+            self.ask(leader, quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size, "",
+                                                 False, held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS))
         self.last_sent = time.monotonic()
-        await asyncio.wait_for(self.answered.wait(), 300)
+        await asyncio.wait_for(self.answered_all.wait(), 300)
         bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
         assert not bad, bad[:3]
         assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
@@ -226,36 +282,29 @@ class Generator:
                 "last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
                 "quorum_id": self.held.quorum_id, "max_step": self.held.max_step, "members": self.held.member_ids}
 
-    async def leave(self, group: int, beat: asyncio.Future[None]) -> None:
+    async def leave(self, group: int) -> None:
         """Group number ``group`` (one of this generator's) leaves as ``Heartbeat.leave`` does: its heartbeats stop,
         the one in flight is answered, and ``POST /v1/leave`` follows on the same connection."""
-        index = group - self.first
-        self.left.add(index)
-        await beat
-        reader, writer = self.conns[index]
-        writer.write(post("/v1/leave", {"replica_id": self.ids[index], "incarnation": INCARNATION, "rank": 0}))
-        status, body = await read_response(reader)
+        leader = self.leaders[group - self.first]
+        leader.leaving = asyncio.get_running_loop().create_future()
+        self.beat(leader)  # at once if nothing is in flight, else after the held heartbeat's answer
+        status, body = await leader.leaving
         assert status == 200, body[:200]
-        writer.close()
+        assert leader.transport is not None
+        leader.transport.close()
 
 
 def generator_main(pipe: Connection, host: str, port: int, first: int, count: int, total: int, group_size: int,
-                   interval_ms: int, lease_ms: int) -> None:
+                   interval_ms: int) -> None:
     raise_fd_limit(count + 256)
-    asyncio.run(_generator(pipe, Generator(host, port, first, count, total, group_size, interval_ms, lease_ms)))
+    asyncio.run(_generator(pipe, Generator(host, port, first, count, total, group_size, interval_ms)))
 
 
 async def _generator(pipe: Connection, gen: Generator) -> None:
     loop = asyncio.get_running_loop()
-    beats = await gen.connect()
-    for rid, (_, writer) in zip(gen.ids, beats, strict=True):  # every group known before the window
-        writer.write(gen.heartbeat(rid, -1, 0))
-    first_answers = await asyncio.gather(*(read_response(r) for r, _ in beats))
-    refused = [(code, body[:200]) for code, body in first_answers if code != 200]
-    assert not refused, f"{len(refused)} first heartbeats refused, e.g. {refused[0]}"
-    epochs = [int(json.loads(body)["epoch"]) for _, body in first_answers]
-    tasks = [asyncio.ensure_future(gen.beat(index, r, w, epoch))
-             for index, ((r, w), epoch) in enumerate(zip(beats, epochs, strict=True))]
+    await gen.connect()  # every group known before the window
+    for leader in gen.leaders:  # the long-polls of a job's groups, started at different times, spread over an interval
+        loop.call_later(leader.index / len(gen.leaders) * gen.interval_ms / 1000, gen.beat, leader)
     pipe.send("ready")
     while True:
         command = await loop.run_in_executor(None, pipe.recv)
@@ -272,12 +321,13 @@ async def _generator(pipe: Connection, gen: Generator) -> None:
         elif command[0] == "quorum":
             pipe.send(await gen.quorum_round(command[1]))
         elif command[0] == "leave":
-            await gen.leave(command[1], tasks[command[1] - gen.first])
+            await gen.leave(command[1])
             pipe.send("left")
         else:
             gen.stop = True
-            for task in tasks:
-                task.cancel()
+            for leader in gen.leaders:
+                if leader.transport is not None:
+                    leader.transport.close()
             return
 
 
@@ -297,8 +347,7 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             first, count = g * share, min(share, groups - g * share)
             ours, theirs = ctx.Pipe()
             worker = ctx.Process(target=generator_main, args=(theirs, host, port, first, count, groups, group_size,
-                                                              timeouts.heartbeat_interval_ms,
-                                                              timeouts.heartbeat_timeout_ms), daemon=True)
+                                                              timeouts.heartbeat_interval_ms), daemon=True)
             worker.start()
             pipes.append(ours)
             workers.append(worker)

@@ -5,17 +5,17 @@ declares the group dead the moment that connection closes (a crash) or falls sil
 hang), and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
 for a collective timeout. The group's other ranks beat to their leader (``lighthouse.group_relay``), which reports
 one lost at once and relays every answer to them. Only the leader asks for quorums, on the same connection as its
-heartbeats (``LighthouseConnection``, pipelined): one persistent lighthouse connection per group. Rare reports (a rank
-lost, a checkpoint written) use short connections of their own.
+heartbeats, where each request is answered as soon as it is ready (``LighthouseConnection``): one persistent
+lighthouse connection per group. A checkpoint's report, rare, uses a short connection of its own.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gzip
 import http.client
 import io
+import itertools
 import json
 import socket
 import threading
@@ -56,22 +56,23 @@ class LighthouseRejected(RuntimeError):
 
 
 class LighthouseConnection:
-    """One keep-alive HTTP/1.1 connection to the lighthouse, shared by threads, with requests pipelined on it.
+    """One keep-alive HTTP/1.1 connection to the lighthouse, shared by threads, each request answered as it is ready.
 
     A group's leader needs the heartbeat long-poll and the quorum request in flight together, and one connection for
     both (at 12,500 groups, two per group are more descriptors than the lighthouse's process may hold). Each request
-    is written whole as it is posted, behind any in flight; the lighthouse answers in order and answers a held
-    heartbeat at once when a request queues behind it (a held quorum request it answers only when decided: a
-    heartbeat behind it waits, and the lighthouse counts the group alive meanwhile). The answers are read in order,
-    each by the thread that waits for it, and each request's timeout runs from when its answer is next to read.
+    carries a request id (``X-Request-Id``, see ``lighthouse.http.Connection``): the lighthouse handles it beside a
+    held one and answers it as soon as it is ready, with the same id, so the quorum answer overtakes the held
+    heartbeat, and the heartbeat goes on while the quorum request is held. Each request is written whole as it is
+    posted. The answers are read by one waiting thread at a time, which hands the others theirs; a request's timeout
+    runs from when it was written, and an answer that comes after it is dropped.
 
     After any error the connection is dropped and the next request opens a fresh one. Every request in flight on it
     fails with LighthouseUnavailable: a refused connect says ``refused``, the request whose answer did not come in
-    time ``timed_out``. A request on a reused connection that was reset (the lighthouse closed it as idle, or it broke
-    under another request) is sent once more on a fresh connection, as urllib3 does: every request here is safe to
-    repeat (a heartbeat, a quorum request that replaces the group's earlier one, a leave), and a lighthouse that is
-    gone refuses the fresh connection, which is reported as before. A timeout is never retried: the request may be
-    held.
+    time ``timed_out``. A reader that times out drops the connection too (a read cut short leaves the stream
+    unreadable). A request on a reused connection that was reset (the lighthouse closed it as idle, or it broke under
+    another request) is sent once more on a fresh connection, as urllib3 does: every request here is safe to repeat
+    (a heartbeat, a quorum request that replaces the group's earlier one, a leave), and a lighthouse that is gone
+    refuses the fresh connection, which is reported as before. A timeout is never retried: the request may be held.
     """
 
     def __init__(self, url: str, token: str | None) -> None:
@@ -87,7 +88,10 @@ class LighthouseConnection:
         self._lock = threading.Condition()
         self._sock: socket.socket | None = None
         self._reader: io.BufferedReader | None = None
-        self._in_flight: collections.deque[object] = collections.deque()  # one ticket per request, in written order
+        self._ids = itertools.count(1)
+        self._waiting: set[int] = set()  # the ids in flight on the connection whose answers nobody took yet
+        self._answers: dict[int, tuple[int, dict[str, str], bytes]] = {}  # read for a waiter not woken yet
+        self._reading = False  # a waiting thread reads the answers for all
         self._generation = 0  # counts the connections dropped after an error: a waiter on an older one has failed
         self._failure: BaseException | None = None  # the error that dropped the last one
 
@@ -96,14 +100,14 @@ class LighthouseConnection:
         """The lighthouse's answer to ``POST path`` with ``body``; ``stop``: once set, the request is not sent (again)
         and fails with LighthouseUnavailable. Raises LighthouseUnavailable or LighthouseRejected."""
         data = json.dumps(body).encode()
-        request = f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n".encode() + data
+        head = f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n"
         for attempt in (1, 2):
             if stop is not None and stop.is_set():
                 raise LighthouseUnavailable(f"{path}: the connection was closed for good")
             # Read without the lock: it only decides whether a reset is worth one more try.
             reused = self._sock is not None
             try:
-                status, headers, payload = self._exchange(request, timeout_s)
+                status, headers, payload = self._exchange(head, data, timeout_s)
                 break
             except (OSError, http.client.HTTPException) as exc:
                 # RemoteDisconnected is a ConnectionResetError.
@@ -121,15 +125,6 @@ class LighthouseConnection:
             raise LighthouseRejected(status, str(answer.get("error", payload[:200])))
         return answer
 
-    def wait_idle(self, stop: threading.Event) -> bool:
-        """Block until no request is in flight (or ``stop`` is set); whether there was one to wait for."""
-        with self._lock:
-            waited = False
-            while self._in_flight and not stop.is_set():
-                waited = True
-                self._lock.wait(timeout=0.1)  # stop is an Event of its own: look at it now and then
-            return waited
-
     def reset(self) -> None:
         """Drop the connection, from any thread: every request in flight on it fails now (a request blocked reading
         is woken by the shutdown), and the next request opens a fresh one."""
@@ -143,10 +138,11 @@ class LighthouseConnection:
         with self._lock:
             self._drop(self._generation, ConnectionAbortedError("the connection was closed"))
 
-    def _exchange(self, request: bytes, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
-        """Write ``request`` behind those in flight, then read its answer in turn. OSError or HTTPException when the
-        connection fails, for every request in flight on it."""
-        ticket = object()
+    def _exchange(self, head: str, data: bytes, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """Write the request (``head`` without its blank line, then ``data``) with an id of its own, then wait for
+        its answer, reading the connection's answers while no other waiter does. OSError or HTTPException when the
+        connection fails, for every request in flight on it; TimeoutError when the answer did not come in time."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._sock is None:
                 sock = socket.create_connection((self._host, self._port), timeout=timeout_s)
@@ -154,36 +150,58 @@ class LighthouseConnection:
                 self._sock, self._reader = sock, sock.makefile("rb")
             generation, sock, reader = self._generation, self._sock, self._reader
             assert reader is not None
+            request_id = next(self._ids)
             try:
-                sock.sendall(request)
+                sock.sendall(f"{head}X-Request-Id: {request_id}\r\n\r\n".encode() + data)
             except OSError as exc:
                 self._drop(generation, exc)
                 raise
-            self._in_flight.append(ticket)
-            while self._generation == generation and self._in_flight[0] is not ticket:
-                self._lock.wait()
-            if self._generation != generation:
-                raise ConnectionResetError(f"the connection broke under an earlier request: {self._failure}")
-            # Ours is the next answer: from here until it is read, nobody else touches the reader.
-            sock.settimeout(timeout_s)
+            self._waiting.add(request_id)
+            try:
+                while request_id not in self._answers:
+                    if self._generation != generation:
+                        raise ConnectionResetError(f"the connection broke under another request: {self._failure}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no answer within {timeout_s:g} s")
+                    if not self._reading:
+                        self._reading = True  # ours to read, for every waiter, until our answer comes
+                        break
+                    self._lock.wait(left)
+                else:
+                    return self._answers.pop(request_id)
+            except BaseException:
+                self._waiting.discard(request_id)
+                raise
         try:
-            answer = _read_response(reader)
+            while True:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                answer = _read_response(reader)
+                with self._lock:
+                    answered = int(answer[1].get("x-request-id", "0"))
+                    if answered in self._waiting:  # else the answer to a request that timed out: dropped
+                        self._waiting.discard(answered)
+                        self._answers[answered] = answer
+                    if answer[1].get("connection", "").lower() == "close":  # the lighthouse ends it after this
+                        self._drop(generation, ConnectionResetError("the lighthouse closed the connection"))
+                    if request_id in self._answers or self._generation != generation:
+                        if self._generation == generation:
+                            self._reading = False
+                        self._lock.notify_all()
+                        if request_id in self._answers:
+                            return self._answers.pop(request_id)
+                        raise ConnectionResetError(f"the connection was dropped: {self._failure}")
+                    self._lock.notify_all()
         except (OSError, ValueError, http.client.HTTPException) as exc:
             with self._lock:
                 dropped = self._generation != generation  # by another thread, under this read
+                self._waiting.discard(request_id)
                 self._drop(generation, exc)
             if dropped:
                 raise ConnectionResetError(f"the connection was dropped: {self._failure}") from exc
             if isinstance(exc, ValueError):
                 raise http.client.HTTPException(f"malformed answer: {exc}") from exc
             raise
-        with self._lock:
-            if self._generation == generation:
-                self._in_flight.popleft()
-                self._lock.notify_all()
-                if answer[1].get("connection", "").lower() == "close":  # the lighthouse ends it after this answer
-                    self._drop(generation, ConnectionResetError("the lighthouse closed the connection"))
-        return answer
 
     def _drop(self, generation: int, failure: BaseException) -> None:
         """Drop connection number ``generation`` (if not done yet); every request waiting on it fails with
@@ -201,7 +219,9 @@ class LighthouseConnection:
             sock.close()
         self._generation += 1
         self._failure = failure
-        self._in_flight.clear()
+        self._waiting.clear()
+        self._answers.clear()
+        self._reading = False
         self._lock.notify_all()
 
 
@@ -228,16 +248,15 @@ def _read_response(reader: io.BufferedReader) -> tuple[int, dict[str, str], byte
 
 
 class Heartbeat(MembershipView):
-    """The leader's heartbeat: a daemon thread that heartbeats as long-polls, reports who the lighthouse declared
-    dead, and relays every answer to the group's other ranks (``relay``; None for a one-rank group).
+    """The leader's heartbeat: a daemon thread that heartbeats as long-polls, reports who the lighthouse declared dead,
+    and relays every answer to the group's other ranks (``relay``; None for a one-rank group).
 
     ``on_dead``, ``on_quorum``, ``on_lost`` and the lease are ``lighthouse.membership.Membership``'s. ``deaths`` is
     how often the lighthouse has declared this group dead, as of the last acknowledged heartbeat. ``incarnation``:
-    this start of the group's processes (the same on every rank; see lighthouse.registry). A rank the relay loses
-    is reported at once (``POST /v1/lost``, on a short connection of its own, closed after the report: the leader's
-    connection may be held by a quorum request), and every later heartbeat carries the ranks lost, so the lighthouse
-    keeps the group dead while one is. ``connection``: the leader's one connection to the lighthouse, shared with its
-    ``QuorumClient`` (None: one of its own).
+    this start of the group's processes (the same on every rank; see lighthouse.registry). A rank the relay loses is
+    reported at once (``POST /v1/lost``, answered at once beside a held heartbeat or quorum request), and every
+    later heartbeat carries the ranks lost, so the lighthouse keeps the group dead while one is. ``connection``: the
+    leader's one connection to the lighthouse, shared with its ``QuorumClient`` (None: one of its own).
     """
 
     def __init__(
@@ -257,8 +276,6 @@ class Heartbeat(MembershipView):
         connection: LighthouseConnection | None = None,
     ) -> None:
         self._conn = connection or LighthouseConnection(url, token)
-        self._report_conn = LighthouseConnection(url, token)
-        self._report_lock = threading.Lock()
         self._shard_count = shard_count
         self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
         self._timeouts = timeouts
@@ -279,19 +296,13 @@ class Heartbeat(MembershipView):
         interval_s = self._timeouts.heartbeat_interval_ms / 1000
         timeout_s = self._timeouts.heartbeat_timeout_ms / 1000
         while not self._stop.is_set():
-            # A quorum request held on the connection keeps the group alive at the lighthouse; a heartbeat queued
-            # behind it would be acknowledged only from when it was sent, before the wait. So none is queued. Once
-            # the quorum is answered, the next heartbeat is held as usual unless the lease (the members' too,
-            # relayed) could run out before a held one comes back: then it is answered at once. A membership that
-            # changed meanwhile changed the epoch, and a heartbeat naming an old epoch is answered at once anyway.
-            renew = self._conn.wait_idle(self._stop) and self.membership.lease_left_s() < 2 * interval_s
             sent = time.monotonic()
             body = {
                 **self._identity,
                 "step": self._step(),
                 "shard_count": self._shard_count,
                 "known_epoch": self.membership.epoch,
-                "wait_ms": 0 if renew else self._timeouts.heartbeat_interval_ms,
+                "wait_ms": self._timeouts.heartbeat_interval_ms,
             }
             if self._relay is not None:
                 body["losses"], body["lost"] = self._relay.losses, self._relay.lost
@@ -316,11 +327,8 @@ class Heartbeat(MembershipView):
         heartbeat (up to an interval away)."""
         assert self._relay is not None, "only a relay loses ranks"
         body = {**self._identity, "lost_rank": rank, "cause": cause, "losses": self._relay.losses}
-        with self._report_lock, contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
-            try:
-                self._report_conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
-            finally:
-                self._report_conn.close()
+        with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):  # the next heartbeat carries it too
+            self._conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def leave(self) -> None:
         """Stop heartbeating and tell the lighthouse this rank is finishing (rank 0: the whole group leaves)."""
@@ -335,14 +343,12 @@ class Heartbeat(MembershipView):
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
             self._conn.post("/v1/leave", self._identity, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
         self._conn.close()
-        with self._report_lock:
-            self._report_conn.close()
 
 
 class QuorumClient:
     """The leader's quorum requests, blocking (the manager runs them on a background thread), for the group
     incarnation ``incarnation``. ``connection``: the leader's one connection to the lighthouse, shared with its
-    ``Heartbeat`` (None: one of its own); a quorum request written behind a held heartbeat releases it at once."""
+    ``Heartbeat`` (None: one of its own), where it is answered when decided, ahead of the held heartbeat."""
 
     def __init__(self, url: str, token: str | None, timeouts: Timeouts, incarnation: str,
                  connection: LighthouseConnection | None = None) -> None:
@@ -432,7 +438,7 @@ def with_members(body: dict[str, object], current: Quorum) -> dict[str, object]:
 class CheckpointReporter:
     """The writing group leader's reports of complete durable checkpoints (``POST /v1/checkpoint``), for the group
     incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step.
-    Each report goes on a short connection of its own, closed after it: one behind a held quorum request would wait."""
+    Each report goes on a short connection of its own, closed after it: reports are rare."""
 
     def __init__(self, url: str, token: str | None, timeouts: Timeouts, replica_id: str, incarnation: str) -> None:
         self._conn = LighthouseConnection(url, token)

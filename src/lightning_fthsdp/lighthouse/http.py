@@ -4,13 +4,13 @@ Why not ``http.server`` or aiohttp: the lighthouse must learn the moment a clien
 process's socket closes: that is crash detection), hold thousands of long-polls on one thread, and stay stdlib
 only. ``Protocol.connection_lost`` gives the first, the event loop the second.
 
-Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order (a handler that only waits, a
-long-poll, learns from ``Request.on_superseded`` that a request queues behind it, and answers early),
+Supported: keep-alive (HTTP/1.1 default), pipelined requests answered in order, requests with an ``X-Request-Id``
+answered as each is ready (see ``Connection``: a held long-poll and the requests behind it share one connection),
 ``Content-Length`` bodies up to ``MAX_BODY`` bytes (a larger body is drained without being buffered and answered 413;
 the connection stays usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431),
 and heads a proxy or another parser could read differently (400): a control character anywhere in the head, a
-repeated Content-Length; after those, and after an unparsable request line (400), the connection is closed because
-its framing is lost.
+repeated Content-Length; after those, after an unparsable request line (400) and after a malformed request id (400),
+the connection is closed because its framing is lost.
 
 Bounded in time, so slow or silent clients cannot hold connections (slowloris): a request must arrive whole, head
 and body, within ``request_timeout_s`` of its first byte (else 408 and the connection is closed), and a keep-alive
@@ -33,6 +33,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 MAX_BODY = 1 << 20
 MAX_HEAD = 64 << 10
+MAX_IN_FLIGHT = 8
+"""Requests with ids one connection may have in flight at once: more wait in its buffer (a leader has two)."""
+REQUEST_ID = "x-request-id"
 REQUEST_TIMEOUT_S = 10.0
 """Default bound on receiving one request, from its first byte to its last: generous for a 1 MiB body on a slow
 link, short enough that a client trickling bytes holds a connection only briefly."""
@@ -80,24 +83,8 @@ class Request:
     """Lower-cased names."""
     body: bytes
     connection: Connection = field(repr=False)
-    queued: bool = False
-    """It arrived whole while an earlier request of its connection was in flight, and waited for that one's answer."""
-    superseded: bool = field(default=False, init=False)
-    """A request arrived whole behind this one on its connection (pipelined) and waits for this one's answer."""
-    _superseded_callback: Callable[[], None] | None = field(default=None, init=False, repr=False)
-
-    def on_superseded(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback`` once a request queues behind this one (at once if one has); None: no longer. For a
-        handler that holds its answer only to wait (a long-poll): the request behind must not wait with it."""
-        self._superseded_callback = callback
-        if callback is not None and self.superseded:
-            callback()
-
-    def supersede(self) -> None:
-        if not self.superseded:
-            self.superseded = True
-            if self._superseded_callback is not None:
-                self._superseded_callback()
+    request_id: str | None = None
+    """The client's ``X-Request-Id`` (see ``Connection``): its answer carries it and may overtake earlier ones."""
 
     def json_object(self) -> dict[str, object]:
         """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
@@ -115,9 +102,15 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class Connection(asyncio.Protocol):
-    """One client connection: parses requests, runs ``handler`` for one at a time, writes the responses in order.
+    """One client connection: parses requests, runs ``handler`` for them, writes each response when it is ready.
 
-    When the peer closes (EOF or reset) the in-flight handler task is cancelled (a held long-poll or quorum
+    A plain HTTP/1.1 request (no ``X-Request-Id``) runs alone, and is answered before anything after it starts: answers
+    in request order, as pipelining needs. A request with ``X-Request-Id: N`` (N: 1 to 20 digits) runs beside the other
+    requests with ids in flight on the connection, up to ``MAX_IN_FLIGHT``, and its answer carries the same header and
+    is written as soon as it is ready, ahead of earlier ones still held: one connection then carries a long-poll and
+    the requests that come while it is held, as HTTP/2's streams would.
+
+    When the peer closes (EOF or reset) every in-flight handler task is cancelled (a held long-poll or quorum
     request cleans up in its ``finally``) and ``on_close(self)`` is called exactly once; also when the connection
     is closed for a timeout (see the module docstring).
     """
@@ -130,9 +123,8 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
-        self._task: asyncio.Task[None] | None = None
-        self._current: Request | None = None  # the request whose handler runs
-        self._queued = False  # a request arrived whole while _current ran
+        self._in_flight: set[asyncio.Task[None]] = set()  # the handlers running
+        self._ordered = False  # the one in flight is a plain request: nothing starts beside it
         self._parsed: tuple[int, tuple[str, str, bool, dict[str, str], int]] | None = None  # see _head
         # The bound of the connection's state (see _arm): "idle" while nothing is in flight or arriving, "request" from
         # a request's first byte until it is complete, none ("") while a handler runs; since when it is in that state.
@@ -165,8 +157,8 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         self._disarm()
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._in_flight:
+            task.cancel()
         self._on_close(self)
 
     def close(self) -> None:
@@ -174,39 +166,41 @@ class Connection(asyncio.Protocol):
             self._transport.close()
 
     def _pump(self) -> None:
-        """Start the next complete request if none is in flight; keep the timer that fits what is left waiting."""
-        self._start_next()
+        """Start every complete request that may start now; keep the timer that fits what is left waiting."""
+        while self._start_next():
+            pass
         self._arm()
 
-    def _start_next(self) -> None:
-        if self.closed or self._discard:
-            return
-        if self._task is not None:
-            self._note_queued()
-            return
+    def _start_next(self) -> bool:
+        """Start the request at the start of the buffer if it is whole and may start now; whether one started."""
+        if self.closed or self._discard or (self._in_flight and (self._ordered or
+                                                                 len(self._in_flight) >= MAX_IN_FLIGHT)):
+            return False
         head_end = self._buffer.find(b"\r\n\r\n")
         if head_end > MAX_HEAD or (head_end < 0 and len(self._buffer) > MAX_HEAD):
             self._fail(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head over {MAX_HEAD} bytes")
-            return
+            return False
         if head_end < 0:
-            return
+            return False
         try:
             method, target, keep_alive, headers, length = self._head(head_end)
         except HttpError as e:
             self._fail(e.status, e.message)
-            return
+            return False
+        request_id = headers.get(REQUEST_ID)
+        if request_id is None and self._in_flight:
+            return False  # a plain request waits for every answer before its own
         body_start = head_end + 4
         if length > MAX_BODY:
             available = len(self._buffer) - body_start
             del self._buffer[: body_start + min(length, available)]
             self._parsed = None
             self._discard = max(0, length - available)
-            self._write(_error(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True)
-            if not self._discard:
-                self._start_next()
-            return
+            self._write(_error(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True,
+                        request_id=request_id)
+            return not self._discard
         if len(self._buffer) < body_start + length:
-            return
+            return False
         body = bytes(self._buffer[body_start : body_start + length])
         del self._buffer[: body_start + length]
         self._parsed = None
@@ -215,32 +209,14 @@ class Connection(asyncio.Protocol):
             path, query = parts.path, dict(parse_qsl(parts.query))
         else:  # every request of the protocol: no query to split
             path, query = target, {}
-        request = Request(method, path, query, headers, body, self, self._queued)
-        self._current, self._queued = request, False
-        self._task = asyncio.get_running_loop().create_task(self._run(request, keep_alive))
-        self._note_queued()  # one pipelined behind it may have arrived with it
-
-    def _note_queued(self) -> None:
-        """A whole request waiting behind the one in flight supersedes it."""
-        assert self._current is not None
-        if not self._current.superseded and self._whole_request_buffered():
-            self._queued = True
-            self._current.supersede()
-
-    def _whole_request_buffered(self) -> bool:
-        """Whether the buffer holds a whole request (or a head that will be refused: it waits for nothing either)."""
-        head_end = self._buffer.find(b"\r\n\r\n")
-        if head_end < 0:
-            return len(self._buffer) > MAX_HEAD
-        try:
-            length = self._head(head_end)[4]
-        except HttpError:
-            return True
-        return length > MAX_BODY or len(self._buffer) >= head_end + 4 + length
+        self._ordered = request_id is None
+        request = Request(method, path, query, headers, body, self, request_id)
+        self._in_flight.add(asyncio.get_running_loop().create_task(self._run(request, keep_alive)))
+        return True
 
     def _head(self, head_end: int) -> tuple[str, str, bool, dict[str, str], int]:
         """The parsed head of the request at the start of the buffer, which ends at ``head_end``: parsed once, though
-        a request pipelined behind one in flight is looked at when it arrives and again when it starts."""
+        a request is looked at again when the rest of its body arrives, or when the request ahead of it is answered."""
         if self._parsed is None or self._parsed[0] != head_end:
             self._parsed = (head_end, _parse_head(bytes(self._buffer[:head_end])))
         return self._parsed[1]
@@ -253,10 +229,11 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
             response = _error(500, "internal error in the lighthouse; see its log")
-        self._task, self._current = None, None
+        self._in_flight.discard(asyncio.current_task())  # type: ignore[arg-type]
+        self._ordered = False
         if self.closed:
             return
-        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""))
+        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""), request.request_id)
         if keep_alive:
             self._pump()
         else:
@@ -267,7 +244,7 @@ class Connection(asyncio.Protocol):
         (data buffered or an oversized body draining), else "idle". A state's bound runs from when it began (a request's
         from its first byte: later bytes do not extend it). One timer, not moved with every request: it is moved only
         to fire earlier; when it fires, it acts on the state then, or waits for what that state has left."""
-        kind = "" if self.closed or self._task is not None else "request" if self._buffer or self._discard else "idle"
+        kind = "" if self.closed or self._in_flight else "request" if self._buffer or self._discard else "idle"
         if kind == self._timer_kind:
             return
         loop = asyncio.get_running_loop()
@@ -303,10 +280,13 @@ class Connection(asyncio.Protocol):
         else:
             self.close()  # idle: no answer is owed, and HTTP clients expect an idle keep-alive connection to close
 
-    def _write(self, response: Response, keep_alive: bool, accept_gzip: bool = False) -> None:
+    def _write(self, response: Response, keep_alive: bool, accept_gzip: bool = False,
+               request_id: str | None = None) -> None:
         assert self._transport is not None
         body, extra = response.body, "" if keep_alive else "Connection: close\r\n"
         extra += "".join(f"{name}: {value}\r\n" for name, value in response.headers)
+        if request_id is not None:
+            extra += f"X-Request-Id: {request_id}\r\n"
         if accept_gzip and response.gzipped is not None:
             body, extra = response.gzipped, extra + "Content-Encoding: gzip\r\n"
         head = (
@@ -349,6 +329,7 @@ def _status_line(status: int) -> str:
     return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
 
 
+_REQUEST_ID = re.compile(r"[0-9]{1,20}")
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 """A control character other than tab, CR and LF ending a line excepted: a proxy or another parser could split or join
 the head there."""
@@ -379,6 +360,8 @@ def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
         if key == "content-length" and key in headers:
             raise HttpError(400, "Content-Length given twice: send it once")
         headers[key] = value.strip()
+    if REQUEST_ID in headers and not _REQUEST_ID.fullmatch(headers[REQUEST_ID]):
+        raise HttpError(400, f"bad X-Request-Id {headers[REQUEST_ID][:40]!r}: send 1 to 20 digits")
     if "transfer-encoding" in headers:
         raise HttpError(411, "chunked request bodies are not supported: send Content-Length")
     try:

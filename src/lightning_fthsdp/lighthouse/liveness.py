@@ -36,13 +36,6 @@ class HeartbeatConnections:
         ranks[key[1]] = connection
         self._key[connection] = key
 
-    def carries(self, key: RankKey, connection: Connection) -> bool:
-        """Whether ``connection`` is the one whose close declares ``key`` dead."""
-        return self._connection.get(key[0], {}).get(key[1]) is connection
-
-    def bound(self, key: RankKey) -> bool:
-        return key[1] in self._connection.get(key[0], {})
-
     def release(self, key: RankKey) -> None:
         """The rank finished: its connection's close means nothing any more."""
         connection = self._pop(key)

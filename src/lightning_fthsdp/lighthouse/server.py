@@ -5,10 +5,9 @@ A restarted lighthouse rebuilds it from the groups' heartbeats and requests (``q
 numbering from the requests' ``quorum_id``/``members``; a request sends its members only when the lighthouse answers
 428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
 silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). A leader sends its quorum requests on its
-heartbeat connection (one connection per group): a request queued behind a held heartbeat releases it at once, and
-while a quorum request is held there (its next heartbeat waits behind it) the group counts as alive, its timer
-restarted when the answer is written. Every epoch change (death, revival, leave, new quorum) answers all held
-heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
+heartbeat connection (one connection per group), each with a request id, so they are handled while its heartbeat is
+held and answered as soon as decided (``http.Connection``). Every epoch change (death, revival, leave, new quorum)
+answers all held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import socket
@@ -140,9 +138,6 @@ class Lighthouse:
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
-        # The groups whose quorum request is held on their heartbeat connection, where it holds up their next heartbeat
-        # (HTTP/1.1 answers in order): alive while it is held, their heartbeat clock restarted as it is answered.
-        self._quorum_holds: dict[str, asyncio.Future[Response]] = {}
         self._epoch = 0
         # The held heartbeats, each released by the next epoch change or its own timer: a set, so a timer releasing one
         # costs O(1) (a waiter list of an Event or a shared future is scanned on every timeout: O(groups^2) per
@@ -275,10 +270,8 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
-        # A heartbeat that queued behind a held request (the leader's quorum request, on the same connection) is
-        # answered at once: its sender has heard nothing for that long, and its commit lease runs from when it sent it.
-        if self._epoch == beat.known_epoch and beat.wait_ms > 0 and not request.queued:
-            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000, request)
+        if self._epoch == beat.known_epoch and beat.wait_ms > 0:
+            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
@@ -296,18 +289,15 @@ class Lighthouse:
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
-    async def _hold(self, timeout_s: float, request: Request) -> None:
-        """Wait until the epoch changes, ``timeout_s`` passed or a request queues behind ``request`` on its connection
-        (the leader's quorum request: it must not wait out the long-poll)."""
+    async def _hold(self, timeout_s: float) -> None:
+        """Wait until the epoch changes or ``timeout_s`` passed."""
         waiter = asyncio.get_running_loop().create_future()
         self._held.add(waiter)
         timer = asyncio.get_running_loop().call_later(timeout_s, _release, waiter)
-        request.on_superseded(functools.partial(_release, waiter))
         try:
             await waiter
         finally:
             timer.cancel()
-            request.on_superseded(None)
             self._held.discard(waiter)
 
     async def _quorum(self, request: Request) -> Response:
@@ -320,8 +310,7 @@ class Lighthouse:
                               (asked.quorum_id, self._held_members(asked)))
         except MembersNeeded as e:
             raise _members_needed(asked, str(e)) from None
-        record = self._admit(replica_id, incarnation, asked.step)
-        self._touch(record, replica_id, asked.step)
+        self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
         self._group_connections.carried(replica_id, request.connection)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
@@ -336,7 +325,6 @@ class Lighthouse:
         self._add_pending(asked, waiter)
         # A plain timer rather than asyncio.wait_for: fewer futures and callbacks per request when every group asks.
         timer = loop.call_later(timeout_ms / 1000, self._time_out, replica_id, timeout_ms, waiter)
-        unbound = self._hold_quorum(replica_id, request.connection, waiter)
         try:
             return await waiter
         finally:
@@ -344,25 +332,6 @@ class Lighthouse:
             if self._waiters.get(replica_id) is waiter:  # timed out or the client went away: forget the request
                 self._drop_pending(replica_id)
                 self._schedule_decide(force=True)
-            if self._quorum_holds.get(replica_id) is waiter:
-                del self._quorum_holds[replica_id]
-                if unbound and self._heartbeat_connections.carries((replica_id, 0), request.connection):
-                    self._heartbeat_connections.release((replica_id, 0))
-                if not request.connection.closed and record is self._registry.get(replica_id) and \
-                        record.incarnation == incarnation:
-                    record.last_seen = time.monotonic()  # a hang right after the answer is found at the timeout
-
-    def _hold_quorum(self, replica_id: str, connection: Connection, waiter: asyncio.Future[Response]) -> bool:
-        """The group's quorum request ``waiter`` is held on ``connection``: if that carries its heartbeats, or none
-        does yet (its first heartbeat may queue behind this request), the held request is its sign of life and the
-        connection's close its crash. Returns whether the connection was bound here (for the hold only)."""
-        key = (replica_id, 0)
-        unbound = not self._heartbeat_connections.bound(key)
-        if unbound:
-            self._heartbeat_connections.bind(key, connection)
-        if self._heartbeat_connections.carries(key, connection):
-            self._quorum_holds[replica_id] = waiter
-        return unbound
 
     def _time_out(self, replica_id: str, timeout_ms: int, waiter: asyncio.Future[Response]) -> None:
         if not waiter.done():
@@ -737,8 +706,7 @@ class Lighthouse:
         while True:
             await asyncio.sleep(timeout_s / 10)
             cutoff = time.monotonic() - timeout_s
-            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff
-                               and rid not in self._quorum_holds]:
+            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
                 self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
             ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
