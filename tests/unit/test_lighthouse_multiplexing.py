@@ -282,3 +282,34 @@ def test_a_quorum_request_held_past_the_heartbeat_timeout_never_lets_the_lease_l
         for heartbeat, quorum_client in leaders.values():
             quorum_client.close()
             heartbeat.leave()
+
+
+def test_an_answer_that_closes_the_connection_still_reaches_its_request() -> None:
+    """A stand-in lighthouse answers with ``Connection: close``: the answer is the request's, and the next request
+    opens a fresh connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for number in (1, 2):
+            conn, _ = listener.accept()
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            request_id = next(line.split(b":")[1].strip() for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"x-request-id:"))
+            body = json.dumps({"n": number}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\nX-Request-Id: "
+                         + request_id + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            conn.close()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    conn = LighthouseConnection(f"http://127.0.0.1:{port}", None)
+    try:
+        assert conn.post("/v1/heartbeat", {}, timeout_s=10) == {"n": 1}
+        assert conn.post("/v1/heartbeat", {}, timeout_s=10) == {"n": 2}
+        server.join(5)
+    finally:
+        conn.close()
+        listener.close()

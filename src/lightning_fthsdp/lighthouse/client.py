@@ -152,6 +152,8 @@ class LighthouseConnection:
             assert reader is not None
             request_id = next(self._ids)
             try:
+                # The reader may have set a timeout of a few ms that it has left: the write gets this request's.
+                sock.settimeout(timeout_s)
                 sock.sendall(f"{head}X-Request-Id: {request_id}\r\n\r\n".encode() + data)
             except OSError as exc:
                 self._drop(generation, exc)
@@ -192,11 +194,13 @@ class LighthouseConnection:
                             return self._answers.pop(request_id)
                         raise ConnectionResetError(f"the connection was dropped: {self._failure}")
                     self._lock.notify_all()
-        except (OSError, ValueError, http.client.HTTPException) as exc:
+        except BaseException as exc:
             with self._lock:
                 dropped = self._generation != generation  # by another thread, under this read
                 self._waiting.discard(request_id)
-                self._drop(generation, exc)
+                self._drop(generation, exc)  # a read cut short by anything (even KeyboardInterrupt) spoils the stream
+            if not isinstance(exc, OSError | ValueError | http.client.HTTPException):
+                raise
             if dropped:
                 raise ConnectionResetError(f"the connection was dropped: {self._failure}") from exc
             if isinstance(exc, ValueError):
@@ -219,8 +223,7 @@ class LighthouseConnection:
             sock.close()
         self._generation += 1
         self._failure = failure
-        self._waiting.clear()
-        self._answers.clear()
+        self._waiting.clear()  # answers read already stay: their waiters take them before they look at the generation
         self._reading = False
         self._lock.notify_all()
 
