@@ -67,12 +67,8 @@ class Membership:
             return False
         if self.state == "away":
             return True
-        fresh = self.lease_left_s() > 0
+        fresh = time.monotonic() - self._acknowledged < self.lease_ms / 1000
         return fresh and self.deaths == deaths_before
-
-    def lease_left_s(self) -> float:
-        """Seconds until the newest acknowledgement stops covering a commit (negative: it already does not)."""
-        return self.lease_ms / 1000 - (time.monotonic() - self._acknowledged)
 
     def answered(self, answer: Mapping[str, object], sent: float) -> None:
         """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``."""
