@@ -24,7 +24,9 @@ from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat
-from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from lightning_fthsdp.lighthouse.group_relay import GroupRelay
+from lightning_fthsdp.lighthouse.member import MemberHeartbeat
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 
 LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
@@ -226,7 +228,7 @@ def test_leave_forgets_the_replica_and_lets_the_rest_decide(lighthouse: Callable
     code, answer = qb.recv()
     assert code == 200 and [m["replica_id"] for m in answer["members"]] == ["b"]
     status = obs.status()
-    assert [r["replica_id"] for r in status["groups"]] == ["b"] and status["epoch"] == epoch + 2  # leave, quorum
+    assert [r["replica_id"] for r in status["groups"]] == ["b"] and status["epoch"] == epoch + 1  # the leave only
     code, answer = obs.call("POST", "/v1/leave", leave("a"))
     assert code == 404 and "'a'" in answer["error"]
 
@@ -443,8 +445,9 @@ def test_the_heartbeat_reports_once_that_the_lighthouse_went_away() -> None:
 
 
 def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: Callable[..., str]) -> None:
-    """What the manager starts early rendezvous from: each member's heartbeat thread reports a quorum the moment it
-    is decided, once, with the member's rank; the same quorum answered again each step is not news."""
+    """What a rank that missed its leader's relay starts early rendezvous from: each member's heartbeat reports a
+    quorum with its first answer after the quorum is decided (no held heartbeat is woken for it: the epoch stays),
+    once, with the member's rank; the same quorum answered again each step is not news."""
     url = lighthouse(min_replicas=2)
     timeouts = Timeouts(heartbeat_interval_ms=200, heartbeat_timeout_ms=30_000, collective_timeout_ms=40_000,
                         quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
@@ -459,6 +462,7 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
         store = form(url, "a", "b")[0]["store"]
         wait_for(lambda: len(seen) == 2, 10, "a's and b's heartbeats to report quorum 0")
         form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), committed_in=0)  # the same quorum again
+        epoch = Client(url).status()["epoch"]
         beats[2].start()
         joining = Client(url)
         joining.send("POST", "/v1/quorum", qr("c", 0))
@@ -467,11 +471,43 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
         assert joining.recv()[0] == 200
         wait_for(lambda: len(seen) == 5, 10, "every heartbeat to report quorum 1")
         assert sorted(seen) == [("a", 0, 0, 2), ("a", 1, 0, 3), ("b", 0, 1, 2), ("b", 1, 1, 3), ("c", 1, 2, 3)]
-        assert store == Client(url).status()["store"]
+        status = Client(url).status()
+        assert status["quorum_id"] == 1 and status["epoch"] == epoch
+        assert store == status["store"]
     finally:
         for beat in beats:
             if beat.started:
                 beat.leave()
+
+
+def test_a_leader_relays_its_quorum_answer_to_its_ranks_at_once(lighthouse: Callable[..., str]) -> None:
+    """How a group's other ranks learn a new quorum as it is decided (the lighthouse wakes no held heartbeat for it):
+    the leader tells them its own quorum answer. A quorum the lighthouse never decided shows that path alone; older
+    news, from the leader or from a heartbeat answer, is no news."""
+    url = lighthouse()
+    timeouts = Timeouts(heartbeat_interval_ms=200, heartbeat_timeout_ms=30_000, collective_timeout_ms=40_000,
+                        quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
+    seen: dict[int, list[tuple[int, int, int, str]]] = {0: [], 1: []}
+    relay = GroupRelay("127.0.0.1", None, inc("a"), timeouts)
+    leader = Heartbeat(url, None, "a", inc("a"), 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
+                       on_lost=lambda: None, on_quorum=lambda *news: seen[0].append(news), relay=relay)
+    member = MemberHeartbeat(relay.address, None, "a", inc("a"), 1, timeouts, on_dead=lambda dead: None,
+                             on_lost=lambda: None, on_quorum=lambda *news: seen[1].append(news))
+    try:
+        leader.start()
+        member.start()
+        wait_for(lambda: member.membership.state == "ok", 10, "the member's first relayed heartbeat answer")
+        members = (Member("b", 3, "b:1"), Member("a", 3, "a:1"))
+        leader.quorum_answered(Quorum(41, members, 3, 2), "store:9")
+        wait_for(lambda: seen[1], 10, "the member to learn quorum 41 from its leader")
+        leader.quorum_answered(Quorum(40, members, 3, 2), "store:8")
+        leader.quorum_answered(Quorum(42, members[1:], 4, 2), "store:9")
+        wait_for(lambda: len(seen[1]) == 2, 10, "the member to learn quorum 42 from its leader")
+        assert Client(url).status()["quorum_id"] == -1  # the lighthouse decided none
+        assert seen[0] == seen[1] == [(41, 1, 2, "store:9"), (42, 0, 1, "store:9")]
+    finally:
+        member.leave()
+        leader.leave()
 
 
 def test_importing_the_lighthouse_imports_no_torch() -> None:

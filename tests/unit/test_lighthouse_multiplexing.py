@@ -7,8 +7,10 @@ with an ``X-Request-Id`` are answered as each is ready; plain HTTP/1.1 requests 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import select
 import socket
 import struct
@@ -23,6 +25,7 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat, LighthouseConnection, LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.http import Connection, HttpError, Request, Response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import Client, hb, qr, replica
@@ -80,7 +83,7 @@ def test_a_request_with_an_id_is_answered_beside_a_held_heartbeat(lighthouse: Ca
     thread = lighthouse()
     url = thread.lighthouse.url
     pipe = Pipe(url)
-    pipe.send("/v1/quorum", qr("a"), "1")  # quorum 0: a new quorum changes the epoch, answering held heartbeats
+    pipe.send("/v1/quorum", qr("a"), "1")  # quorum 0
     assert pipe.recv()[1]["quorum_id"] == 0
     pipe.send("/v1/heartbeat", hb("a"), "2")
     epoch = pipe.recv()[1]["epoch"]
@@ -313,3 +316,51 @@ def test_an_answer_that_closes_the_connection_still_reaches_its_request() -> Non
     finally:
         conn.close()
         listener.close()
+
+
+def test_a_handler_that_fails_at_once_or_later_is_answered_and_the_connection_serves_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``http.Connection`` with handlers of its own: an answer now (a Response) or later (a future). A handler that
+    raises, at once or through its future, gets 500 (an HttpError: its own status), logged, and the requests beside it
+    and after it are answered on the same connection."""
+    loop = asyncio.new_event_loop()
+    later: dict[str, asyncio.Future[Response]] = {}
+
+    def handler(request: Request) -> Response | asyncio.Future[Response]:
+        if request.path == "/raise":
+            raise RuntimeError("boom at once")
+        if request.path == "/refuse":
+            raise HttpError(409, "refused at once")
+        if request.path == "/now":
+            return Response(200, b'{"answer":"now"}')
+        later[request.path] = loop.create_future()
+        return later[request.path]
+
+    server = loop.run_until_complete(loop.create_server(lambda: Connection(handler, lambda conn: None),
+                                                        "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    pipe = Pipe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        with caplog.at_level(logging.ERROR, "fthsdp.lighthouse"):
+            for number, path in enumerate(("/later", "/fails-later", "/raise", "/refuse"), 1):
+                pipe.send(path, {}, str(number))
+            answers = {request_id: (code, body) for code, body, request_id in (pipe.recv(), pipe.recv())}
+            assert answers["3"][0] == 500 and "internal error" in answers["3"][1]["error"]
+            assert answers["4"] == (409, {"error": "refused at once"})
+            wait_for(lambda: len(later) == 2, 5, "both later answers to be in flight")
+            loop.call_soon_threadsafe(later["/fails-later"].set_exception, RuntimeError("boom later"))
+            code, body, request_id = pipe.recv()
+            assert (request_id, code) == ("2", 500) and "internal error" in body["error"]
+            loop.call_soon_threadsafe(later["/later"].set_result, Response(200, b'{"answer":"later"}'))
+            assert pipe.recv() == (200, {"answer": "later"}, "1")
+            pipe.send("/now", {})
+            assert pipe.recv() == (200, {"answer": "now"}, None)
+        failures = [r.exc_info[1] for r in caplog.records if r.exc_info]
+        assert sorted(map(str, failures)) == ["boom at once", "boom later"]
+    finally:
+        pipe.sock.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        server.close()
+        loop.close()

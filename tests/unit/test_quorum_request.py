@@ -26,6 +26,7 @@ class Client:
     def __init__(self, *answers: tuple[Quorum, str] | Exception) -> None:
         self.answers = list(answers)
         self.asked: list[tuple[Any, ...]] = []
+        self.announced: list[tuple[Quorum, str]] = []  # what the requester told the group of
         self.closed = False
         self.release = threading.Event()
         self.release.set()
@@ -46,7 +47,8 @@ def requester(client: Client, replica_id: str = "a", step: int = 4) -> tuple[Quo
     served: list[int] = []
     qlog = log.ReplicaLogger(log.QUORUM, replica_id, 0, lambda: step)
     return QuorumRequester(cast(QuorumClient, client), replica_id, 2, ["h:1", "h:2"], TIMEOUTS, qlog,
-                           step=lambda: step, serve=served.append), served
+                           step=lambda: step, serve=served.append,
+                           announce=lambda quorum, store: client.announced.append((quorum, store))), served
 
 
 def test_the_answer_is_the_clients_and_the_request_says_what_the_group_holds() -> None:
@@ -55,6 +57,7 @@ def test_the_answer_is_the_clients_and_the_request_says_what_the_group_holds() -
     try:
         request.start(4, True, None, "", 3, True)
         assert request.answer() == (QUORUM, "store:1")
+        assert client.announced == [(QUORUM, "store:1")]  # the group learns each answer as it comes
         assert client.asked == [("a", 4, 2, "h:1,h:2", True, None, 3, True, None)]
         caught_up = {"source": "b", "step": 3, "bytes": 10, "fetch_s": 0.5}  # reported with the next request
         assert request.start(5, False, QUORUM, "store:1", 7, False, caught_up)
@@ -115,8 +118,10 @@ def test_an_unreachable_lighthouse_keeps_the_quorum_of_a_group_that_committed_it
             assert (kept.quorum_id, kept.max_step, kept.member_ids) == (7, 5, ("a", "b", "c"))
             assert all(m.step == 5 for m in kept.members)
             assert dict(kept.catch_up_from) == {} and kept.following == {"b"}
+            assert client.announced == []  # a quorum kept is no news from the lighthouse
             request.start(6, False, kept, store, 7, False)
             assert request.answer() == (QUORUM, "store:2")
+            assert client.announced == [(QUORUM, "store:2")]
         assert "keeping quorum 7" in caplog.text and "lighthouse is back" in caplog.text
     finally:
         request.close()

@@ -280,6 +280,7 @@ class Heartbeat(MembershipView):
     ) -> None:
         self._conn = connection or LighthouseConnection(url, token)
         self._shard_count = shard_count
+        self._replica_id = replica_id
         self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
         self._timeouts = timeouts
         self._step = step
@@ -324,6 +325,15 @@ class Heartbeat(MembershipView):
             self.membership.answered(answer, sent)
             if self._relay is not None:
                 self._relay.publish({"answer": answer, "age_ms": round((time.monotonic() - sent) * 1000, 3)})
+
+    def quorum_answered(self, quorum: Quorum, store: str) -> None:
+        """The leader's quorum answer (``QuorumClient.request``), news to the group at once: the lighthouse wakes no
+        held heartbeat for a new quorum, so this is how every rank starts the quorum's rendezvous as it is decided."""
+        news = {"quorum_id": quorum.quorum_id, "quorum_rank": quorum.rank_of(self._replica_id),
+                "quorum_size": len(quorum.members), "store": store}
+        self.membership.quorum(news)
+        if self._relay is not None:
+            self._relay.publish({"quorum": news}, channel="quorum")
 
     def _report_lost(self, rank: int, cause: str, reason: str) -> None:
         """The relay lost ``rank`` (``crash`` or ``hang``): tell the lighthouse now rather than with the next

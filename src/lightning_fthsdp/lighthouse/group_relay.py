@@ -67,7 +67,8 @@ class _Member:
     sock: socket.socket
     last_seen: float
     left: bool = False
-    outbox: bytes = b""
+    outbox: dict[str, bytes] = field(default_factory=dict)
+    """The newest message of each channel not sent yet."""
     wake: threading.Condition = field(default_factory=threading.Condition)
     closed: bool = False
 
@@ -76,7 +77,8 @@ class GroupRelay:
     """The leader's side. It listens on ``host`` from construction (``address`` is then ``HOST:PORT`` to hand to
     the other ranks); ``start(on_member_lost)`` accepts them, and ``on_member_lost(rank, cause, reason)`` runs (on a
     relay thread) the first time a rank is lost: ``cause`` is ``crash`` or ``hang``. ``publish`` sends a message to
-    every connected rank; a rank that stopped reading only ever gets the newest one (the state, not a history)."""
+    every connected rank; a rank that stopped reading only ever gets the newest one of each channel (the state, not a
+    history)."""
 
     def __init__(self, host: str, token: str | None, incarnation: str, timeouts: Timeouts) -> None:
         self._token, self._incarnation = (token or "").encode(), incarnation.encode()
@@ -105,13 +107,16 @@ class GroupRelay:
         self._on_member_lost = on_member_lost
         self._spawn(self._accept_loop, "accept")
 
-    def publish(self, message: dict[str, object]) -> None:
+    def publish(self, message: dict[str, object], channel: str = "lighthouse") -> None:
+        """Send ``message`` to every connected rank. Channels are independent states: ``lighthouse`` (the newest
+        heartbeat answer, or that none came) and ``quorum`` (the leader's newest quorum answer), so a rank that stopped
+        reading still gets the newest of each."""
         data = encode(message)
         with self._lock:
             members = list(self._members.values())
         for member in members:
             with member.wake:
-                member.outbox = data
+                member.outbox[channel] = data
                 member.wake.notify()
 
     def close(self) -> None:
@@ -211,7 +216,7 @@ class GroupRelay:
                     member.wake.wait()
                 if member.closed:
                     return
-                data, member.outbox = member.outbox, b""
+                data, member.outbox = b"".join(member.outbox.values()), {}
             try:
                 member.sock.sendall(data)
             except OSError:

@@ -25,7 +25,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -98,7 +98,10 @@ class Request:
         return data
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Response | asyncio.Future[Response]]
+"""Answers a request at once (a ``Response``) or later (a future the handler resolves; it fails with ``HttpError``
+for an error answer). No task per request: at scale every group's request arrives at once, and a task and its
+coroutine frames cost more than the answer."""
 
 
 class Connection(asyncio.Protocol):
@@ -110,9 +113,9 @@ class Connection(asyncio.Protocol):
     is written as soon as it is ready, ahead of earlier ones still held: one connection then carries a long-poll and
     the requests that come while it is held, as HTTP/2's streams would.
 
-    When the peer closes (EOF or reset) every in-flight handler task is cancelled (a held long-poll or quorum
-    request cleans up in its ``finally``) and ``on_close(self)`` is called exactly once; also when the connection
-    is closed for a timeout (see the module docstring).
+    When the peer closes (EOF or reset) the future of every request in flight is cancelled (the handler that made it
+    cleans up in a done callback) and ``on_close(self)`` is called exactly once; also when the connection is closed
+    for a timeout (see the module docstring).
     """
 
     def __init__(self, handler: Handler, on_close: Callable[[Connection], None],
@@ -123,7 +126,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
-        self._in_flight: set[asyncio.Task[None]] = set()  # the handlers running
+        self._in_flight: set[asyncio.Future[Response]] = set()  # the answers still to come
         self._ordered = False  # the one in flight is a plain request: nothing starts beside it
         self._parsed: tuple[int, tuple[str, str, bool, dict[str, str], int]] | None = None  # see _head
         # The bound of the connection's state (see _arm): "idle" while nothing is in flight or arriving, "request" from
@@ -157,8 +160,8 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         self._disarm()
-        for task in self._in_flight:
-            task.cancel()
+        for answer in self._in_flight:
+            answer.cancel()
         self._on_close(self)
 
     def close(self) -> None:
@@ -209,9 +212,13 @@ class Connection(asyncio.Protocol):
             path, query = parts.path, dict(parse_qsl(parts.query))
         else:  # every request of the protocol: no query to split
             path, query = target, {}
-        self._ordered = request_id is None
         request = Request(method, path, query, headers, body, self, request_id)
-        self._in_flight.add(asyncio.get_running_loop().create_task(self._run(request, keep_alive)))
+        answer = self._handle(request)
+        if isinstance(answer, Response):
+            return self._answer(request, keep_alive, answer)
+        self._ordered = request_id is None
+        self._in_flight.add(answer)
+        answer.add_done_callback(functools.partial(self._answered, request, keep_alive))
         return True
 
     def _head(self, head_end: int) -> tuple[str, str, bool, dict[str, str], int]:
@@ -221,23 +228,38 @@ class Connection(asyncio.Protocol):
             self._parsed = (head_end, _parse_head(bytes(self._buffer[:head_end])))
         return self._parsed[1]
 
-    async def _run(self, request: Request, keep_alive: bool) -> None:
+    def _handle(self, request: Request) -> Response | asyncio.Future[Response]:
         try:
-            response = await self._handler(request)
+            return self._handler(request)
         except HttpError as e:
-            response = _error(e.status, e.message, e.headers)
+            return _error(e.status, e.message, e.headers)
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
-            response = _error(500, "internal error in the lighthouse; see its log")
-        self._in_flight.discard(asyncio.current_task())  # type: ignore[arg-type]
+            return _error(500, "internal error in the lighthouse; see its log")
+
+    def _answered(self, request: Request, keep_alive: bool, answer: asyncio.Future[Response]) -> None:
+        """The answer of a request in flight came (or it was cancelled: the connection is closed)."""
+        self._in_flight.discard(answer)
         self._ordered = False
-        if self.closed:
+        if self.closed or answer.cancelled():
             return
-        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""), request.request_id)
-        if keep_alive:
-            self._pump()
+        error = answer.exception()
+        if error is None:
+            response = answer.result()
+        elif isinstance(error, HttpError):
+            response = _error(error.status, error.message, error.headers)
         else:
+            log.error("lighthouse: handler for %s %s failed", request.method, request.path, exc_info=error)
+            response = _error(500, "internal error in the lighthouse; see its log")
+        if self._answer(request, keep_alive, response):
+            self._pump()
+
+    def _answer(self, request: Request, keep_alive: bool, response: Response) -> bool:
+        """Write ``response``; whether the connection stays open for more."""
+        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""), request.request_id)
+        if not keep_alive:
             self.close()
+        return keep_alive
 
     def _arm(self) -> None:
         """The bound that fits the connection's state: none while a handler runs, else "request" while one arrives

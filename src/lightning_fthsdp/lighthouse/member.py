@@ -111,6 +111,10 @@ class MemberHeartbeat(MembershipView):
             # The leader's request went out age_ms before it relayed the answer: the lease counts from then.
             self.membership.answered(answer, time.monotonic() - age_ms / 1000)
             return
+        news = message.get("quorum")
+        if isinstance(news, dict):
+            self.membership.quorum(news)
+            return
         gone = message.get("unavailable")
         if isinstance(gone, dict):
             self.membership.unavailable(refused=bool(gone.get("refused")), timed_out=bool(gone.get("timed_out")))

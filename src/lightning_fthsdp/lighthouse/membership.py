@@ -89,12 +89,19 @@ class Membership:
         if dead != self.dead:
             self.dead = dead
             self._on_dead(dead)
-        quorum_id = _int(answer.get("quorum_id"), -1)
-        if "quorum_rank" in answer and quorum_id != self._quorum_id:
+        self.quorum(answer)
+
+    def quorum(self, news: Mapping[str, object]) -> None:
+        """News of a quorum: ``quorum_id``, and where this group is a member ``quorum_rank``, ``quorum_size`` and
+        ``store`` (a heartbeat answer's fields; the leader relays its own quorum answer's so, ahead of the heartbeat
+        answers). ``on_quorum`` runs for a quorum newer than any seen: news from the two sources may arrive in either
+        order, and quorum ids only grow (a restarted lighthouse continues them)."""
+        quorum_id = _int(news.get("quorum_id"), -1)
+        if "quorum_rank" in news and quorum_id > self._quorum_id:
             self._quorum_id = quorum_id
             try:
-                self._on_quorum(quorum_id, _int(answer["quorum_rank"], 0), _int(answer.get("quorum_size"), 0),
-                                str(answer.get("store", "")))
+                self._on_quorum(quorum_id, _int(news["quorum_rank"], 0), _int(news.get("quorum_size"), 0),
+                                str(news.get("store", "")))
             except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
                 _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
 

@@ -6,8 +6,10 @@ numbering from the requests' ``quorum_id``/``members``; a request sends its memb
 428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
 silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). A leader sends its quorum requests on its
 heartbeat connection (one connection per group), each with a request id, so they are handled while its heartbeat is
-held and answered as soon as decided (``http.Connection``). Every epoch change (death, revival, leave, new quorum)
-answers all held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce.
+held and answered as soon as decided (``http.Connection``). Every epoch change (death, revival, leave) answers all
+held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce. A new quorum is no epoch
+change: each member learns it from its own quorum answer (its leader relays it to the group's other ranks), so a round
+costs one answer per group, not two; the heartbeat answers after it carry it too.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
@@ -37,10 +40,12 @@ from lightning_fthsdp.lighthouse.api import (
     parse_lost,
     parse_quorum,
 )
+from lightning_fthsdp.lighthouse.deadlines import Deadline, Deadlines
 from lightning_fthsdp.lighthouse.http import (
     IDLE_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
     Connection,
+    Handler,
     HttpError,
     Request,
     Response,
@@ -139,10 +144,11 @@ class Lighthouse:
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
         self._epoch = 0
-        # The held heartbeats, each released by the next epoch change or its own timer: a set, so a timer releasing one
-        # costs O(1) (a waiter list of an Event or a shared future is scanned on every timeout: O(groups^2) per
-        # interval at scale), and no task per heartbeat (asyncio.wait_for makes one).
-        self._held: set[asyncio.Future[None]] = set()
+        # The held heartbeats (the group each answers, its deadline), each answered at the next epoch change or its
+        # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
+        # scanned on every timeout: O(groups^2) per interval at scale).
+        self._held: dict[asyncio.Future[Response], tuple[str, Deadline]] = {}
+        self._deadlines = Deadlines()
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -153,7 +159,7 @@ class Lighthouse:
         self._stopping = False
         self._started_s = time.monotonic()
         self.store_address = ""
-        self._routes: dict[str, tuple[str, Callable[[Request], Awaitable[Response]]]] = {
+        self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/heartbeat": ("POST", self._heartbeat),
             "/v1/quorum": ("POST", self._quorum),
             "/v1/leave": ("POST", self._leave),
@@ -212,6 +218,7 @@ class Lighthouse:
         for timer in (self._join_timer, self._lost_timer, self._startup_timer):
             if timer is not None:
                 timer.cancel()
+        self._deadlines.close()
         if self._server is not None:
             self._server.close()
         for conn in list(self._connections):
@@ -242,18 +249,18 @@ class Lighthouse:
         if key is not None and not self._stopping:
             self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
-    async def _route(self, request: Request) -> Response:
+    def _route(self, request: Request) -> Response | asyncio.Future[Response]:
         authorize(request, self._token)
         if request.path not in self._routes:
             raise HttpError(404, f"unknown path {request.path!r}: use one of {', '.join(sorted(self._routes))}")
         method, handler = self._routes[request.path]
         if request.method != method:
             raise HttpError(405, f"{request.path} takes {method}, got {request.method}")
-        return await handler(request)
+        return handler(request)
 
     # ---- endpoints ----
 
-    async def _heartbeat(self, request: Request) -> Response:
+    def _heartbeat(self, request: Request) -> Response | asyncio.Future[Response]:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
         check_shard_count(replica_id, beat.shard_count, self._previous, self._readiness.pending)
@@ -271,8 +278,11 @@ class Lighthouse:
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            await self._hold(min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
-        if self._heartbeat_body is None:  # cached per epoch: a death wakes every long-poll at once
+            return self._hold(replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+        return self._heartbeat_answer(replica_id)
+
+    def _heartbeat_answer(self, replica_id: str) -> Response:
+        if self._heartbeat_body is None:  # cached until the epoch or the quorum changes: a death wakes every long-poll
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
@@ -289,18 +299,26 @@ class Lighthouse:
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
-    async def _hold(self, timeout_s: float) -> None:
-        """Wait until the epoch changes or ``timeout_s`` passed."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._held.add(waiter)
-        timer = asyncio.get_running_loop().call_later(timeout_s, _release, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._held.discard(waiter)
+    def _hold(self, replica_id: str, timeout_s: float) -> asyncio.Future[Response]:
+        """The heartbeat answer of ``replica_id`` once the epoch changes or ``timeout_s`` passed."""
+        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        self._held[waiter] = replica_id, self._deadlines.add(timeout_s, functools.partial(self._release, waiter))
+        return waiter
 
-    async def _quorum(self, request: Request) -> Response:
+    def _release(self, waiter: asyncio.Future[Response]) -> None:
+        """A held heartbeat's time is up (unless the epoch changed meanwhile: then ``_answer_held`` answers it)."""
+        held = self._held.pop(waiter, None)
+        if held is not None and not waiter.done():  # done: its connection closed and cancelled it
+            waiter.set_result(self._heartbeat_answer(held[0]))
+
+    def _answer_held(self, held: dict[asyncio.Future[Response], tuple[str, Deadline]]) -> None:
+        """Answer the heartbeats held when the epoch changed, after every change of this event-loop turn."""
+        for waiter, (replica_id, deadline) in held.items():
+            self._deadlines.cancel(deadline)
+            if not waiter.done():
+                waiter.set_result(self._heartbeat_answer(replica_id))
+
+    def _quorum(self, request: Request) -> Response | asyncio.Future[Response]:
         asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
@@ -320,18 +338,18 @@ class Lighthouse:
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
             return self._answers.to(asked.members_digest)
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[Response] = loop.create_future()
+        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         self._add_pending(asked, waiter)
-        # A plain timer rather than asyncio.wait_for: fewer futures and callbacks per request when every group asks.
-        timer = loop.call_later(timeout_ms / 1000, self._time_out, replica_id, timeout_ms, waiter)
-        try:
-            return await waiter
-        finally:
-            timer.cancel()
-            if self._waiters.get(replica_id) is waiter:  # timed out or the client went away: forget the request
-                self._drop_pending(replica_id)
-                self._schedule_decide(force=True)
+        deadline = self._deadlines.add(timeout_ms / 1000, functools.partial(self._time_out, replica_id, timeout_ms,
+                                                                            waiter))
+        waiter.add_done_callback(functools.partial(self._quorum_done, replica_id, deadline))
+        return waiter
+
+    def _quorum_done(self, replica_id: str, deadline: Deadline, waiter: asyncio.Future[Response]) -> None:
+        self._deadlines.cancel(deadline)
+        if self._waiters.get(replica_id) is waiter:  # timed out or the client went away: forget the request
+            self._drop_pending(replica_id)
+            self._schedule_decide(force=True)
 
     def _time_out(self, replica_id: str, timeout_ms: int, waiter: asyncio.Future[Response]) -> None:
         if not waiter.done():
@@ -340,7 +358,7 @@ class Lighthouse:
                      f"of {len(self._readiness.alive)} alive replicas asked, min_replicas={self.rules.min_replicas}; "
                      f"raise timeout_ms or start more replica groups"))
 
-    async def _leave(self, request: Request) -> Response:
+    def _leave(self, request: Request) -> Response:
         replica_id, rank, incarnation = parse_leave(request)
         self._registry.owner(replica_id, incarnation)
         if rank > 0:
@@ -357,7 +375,7 @@ class Lighthouse:
         self._schedule_decide(force=True)
         return json_response({})
 
-    async def _lost(self, request: Request) -> Response:
+    def _lost(self, request: Request) -> Response:
         lost = parse_lost(request)
         record = self._registry.owner(lost.replica_id, lost.incarnation)
         record.losses = max(record.losses, lost.losses)
@@ -367,7 +385,7 @@ class Lighthouse:
         self._declare_dead(lost.replica_id, lost.cause, f"its leader lost rank {lost.rank}: {how}")
         return json_response({})
 
-    async def _checkpoint(self, request: Request) -> Response:
+    def _checkpoint(self, request: Request) -> Response:
         replica_id, incarnation, step, path = parse_checkpoint(request)
         self._registry.owner(replica_id, incarnation)
         reason = self._ledger.note_checkpoint(step, path, replica_id)
@@ -378,23 +396,23 @@ class Lighthouse:
         checkpoint = self._ledger.checkpoint
         return json_response({"checkpoint": checkpoint.to_json() if checkpoint else None})
 
-    async def _status(self, request: Request) -> Response:
+    def _status(self, request: Request) -> Response:
         return json_response(self.status())
 
-    async def _events(self, request: Request) -> Response:
+    def _events(self, request: Request) -> Response:
         after = request.query.get("after", "0")
         if not (after.isascii() and after.isdigit() and len(after) <= 18):
             raise HttpError(400, f"query parameter 'after' must be an event number >= 0, got {after!r}")
         return json_response(self._watch.to_json(int(after)))
 
-    async def _metrics(self, request: Request) -> Response:
+    def _metrics(self, request: Request) -> Response:
         if self._watch.metrics is None:
             raise HttpError(501, "GET /metrics needs the prometheus_client package, a dependency of "
                                  "lightning-fthsdp: reinstall it (pip install lightning-fthsdp) or pip install "
                                  "prometheus_client, then restart the lighthouse")
         return Response(200, self._watch.metrics.render(), self._watch.metrics.content_type)
 
-    async def _page(self, request: Request) -> Response:
+    def _page(self, request: Request) -> Response:
         return Response(200, lighthouse_page.PAGE, "text/html; charset=utf-8")
 
     def status(self) -> dict[str, object]:
@@ -571,10 +589,9 @@ class Lighthouse:
     def _bump_epoch(self) -> None:
         self._epoch += 1
         self._heartbeat_body = None
-        held, self._held = self._held, set()
-        for waiter in held:  # wakes every held long-poll
-            if not waiter.done():
-                waiter.set_result(None)
+        held, self._held = self._held, {}
+        if held:  # wakes every held long-poll
+            asyncio.get_running_loop().call_soon(self._answer_held, held)
 
     # ---- deciding ----
 
@@ -641,9 +658,9 @@ class Lighthouse:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(self._answers.to(request.members_digest if request is not None else ""))
             if changed or self._answered != answered_before:
-                # Heartbeats carry the quorum's id and each member's rank in it: news only when those change. The
-                # same quorum answered again each step wakes no held heartbeat (at scale: one per group per step).
-                self._bump_epoch()
+                # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
+                # relay; the members have it from their answers already, so no held heartbeat is woken for it.
+                self._heartbeat_body = None
         self._arm_join_timer()
 
     def _resume_from_checkpoint(self, quorum: Quorum) -> Quorum:
@@ -741,11 +758,6 @@ def _members_needed(asked: QuorumRequest, why: str) -> HttpError:
     """428 for a quorum request that holds a quorum and sent no members where the lighthouse needs them."""
     return HttpError(428, f"the quorum request of {asked.replica_id!r} holds quorum {asked.quorum_id} but sent no "
                           f"'members': {why}; resend it with the members of the quorum it holds")
-
-
-def _release(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _declared_id(replica_id: str) -> str:

@@ -172,8 +172,10 @@ class FTManager:
         self._requester: QuorumRequester | None = None
         if self.is_leader:
             client = QuorumClient(url, token, self.timeouts, self.incarnation, lighthouse)
+            assert isinstance(self._heartbeat, Heartbeat)
             self._requester = QuorumRequester(client, self.replica_id, self.shard_count, addresses, self.timeouts,
-                                              self._qlog, step=lambda: self.step, serve=self._catchup.serve)
+                                              self._qlog, step=lambda: self.step, serve=self._catchup.serve,
+                                              announce=self._heartbeat.quorum_answered)
 
     # ---------------------------------------------------------------------------------------------- state
 

@@ -31,6 +31,8 @@ class QuorumRequester:
         serve: called with the step when this group serves the answer's catching-up groups (their source or an
             alternative to it, see ``manager.sources``), while ``step()`` still returns that step: the snapshot then
             overlaps forward and backward.
+        announce: called with each answer the lighthouse gives (the quorum and its store's address) the moment it
+            comes, on the quorum thread: the leader's ``Heartbeat.quorum_answered``, which tells the group's ranks.
     """
 
     def __init__(
@@ -44,12 +46,13 @@ class QuorumRequester:
         *,
         step: Callable[[], int],
         serve: Callable[[int], None],
+        announce: Callable[[Quorum, str], None],
     ) -> None:
         self._client = client
         self._replica_id, self._shard_count, self._addresses = replica_id, shard_count, ",".join(addresses)
         self._timeouts = timeouts
         self._qlog = qlog
-        self._step, self._serve = step, serve
+        self._step, self._serve, self._announce = step, serve, announce
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum")
         self._pending: Future[tuple[Quorum, str]] | None = None
         self._lighthouse_away = False
@@ -132,6 +135,7 @@ class QuorumRequester:
             if self._lighthouse_away:
                 self._qlog.info("lighthouse is back")
                 self._lighthouse_away = False
+            self._announce(*answer)
             return answer
 
     def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:

@@ -1,0 +1,49 @@
+"""Deadlines: callbacks of held requests on a coarse grid, on a real event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lightning_fthsdp.lighthouse.deadlines import Deadlines
+
+
+def test_each_callback_runs_once_after_its_delay_and_within_the_resolution() -> None:
+    async def run() -> list[tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        deadlines, ran = Deadlines(resolution_s=0.05), []
+        start = loop.time()
+        for name, delay in (("late", 0.2), ("early", 0.05), ("also early", 0.05)):
+            deadlines.add(delay, lambda name=name: ran.append((name, loop.time() - start)))
+        await asyncio.sleep(0.4)
+        return ran
+
+    ran = asyncio.run(run())
+    assert sorted(name for name, _ in ran) == ["also early", "early", "late"]
+    due = {"late": 0.2, "early": 0.05, "also early": 0.05}
+    for name, after in ran:
+        # the grid point at or after the deadline; the event loop's clock resolution is 1 ms here
+        assert due[name] - 0.001 <= after <= due[name] + 0.05 + 0.1, (name, after)
+    assert [name for name, _ in ran][-1] == "late"
+
+
+def test_a_cancelled_callback_never_runs_and_close_stops_them_all() -> None:
+    async def run() -> list[str]:
+        deadlines, ran = Deadlines(resolution_s=0.01), []
+        deadline = deadlines.add(0.02, lambda: ran.append("cancelled"))
+        deadlines.add(0.02, lambda: ran.append("kept"))
+        deadlines.cancel(deadline)
+        deadlines.cancel(deadline)  # again: nothing happens
+        await asyncio.sleep(0.1)
+        deadlines.add(0.02, lambda: ran.append("after close"))
+        deadlines.close()
+        await asyncio.sleep(0.1)
+        return ran
+
+    assert asyncio.run(run()) == ["kept"]
+
+
+def test_a_resolution_that_is_no_positive_number_is_refused() -> None:
+    with pytest.raises(ValueError, match="resolution_s must be > 0, got 0"):
+        Deadlines(resolution_s=0)
