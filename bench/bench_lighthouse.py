@@ -4,17 +4,17 @@ One lighthouse subprocess (the real ``fthsdp lighthouse`` command, default heart
 generator processes, each an asyncio loop standing in for a share of the groups. Every group speaks the real protocol as
 its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
 connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
-round, the group's quorum request, pipelined behind the held heartbeat (which the lighthouse then answers at once), no
-heartbeat while it is held, and after its answer the next long-poll (answered at once instead only when the lease could
-run out before a held one came back, as the real leader's). One connection per group keeps the lighthouse within the
-20,000 descriptors a process may hold on this machine at 12,500 groups. After a warm-up, a steady window measures
-heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes the lighthouse's hold of one
-interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh quorum (decided when the last
-group asks), the next ones the steady state (every member asks again), and a last one after a membership change (one
-group leaves, as ``Heartbeat.leave`` does, so the quorum id changes). A round's time runs from the last request written
-to the last answer read, and its CPU seconds, the lighthouse's and each generator's, are counted over it; a round's
-answer bytes are one group's answer as sent (gzip- compressed when large). Groups declared dead are counted from
-``/status`` at the end.
+round, the group's quorum request beside its held heartbeat, each with a request id, the quorum answer coming as soon as
+the quorum is decided (a new quorum wakes no held heartbeat: the leader relays its answer to its ranks). One connection
+per group keeps the lighthouse within the 20,000 descriptors a process may hold on this machine at 12,500 groups. After
+a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes
+the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh
+quorum (decided when the last group asks), the next ones the steady state (every member asks again), and a last one
+after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id changes; the leave, like a
+death, wakes every held heartbeat, so that round also carries an answer and a new long-poll per group). A round's time
+runs from the last request written to the last answer read, and its CPU seconds, the lighthouse's and each
+generator's, are counted over it; a round's answer bytes are one group's answer as sent (gzip- compressed when large).
+Groups declared dead are counted from ``/status`` at the end.
 
 The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a

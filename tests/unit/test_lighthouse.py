@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import select
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -398,11 +400,15 @@ def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
+    """Also: started at a soft open-files limit of 256 (many systems start a process at 1,024), it raises that to the
+    hard limit, since it holds a connection per group."""
     env = {**os.environ, "FTHSDP_TOKEN": "from-env"}
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
          "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
     )
     try:
         assert proc.stdout is not None
@@ -412,6 +418,9 @@ def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
         match = LISTENING.match(line)
         assert match, line
         url, store = match.group(1), match.group(3)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        soft_now = re.search(r"^Max open files\s+(\d+|unlimited)", limits, re.MULTILINE)
+        assert soft_now and soft_now.group(1) == (str(hard) if hard != resource.RLIM_INFINITY else "unlimited"), limits
         assert Client(url).call("GET", "/status")[0] == 401
         code, answer = Client(url, token="from-env").call("POST", "/v1/quorum", qr("solo"))
         assert code == 200 and answer["store"] == store and answer["members"][0]["replica_id"] == "solo"

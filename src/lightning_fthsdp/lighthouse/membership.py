@@ -43,6 +43,7 @@ class Membership:
         self._timeouts = timeouts
         self._on_dead, self._on_quorum, self._on_lost = on_dead, on_quorum, on_lost
         self._quorum_id = -1
+        self._quorum_lock = threading.Lock()
         self.epoch = -1
         """The lighthouse's epoch in the newest answer (-1: none yet)."""
         self.dead: frozenset[str] = frozenset()
@@ -97,13 +98,15 @@ class Membership:
         answers). ``on_quorum`` runs for a quorum newer than any seen: news from the two sources may arrive in either
         order, and quorum ids only grow (a restarted lighthouse continues them)."""
         quorum_id = _int(news.get("quorum_id"), -1)
-        if "quorum_rank" in news and quorum_id > self._quorum_id:
+        with self._quorum_lock:  # the leader's two sources are two threads: the heartbeat's and the quorum request's
+            if "quorum_rank" not in news or quorum_id <= self._quorum_id:
+                return
             self._quorum_id = quorum_id
-            try:
-                self._on_quorum(quorum_id, _int(news["quorum_rank"], 0), _int(news.get("quorum_size"), 0),
-                                str(news.get("store", "")))
-            except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
-                _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+        try:
+            self._on_quorum(quorum_id, _int(news["quorum_rank"], 0), _int(news.get("quorum_size"), 0),
+                            str(news.get("store", "")))
+        except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
+            _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
 
     def unavailable(self, refused: bool, timed_out: bool) -> bool:
         """No answer: nothing listens (``refused``), no answer in time (``timed_out``) or the connection broke.
