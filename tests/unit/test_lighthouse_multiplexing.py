@@ -25,7 +25,7 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat, LighthouseConnection, LighthouseUnavailable, QuorumClient
-from lightning_fthsdp.lighthouse.http import Connection, HttpError, Request, Response
+from lightning_fthsdp.lighthouse.http import Connection, HttpError, Pending, Request, Response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import Client, hb, qr, replica
@@ -318,22 +318,25 @@ def test_an_answer_that_closes_the_connection_still_reaches_its_request() -> Non
         listener.close()
 
 
-def test_a_handler_that_fails_at_once_or_later_is_answered_and_the_connection_serves_on(
+def test_a_handler_answers_now_or_later_and_a_failing_one_leaves_the_connection_serving(
         caplog: pytest.LogCaptureFixture) -> None:
-    """``http.Connection`` with handlers of its own: an answer now (a Response) or later (a future). A handler that
-    raises, at once or through its future, gets 500 (an HttpError: its own status), logged, and the requests beside it
-    and after it are answered on the same connection."""
+    """``http.Connection`` with handlers of its own: an answer now (a Response) or later (``request.defer()``, then
+    ``answer`` or ``fail``). A handler that raises gets 500, logged (an HttpError: its own status), also after it
+    deferred (its later answer is then never written), and the requests beside it and after it are answered on the
+    same connection."""
     loop = asyncio.new_event_loop()
-    later: dict[str, asyncio.Future[Response]] = {}
+    later: dict[str, Pending] = {}
 
-    def handler(request: Request) -> Response | asyncio.Future[Response]:
-        if request.path == "/raise":
-            raise RuntimeError("boom at once")
-        if request.path == "/refuse":
-            raise HttpError(409, "refused at once")
+    def handler(request: Request) -> Response | Pending:
         if request.path == "/now":
             return Response(200, b'{"answer":"now"}')
-        later[request.path] = loop.create_future()
+        if request.path == "/refuse":
+            raise HttpError(409, "refused at once")
+        if request.path == "/raise":
+            raise RuntimeError("boom at once")
+        later[request.path] = request.defer()
+        if request.path == "/defer-then-raise":
+            raise RuntimeError("boom after deferring")
         return later[request.path]
 
     server = loop.run_until_complete(loop.create_server(lambda: Connection(handler, lambda conn: None),
@@ -343,21 +346,23 @@ def test_a_handler_that_fails_at_once_or_later_is_answered_and_the_connection_se
     pipe = Pipe(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
     try:
         with caplog.at_level(logging.ERROR, "fthsdp.lighthouse"):
-            for number, path in enumerate(("/later", "/fails-later", "/raise", "/refuse"), 1):
+            for number, path in enumerate(("/later", "/fails-later", "/raise", "/refuse", "/defer-then-raise"), 1):
                 pipe.send(path, {}, str(number))
-            answers = {request_id: (code, body) for code, body, request_id in (pipe.recv(), pipe.recv())}
-            assert answers["3"][0] == 500 and "internal error" in answers["3"][1]["error"]
+            answers = {request_id: (code, body) for code, body, request_id in (pipe.recv(), pipe.recv(), pipe.recv())}
+            assert answers["3"][0] == answers["5"][0] == 500 and "internal error" in answers["3"][1]["error"]
             assert answers["4"] == (409, {"error": "refused at once"})
-            wait_for(lambda: len(later) == 2, 5, "both later answers to be in flight")
-            loop.call_soon_threadsafe(later["/fails-later"].set_exception, RuntimeError("boom later"))
-            code, body, request_id = pipe.recv()
-            assert (request_id, code) == ("2", 500) and "internal error" in body["error"]
-            loop.call_soon_threadsafe(later["/later"].set_result, Response(200, b'{"answer":"later"}'))
+            wait_for(lambda: len(later) == 3, 5, "the deferred requests")
+            loop.call_soon_threadsafe(later["/defer-then-raise"].answer, Response(200, b'{"answer":"never"}'))
+            loop.call_soon_threadsafe(later["/fails-later"].fail, HttpError(503, "refused later"))
+            assert pipe.recv() == (503, {"error": "refused later"}, "2")
+            loop.call_soon_threadsafe(later["/later"].answer, Response(200, b'{"answer":"later"}'))
+            loop.call_soon_threadsafe(later["/later"].answer, Response(200, b'{"answer":"twice"}'))
             assert pipe.recv() == (200, {"answer": "later"}, "1")
             pipe.send("/now", {})
             assert pipe.recv() == (200, {"answer": "now"}, None)
+            assert not pipe.readable()
         failures = [r.exc_info[1] for r in caplog.records if r.exc_info]
-        assert sorted(map(str, failures)) == ["boom at once", "boom later"]
+        assert sorted(map(str, failures)) == ["boom after deferring", "boom at once"]
     finally:
         pipe.sock.close()
         loop.call_soon_threadsafe(loop.stop)

@@ -85,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
                         f"token: set ${ENV_TOKEN} or pass --token-file PATH (or --insecure to let anyone who reaches "
                         f"it join the job)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _raise_open_files_limit()
     lighthouse = Lighthouse(
         host=args.host,
         port=args.port,
@@ -100,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         await lighthouse.start()
+        _raise_open_files_limit()  # once started: a refusal to start stays one line
         # Only now: until here SIGTERM keeps its default action and ends the process wherever startup is.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -85,6 +85,15 @@ class Request:
     connection: Connection = field(repr=False)
     request_id: str | None = None
     """The client's ``X-Request-Id`` (see ``Connection``): its answer carries it and may overtake earlier ones."""
+    keep_alive: bool = True
+    pending: Pending | None = field(default=None, repr=False)
+    """Set by ``defer``."""
+
+    def defer(self) -> Pending:
+        """The answer comes later: the handler returns this, and gives the answer through it when it has one."""
+        self.pending = Pending(self)
+        self.connection.deferred(self.pending)
+        return self.pending
 
     def json_object(self) -> dict[str, object]:
         """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
@@ -98,10 +107,39 @@ class Request:
         return data
 
 
-Handler = Callable[[Request], Response | asyncio.Future[Response]]
-"""Answers a request at once (a ``Response``) or later (a future the handler resolves; it fails with ``HttpError``
-for an error answer). No task per request: at scale every group's request arrives at once, and a task and its
-coroutine frames cost more than the answer."""
+class Pending:
+    """A request answered later (``Request.defer``): ``answer`` or ``fail`` writes the answer at once, the first call
+    only. If the connection closes first, ``on_cancel(self)`` runs (when set) and the answer is never written.
+
+    No future and no task per request: at scale every group's request arrives at once, and a task, its coroutine
+    frames and a future's callbacks cost more than the answer."""
+
+    __slots__ = ("done", "on_cancel", "request")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.done = False
+        self.on_cancel: Callable[[Pending], None] | None = None
+
+    def answer(self, response: Response) -> None:
+        if not self.done:
+            self.done = True
+            self.request.connection.answered(self, response)
+
+    def fail(self, error: HttpError) -> None:
+        self.answer(_error(error.status, error.message, error.headers))
+
+    def cancel(self) -> None:
+        """The connection closed: no answer."""
+        if not self.done:
+            self.done = True
+            if self.on_cancel is not None:
+                self.on_cancel(self)
+
+
+Handler = Callable[[Request], Response | Pending]
+"""Answers a request at once (a ``Response``), or later (``request.defer()``). Raises ``HttpError`` for an error
+answer at once."""
 
 
 class Connection(asyncio.Protocol):
@@ -113,9 +151,9 @@ class Connection(asyncio.Protocol):
     is written as soon as it is ready, ahead of earlier ones still held: one connection then carries a long-poll and
     the requests that come while it is held, as HTTP/2's streams would.
 
-    When the peer closes (EOF or reset) the future of every request in flight is cancelled (the handler that made it
-    cleans up in a done callback) and ``on_close(self)`` is called exactly once; also when the connection is closed
-    for a timeout (see the module docstring).
+    When the peer closes (EOF or reset) every request in flight is cancelled (``Pending.on_cancel``) and
+    ``on_close(self)`` is called exactly once; also when the connection is closed for a timeout (see the module
+    docstring).
     """
 
     def __init__(self, handler: Handler, on_close: Callable[[Connection], None],
@@ -126,7 +164,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
-        self._in_flight: set[asyncio.Future[Response]] = set()  # the answers still to come
+        self._in_flight: set[Pending] = set()  # the answers still to come
         self._ordered = False  # the one in flight is a plain request: nothing starts beside it
         self._parsed: tuple[int, tuple[str, str, bool, dict[str, str], int]] | None = None  # see _head
         # The bound of the connection's state (see _arm): "idle" while nothing is in flight or arriving, "request" from
@@ -160,8 +198,9 @@ class Connection(asyncio.Protocol):
             return
         self.closed = True
         self._disarm()
-        for answer in self._in_flight:
-            answer.cancel()
+        in_flight, self._in_flight = self._in_flight, set()
+        for pending in in_flight:
+            pending.cancel()
         self._on_close(self)
 
     def close(self) -> None:
@@ -212,14 +251,26 @@ class Connection(asyncio.Protocol):
             path, query = parts.path, dict(parse_qsl(parts.query))
         else:  # every request of the protocol: no query to split
             path, query = target, {}
-        request = Request(method, path, query, headers, body, self, request_id)
+        request = Request(method, path, query, headers, body, self, request_id, keep_alive)
         answer = self._handle(request)
-        if isinstance(answer, Response):
-            return self._answer(request, keep_alive, answer)
-        self._ordered = request_id is None
-        self._in_flight.add(answer)
-        answer.add_done_callback(functools.partial(self._answered, request, keep_alive))
-        return True
+        return self._answer(request, answer) if isinstance(answer, Response) else True
+
+    def deferred(self, pending: Pending) -> None:
+        """``pending.request`` (at the start of the buffer) is answered later (see ``Request.defer``)."""
+        self._in_flight.add(pending)
+        self._ordered = pending.request.request_id is None
+
+    def answered(self, pending: Pending, response: Response) -> None:
+        """Write the answer of ``pending`` (see ``Pending.answer``). The requests waiting behind it start on the next
+        event-loop turn: a handler may be answering many at once."""
+        self._in_flight.discard(pending)
+        self._ordered = False
+        if self.closed:
+            return
+        if self._answer(pending.request, response) and self._buffer:
+            asyncio.get_running_loop().call_soon(self._pump)
+        else:
+            self._arm()
 
     def _head(self, head_end: int) -> tuple[str, str, bool, dict[str, str], int]:
         """The parsed head of the request at the start of the buffer, which ends at ``head_end``: parsed once, though
@@ -228,38 +279,27 @@ class Connection(asyncio.Protocol):
             self._parsed = (head_end, _parse_head(bytes(self._buffer[:head_end])))
         return self._parsed[1]
 
-    def _handle(self, request: Request) -> Response | asyncio.Future[Response]:
+    def _handle(self, request: Request) -> Response | Pending:
         try:
             return self._handler(request)
         except HttpError as e:
-            return _error(e.status, e.message, e.headers)
+            response = _error(e.status, e.message, e.headers)
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
-            return _error(500, "internal error in the lighthouse; see its log")
-
-    def _answered(self, request: Request, keep_alive: bool, answer: asyncio.Future[Response]) -> None:
-        """The answer of a request in flight came (or it was cancelled: the connection is closed)."""
-        self._in_flight.discard(answer)
-        self._ordered = False
-        if self.closed or answer.cancelled():
-            return
-        error = answer.exception()
-        if error is None:
-            response = answer.result()
-        elif isinstance(error, HttpError):
-            response = _error(error.status, error.message, error.headers)
-        else:
-            log.error("lighthouse: handler for %s %s failed", request.method, request.path, exc_info=error)
             response = _error(500, "internal error in the lighthouse; see its log")
-        if self._answer(request, keep_alive, response):
-            self._pump()
+        if request.pending is not None:  # deferred, then failed: the error is its answer, now
+            request.pending.done = True
+            self._in_flight.discard(request.pending)
+            self._ordered = False
+        return response
 
-    def _answer(self, request: Request, keep_alive: bool, response: Response) -> bool:
+    def _answer(self, request: Request, response: Response) -> bool:
         """Write ``response``; whether the connection stays open for more."""
-        self._write(response, keep_alive, "gzip" in request.headers.get("accept-encoding", ""), request.request_id)
-        if not keep_alive:
+        self._write(response, request.keep_alive, "gzip" in request.headers.get("accept-encoding", ""),
+                    request.request_id)
+        if not request.keep_alive:
             self.close()
-        return keep_alive
+        return request.keep_alive
 
     def _arm(self) -> None:
         """The bound that fits the connection's state: none while a handler runs, else "request" while one arrives
@@ -315,11 +355,9 @@ class Connection(asyncio.Protocol):
             f"{_status_line(response.status)}Content-Type: {response.content_type}\r\nContent-Length: {len(body)}\r\n"
             f"{extra}\r\n"
         ).encode()
-        if len(body) < 16384:
-            self._transport.write(head + body)
-        else:  # a large quorum answer is shared by every member: write it without copying it per member
-            self._transport.write(head)
-            self._transport.write(body)
+        # One write, one system call: copying even a full member list (a fresh quorum's answer to each member) costs
+        # less than a second call.
+        self._transport.write(head + body)
 
     def _fail(self, status: int, message: str) -> None:
         self._write(_error(status, message), False)

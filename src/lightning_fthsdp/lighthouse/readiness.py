@@ -84,6 +84,8 @@ class Readiness:
         request = self._pending.pop(replica_id, None)
         if request is None:
             return
+        if not self._pending:  # every entry is a dropped one now: a decision answering all drops them at once
+            self._arrivals.clear()
         if replica_id in self._alive:
             self._asked -= 1
             self._ref_asked -= replica_id in self._ref

@@ -47,6 +47,7 @@ from lightning_fthsdp.lighthouse.http import (
     Connection,
     Handler,
     HttpError,
+    Pending,
     Request,
     Response,
     json_response,
@@ -135,7 +136,8 @@ class Lighthouse:
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
-        self._waiters: dict[str, asyncio.Future[Response]] = {}
+        self._waiters: dict[str, Pending] = {}  # each group's held quorum request
+        self._deadline_of: dict[Pending, tuple[str, Deadline]] = {}  # each held quorum request's group, deadline
         self._previous: Quorum | None = None
         self._answers = QuorumAnswers()  # the encoded answers of _previous
         # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
@@ -147,7 +149,7 @@ class Lighthouse:
         # The held heartbeats (the group each answers, its deadline), each answered at the next epoch change or its
         # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
         # scanned on every timeout: O(groups^2) per interval at scale).
-        self._held: dict[asyncio.Future[Response], tuple[str, Deadline]] = {}
+        self._held: dict[Pending, tuple[str, Deadline]] = {}
         self._deadlines = Deadlines()
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
@@ -249,7 +251,7 @@ class Lighthouse:
         if key is not None and not self._stopping:
             self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
-    def _route(self, request: Request) -> Response | asyncio.Future[Response]:
+    def _route(self, request: Request) -> Response | Pending:
         authorize(request, self._token)
         if request.path not in self._routes:
             raise HttpError(404, f"unknown path {request.path!r}: use one of {', '.join(sorted(self._routes))}")
@@ -260,7 +262,7 @@ class Lighthouse:
 
     # ---- endpoints ----
 
-    def _heartbeat(self, request: Request) -> Response | asyncio.Future[Response]:
+    def _heartbeat(self, request: Request) -> Response | Pending:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
         check_shard_count(replica_id, beat.shard_count, self._previous, self._readiness.pending)
@@ -278,7 +280,7 @@ class Lighthouse:
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
         if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            return self._hold(replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+            return self._hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         return self._heartbeat_answer(replica_id)
 
     def _heartbeat_answer(self, replica_id: str) -> Response:
@@ -299,26 +301,31 @@ class Lighthouse:
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
-    def _hold(self, replica_id: str, timeout_s: float) -> asyncio.Future[Response]:
+    def _hold(self, request: Request, replica_id: str, timeout_s: float) -> Pending:
         """The heartbeat answer of ``replica_id`` once the epoch changes or ``timeout_s`` passed."""
-        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        waiter = request.defer()
         self._held[waiter] = replica_id, self._deadlines.add(timeout_s, functools.partial(self._release, waiter))
+        waiter.on_cancel = self._unhold
         return waiter
 
-    def _release(self, waiter: asyncio.Future[Response]) -> None:
+    def _release(self, waiter: Pending) -> None:
         """A held heartbeat's time is up (unless the epoch changed meanwhile: then ``_answer_held`` answers it)."""
-        held = self._held.pop(waiter, None)
-        if held is not None and not waiter.done():  # done: its connection closed and cancelled it
-            waiter.set_result(self._heartbeat_answer(held[0]))
+        replica_id, _ = self._held.pop(waiter)
+        waiter.answer(self._heartbeat_answer(replica_id))
 
-    def _answer_held(self, held: dict[asyncio.Future[Response], tuple[str, Deadline]]) -> None:
+    def _unhold(self, waiter: Pending) -> None:
+        """A held heartbeat's connection closed."""
+        held = self._held.pop(waiter, None)
+        if held is not None:  # else the epoch changed: _answer_held has it
+            self._deadlines.cancel(held[1])
+
+    def _answer_held(self, held: dict[Pending, tuple[str, Deadline]]) -> None:
         """Answer the heartbeats held when the epoch changed, after every change of this event-loop turn."""
         for waiter, (replica_id, deadline) in held.items():
             self._deadlines.cancel(deadline)
-            if not waiter.done():
-                waiter.set_result(self._heartbeat_answer(replica_id))
+            waiter.answer(self._heartbeat_answer(replica_id))
 
-    def _quorum(self, request: Request) -> Response | asyncio.Future[Response]:
+    def _quorum(self, request: Request) -> Response | Pending:
         asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
@@ -338,25 +345,35 @@ class Lighthouse:
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
             return self._answers.to(asked.members_digest)
-        waiter: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        waiter = request.defer()
+        deadline = self._deadlines.add(timeout_ms / 1000, functools.partial(self._time_out, timeout_ms, waiter))
+        self._deadline_of[waiter] = replica_id, deadline
+        waiter.on_cancel = self._forget
         self._add_pending(asked, waiter)
-        deadline = self._deadlines.add(timeout_ms / 1000, functools.partial(self._time_out, replica_id, timeout_ms,
-                                                                            waiter))
-        waiter.add_done_callback(functools.partial(self._quorum_done, replica_id, deadline))
         return waiter
 
-    def _quorum_done(self, replica_id: str, deadline: Deadline, waiter: asyncio.Future[Response]) -> None:
-        self._deadlines.cancel(deadline)
-        if self._waiters.get(replica_id) is waiter:  # timed out or the client went away: forget the request
+    def _end_wait(self, waiter: Pending) -> str | None:
+        """``waiter`` is answered or gone: its deadline is off. Returns its group, None if ended already."""
+        waiting = self._deadline_of.pop(waiter, None)
+        if waiting is None:
+            return None
+        self._deadlines.cancel(waiting[1])
+        return waiting[0]
+
+    def _forget(self, waiter: Pending) -> None:
+        """A held quorum request's time is up or its client went away: forget the request."""
+        replica_id = self._end_wait(waiter)
+        if replica_id is not None and self._waiters.get(replica_id) is waiter:
             self._drop_pending(replica_id)
             self._schedule_decide(force=True)
 
-    def _time_out(self, replica_id: str, timeout_ms: int, waiter: asyncio.Future[Response]) -> None:
-        if not waiter.done():
-            waiter.set_exception(HttpError(
-                504, f"no quorum containing {replica_id!r} within timeout_ms={timeout_ms}: {self._readiness.asked} "
-                     f"of {len(self._readiness.alive)} alive replicas asked, min_replicas={self.rules.min_replicas}; "
-                     f"raise timeout_ms or start more replica groups"))
+    def _time_out(self, timeout_ms: int, waiter: Pending) -> None:
+        replica_id = self._deadline_of[waiter][0]
+        self._forget(waiter)
+        waiter.fail(HttpError(
+            504, f"no quorum containing {replica_id!r} within timeout_ms={timeout_ms}: {self._readiness.asked} "
+                 f"of {len(self._readiness.alive)} alive replicas asked, min_replicas={self.rules.min_replicas}; "
+                 f"raise timeout_ms or start more replica groups"))
 
     def _leave(self, request: Request) -> Response:
         replica_id, rank, incarnation = parse_leave(request)
@@ -565,21 +582,25 @@ class Lighthouse:
         """End the group's held quorum request, if any, with ``error``."""
         waiter = self._waiters.get(replica_id)
         self._drop_pending(replica_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(error)
+        if waiter is not None:
+            self._end_wait(waiter)
+            waiter.fail(error)
 
-    def _add_pending(self, request: QuorumRequest, waiter: asyncio.Future[Response]) -> None:
+    def _add_pending(self, request: QuorumRequest, waiter: Pending) -> None:
         replica_id = request.replica_id
         old = self._waiters.get(replica_id)
         self._readiness.add(request)
         self._waiters[replica_id] = waiter
         self._sync_alive(replica_id)
-        if old is not None and not old.done():
-            old.set_exception(HttpError(409, f"superseded by a newer quorum request from {replica_id!r}"))
+        if old is not None:
+            self._end_wait(old)
+            old.fail(HttpError(409, f"superseded by a newer quorum request from {replica_id!r}"))
         if self._join_timer is None:
             self._arm_join_timer()
-        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once.
-        self._schedule_decide(force=self._previous is None)
+        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once. Only a request
+        # that holds a quorum can make an adoption possible; the others wait for the rules (forcing a decision, O(n),
+        # on every arrival of a fresh job's burst would cost O(n^2)).
+        self._schedule_decide(force=self._previous is None and request.quorum_id >= 0)
 
     def _drop_pending(self, replica_id: str) -> None:
         self._readiness.drop(replica_id)
@@ -655,8 +676,9 @@ class Lighthouse:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 waiter, request = self._waiters.get(replica_id), self._readiness.pending.get(replica_id)
                 self._drop_pending(replica_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(self._answers.to(request.members_digest if request is not None else ""))
+                if waiter is not None:
+                    self._end_wait(waiter)
+                    waiter.answer(self._answers.to(request.members_digest if request is not None else ""))
             if changed or self._answered != answered_before:
                 # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
                 # relay; the members have it from their answers already, so no held heartbeat is woken for it.
