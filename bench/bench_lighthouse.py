@@ -5,7 +5,8 @@ generator processes, each an asyncio loop standing in for a share of the groups.
 its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
 connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
 round, the group's quorum request beside its held heartbeat, each with a request id, the quorum answer coming as soon as
-the quorum is decided (a new quorum wakes no held heartbeat: the leader relays its answer to its ranks). One connection
+the quorum is decided (a new quorum wakes no held heartbeat: the leader relays its answer to its ranks); the request
+names every rank's state address as a real leader's does (``state_addresses``). One connection
 per group keeps the lighthouse within the 20,000 descriptors a process may hold on this machine at 12,500 groups. After
 a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes
 the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh
@@ -37,6 +38,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import re
 import resource
 import secrets
@@ -112,6 +114,14 @@ def cpu_seconds_of(pid: int) -> float:
 
 # ---- one generator process ----
 
+def state_addresses(group: int, group_size: int) -> str:
+    """What a real leader sends as its group's ``address``: every rank's state server, a host per group and a port the
+    OS picked (one of the ephemeral range, pseudo-random per rank so the bytes are like a real job's)."""
+    rng = random.Random(group)
+    host = f"10.{group >> 16 & 255}.{group >> 8 & 255}.{group & 255}"
+    return ",".join(f"{host}:{rng.randrange(32768, 61000)}" for _ in range(group_size))
+
+
 _CONTENT_LENGTH = re.compile(rb"Content-Length: (\d+)")
 _REQUEST_ID = re.compile(rb"X-Request-Id: (\d+)")
 _EPOCH = re.compile(rb'"epoch": ?(\d+)')
@@ -168,6 +178,7 @@ class Generator:
         self.host, self.port, self.total, self.group_size = host, port, total, group_size
         self.first = first
         self.ids = [f"g{i:06d}" for i in range(first, first + count)]
+        self.addresses = [state_addresses(i, group_size) for i in range(first, first + count)]
         self.interval_ms = interval_ms
         self.window = (float("inf"), float("inf"))
         self.rtts: list[float] = []
@@ -269,7 +280,8 @@ class Generator:
         held, staying = self.held, self.staying
         self.asking = len(staying)
         for leader in staying:
-            self.ask(leader, quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size, "",
+            self.ask(leader, quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size,
+                                                 self.addresses[leader.index],
                                                  False, held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS))
         self.last_sent = time.monotonic()
         await asyncio.wait_for(self.answered_all.wait(), 300)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
-from lightning_fthsdp.manager.sources import candidates, serves, sources
+from lightning_fthsdp.manager.sources import sources
 from lightning_fthsdp.recovery.catchup import CatchUp, Source
 from lightning_fthsdp.recovery.server import StateServer
 from lightning_fthsdp.recovery.snapshot import snapshot
@@ -30,8 +30,8 @@ QUORUM = Quorum(7, (Member("a", 10, "a0,a1"), Member("b", 9, "b0,b1"), Member("c
 
 
 def test_candidates_are_the_source_then_the_next_up_to_date_members_wrapping() -> None:
-    assert candidates(QUORUM, "a") == ["a", "c", "d"]
-    assert candidates(QUORUM, "h") == ["h", "a", "c"]  # wraps; b is behind, g follows: neither is up to date
+    assert QUORUM.candidates("a") == ["a", "c", "d"]
+    assert QUORUM.candidates("h") == ["h", "a", "c"]  # wraps; b is behind, g follows: neither is up to date
 
 
 def test_sources_give_each_shard_rank_its_own_address_and_a_missing_one_as_empty() -> None:
@@ -39,9 +39,22 @@ def test_sources_give_each_shard_rank_its_own_address_and_a_missing_one_as_empty
 
 
 def test_the_candidates_of_every_catching_up_group_serve_and_nobody_else() -> None:
-    assert {m.replica_id for m in QUORUM.members if serves(QUORUM, m.replica_id)} == {"a", "c", "d", "h"}
-    plain = Quorum(8, (Member("a", 10), Member("c", 10)), 10, 1)
-    assert not serves(plain, "a") and not serves(plain, "c")
+    assert QUORUM.serving == {"a", "c", "d", "h"}
+    assert Quorum(8, (Member("a", 10), Member("c", 10)), 10, 1).serving == frozenset()
+
+
+def test_an_answer_carries_the_addresses_of_the_serving_members_only() -> None:
+    """What a catching-up group fetches from reaches it; nobody gets every member's addresses (megabytes in each
+    answer of a fresh quorum at 100,000 GPUs). A delta answer names them afresh, whatever the quorum held had."""
+    answer = QUORUM.to_json()
+    assert answer["addresses"] == {"a": "a0,a1", "c": "c0,c1", "d": "d0", "h": "h0,h1"}
+    assert all(set(member) == {"replica_id", "step"} for member in answer["members"])  # type: ignore[attr-defined]
+    got = Quorum.from_json(answer)
+    assert sources(got, "a", 1) == sources(QUORUM, "a", 1) and sources(got, "h", 0) == sources(QUORUM, "h", 0)
+    assert got.member("b").address == "" and got.members_digest == QUORUM.members_digest
+    held = Quorum(6, tuple(Member(m.replica_id, 9, "old") for m in QUORUM.members), 9, 2)
+    again = Quorum.from_json(QUORUM.to_delta_json(held), held)
+    assert again == got
 
 
 # --- fetching from the next source ---------------------------------------------------------------------------------

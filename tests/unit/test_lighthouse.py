@@ -141,7 +141,7 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     obs = Client(url)
     a, b = form(url, "a", "b")
     assert a["quorum_id"] == 0 and [m["replica_id"] for m in a["members"]] == ["a", "b"]
-    assert a["store"] == obs.status()["store"] and a["shard_count"] == 2 and a["members"][0]["address"] == "a:1"
+    assert a["store"] == obs.status()["store"] and a["shard_count"] == 2 and a["addresses"] == {}  # none catches up
     hc = Client(url)  # kept open: closing it would declare c dead
     assert hc.call("POST", "/v1/heartbeat", hb("c"))[0] == 200
     qc = Client(url)
@@ -151,6 +151,7 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     code, c = qc.recv()
     assert code == 200 and c == a == b
     assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["catch_up_from"] == {"c": "a"}
+    assert c["addresses"] == {"a": "a:1", "b": "b:1"}  # c's source and its alternative, to every member alike
     status = obs.status()
     assert status["members"] == ["a", "b", "c"] and status["catch_up_from"] == [{"replica_id": "c", "source": "a"}]
     # Heartbeats tell every rank of a member its place in the newest quorum (to start its rendezvous early), and

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 REPLICA_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ALTERNATES = 2
+"""Up-to-date members, besides the assigned source, that a catching-up group may fetch from in one step."""
 
 
 def check_replica_id(replica_id: object) -> str:
@@ -117,40 +119,63 @@ class Quorum:
         return self.members[self.rank_of(replica_id)]
 
     @cached_property
+    def up_to_date(self) -> tuple[str, ...]:
+        """Members holding the state of ``max_step``: at it, neither catching up nor following, in member order."""
+        return tuple(m.replica_id for m in self.members
+                     if m.step == self.max_step and m.replica_id not in self.catch_up_from
+                     and m.replica_id not in self.following)
+
+    def candidates(self, source: str) -> list[str]:
+        """Where a group catching up from ``source`` may fetch, in the order to try: ``source``, then the
+        ``ALTERNATES`` up-to-date members following it in member order (wrapping). A fetch from the source can fail
+        (it died, refused, sent a corrupt or foreign state); every member derives the same alternatives from the
+        same quorum, without a word exchanged, and each snapshots and serves the step's state."""
+        ready = self.up_to_date
+        start = ready.index(source) + 1 if source in ready else 0
+        alternates = [rid for rid in ready[start:] + ready[:start] if rid != source]
+        return [source, *alternates[:ALTERNATES]]
+
+    @cached_property
+    def serving(self) -> frozenset[str]:
+        """Members that serve the state of ``max_step`` this step: a candidate of some catching-up group."""
+        return frozenset(rid for source in set(self.catch_up_from.values()) for rid in self.candidates(source))
+
+    @cached_property
     def members_digest(self) -> str:
-        """Names the member list, ids and addresses (not steps): the base of a delta answer. The quorum id does not
-        name one on its own: an adopted quorum learns its members' addresses later under the same id, and a restarted
-        lighthouse may form an id its predecessor's groups still hold with other members."""
-        pairs = json.dumps([[m.replica_id, m.address] for m in self.members], separators=(",", ":"))
-        return hashlib.blake2b(pairs.encode(), digest_size=16).hexdigest()
+        """Names the member list (ids; not steps, not addresses): the base of a delta answer. The quorum id does not
+        name one on its own: a restarted lighthouse may form an id its predecessor's groups still hold with other
+        members."""
+        ids = json.dumps(self.member_ids, separators=(",", ":"))
+        return hashlib.blake2b(ids.encode(), digest_size=16).hexdigest()
 
     def to_json(self) -> dict[str, object]:
-        """The full answer: every member with its step and address."""
+        """The full answer: every member with its step."""
         return {**self._fields_json(), "members": [_member_json(m) for m in self.members]}
 
     def to_delta_json(self, base: Quorum) -> dict[str, object]:
         """The answer as a change of ``base``, the quorum its requester holds: the members of ``base`` that this one
-        lacks (``removed``; a member whose address changed, a new incarnation, counts as removed and added), the
-        members it adds with their steps and addresses (``added``), and each kept member's step where it is not
-        ``max_step`` (``steps``). ``from_json`` given ``base`` rebuilds this quorum exactly. Its size grows with what
-        changed, where the full answer's grows with the members."""
-        held = {m.replica_id: m.address for m in base.members}
-        kept = {m.replica_id for m in self.members if held.get(m.replica_id) == m.address}
+        lacks (``removed``), the members it adds with their steps (``added``), and each kept member's step where it
+        is not ``max_step`` (``steps``). ``from_json`` given ``base`` rebuilds this quorum exactly. Its size grows
+        with what changed, where the full answer's grows with the members."""
+        held = set(base.member_ids)
         return {**self._fields_json(), "delta": {
             "base": base.members_digest,
-            "removed": [rid for rid in held if rid not in kept],
-            "added": [_member_json(m) for m in self.members if m.replica_id not in kept],
-            "steps": {m.replica_id: m.step for m in self.members if m.replica_id in kept and m.step != self.max_step},
+            "removed": [rid for rid in base.member_ids if rid not in self],
+            "added": [_member_json(m) for m in self.members if m.replica_id not in held],
+            "steps": {m.replica_id: m.step for m in self.members if m.replica_id in held and m.step != self.max_step},
         }}
 
     def _fields_json(self) -> dict[str, object]:
-        """Every field of the answer but the members."""
+        """Every field of the answer but the members. Of the members' addresses only the serving members' go: only a
+        catching-up group fetches, and only from them; every address of a 100,000-GPU job is megabytes in each answer
+        of a fresh quorum, to every group."""
         return {
             "quorum_id": self.quorum_id,
             "max_step": self.max_step,
             "shard_count": self.shard_count,
             "catch_up_from": dict(self.catch_up_from),
             "following": sorted(self.following),
+            "addresses": {rid: self.member(rid).address for rid in sorted(self.serving)},
         } | ({"resume_step": self.resume_step, "resume_path": self.resume_path} if self.resume_step >= 0 else {})
 
     @classmethod
@@ -161,9 +186,11 @@ class Quorum:
         guessed."""
         max_step = int(data["max_step"])  # type: ignore[call-overload]
         delta = data.get("delta")
+        addresses = {str(k): str(v) for k, v in dict(data.get("addresses", {})).items()}  # type: ignore[call-overload]
+        members = _members(data["members"]) if delta is None else _apply_delta(delta, held, max_step)  # type: ignore[arg-type]
         return cls(
             quorum_id=int(data["quorum_id"]),  # type: ignore[call-overload]
-            members=_members(data["members"]) if delta is None else _apply_delta(delta, held, max_step),  # type: ignore[arg-type]
+            members=tuple(Member(m.replica_id, m.step, addresses.get(m.replica_id, "")) for m in members),
             max_step=max_step,
             shard_count=int(data["shard_count"]),  # type: ignore[call-overload]
             catch_up_from={str(k): str(v) for k, v in dict(data.get("catch_up_from", {})).items()},  # type: ignore[call-overload]
@@ -174,12 +201,12 @@ class Quorum:
 
 
 def _member_json(member: Member) -> dict[str, object]:
-    return {"replica_id": member.replica_id, "step": member.step, "address": member.address}
+    return {"replica_id": member.replica_id, "step": member.step}
 
 
 def _members(data: list[Mapping[str, object]]) -> tuple[Member, ...]:
-    return tuple(Member(str(m["replica_id"]), int(m["step"]), str(m.get("address", "")))  # type: ignore[call-overload]
-                 for m in data)
+    """Members without addresses: ``Quorum.from_json`` adds those the answer names."""
+    return tuple(Member(str(m["replica_id"]), int(m["step"])) for m in data)  # type: ignore[call-overload]
 
 
 def _apply_delta(delta: Mapping[str, object], held: Quorum | None, max_step: int) -> tuple[Member, ...]:
@@ -206,7 +233,7 @@ def _apply_delta(delta: Mapping[str, object], held: Quorum | None, max_step: int
     if wrong:
         raise ValueError(f"the lighthouse's delta answer does not fit quorum {held.quorum_id} that this group holds: "
                          f"it {wrong} (a protocol error: report it)")
-    members = [Member(m.replica_id, steps.get(m.replica_id, max_step), m.address) for m in kept] + list(added)
+    members = [Member(m.replica_id, steps.get(m.replica_id, max_step)) for m in kept] + list(added)
     return tuple(sorted(members, key=lambda m: m.replica_id))
 
 

@@ -43,7 +43,6 @@ from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
-from lightning_fthsdp.manager.sources import serves
 from lightning_fthsdp.manager.step import Progress, StepState, split_batches
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
@@ -471,7 +470,7 @@ class FTManager:
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, store_address
         self._deaths_at_quorum = self._heartbeat.deaths
-        if serves(quorum, self.replica_id):
+        if self.replica_id in quorum.serving:
             self._catchup.serve(self.step)
         elif not quorum.following:
             # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.

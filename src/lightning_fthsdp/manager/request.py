@@ -14,7 +14,6 @@ from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.client import LighthouseRejected, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
-from lightning_fthsdp.manager.sources import serves
 
 
 class QuorumUnavailable(RuntimeError):
@@ -142,5 +141,5 @@ class QuorumRequester:
         """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""
         if not future.cancelled() and future.exception() is None:
             quorum, _ = future.result()
-            if serves(quorum, self._replica_id) and self._step() == step:
+            if self._replica_id in quorum.serving and self._step() == step:
                 self._serve(step)
