@@ -47,3 +47,22 @@ def test_a_cancelled_callback_never_runs_and_close_stops_them_all() -> None:
 def test_a_resolution_that_is_no_positive_number_is_refused() -> None:
     with pytest.raises(ValueError, match="resolution_s must be > 0, got 0"):
         Deadlines(resolution_s=0)
+
+
+def test_a_failing_callback_is_reported_and_the_others_due_with_it_still_run() -> None:
+    async def run() -> tuple[list[str], list[str]]:
+        loop = asyncio.get_running_loop()
+        reported: list[str] = []
+        loop.set_exception_handler(lambda loop, context: reported.append(str(context["exception"])))
+        deadlines, ran = Deadlines(resolution_s=0.05), []
+
+        def fail() -> None:
+            raise RuntimeError("boom")
+
+        deadlines.add(0.01, lambda: ran.append("before"))
+        deadlines.add(0.01, fail)
+        deadlines.add(0.01, lambda: ran.append("after"))
+        await asyncio.sleep(0.2)
+        return ran, reported
+
+    assert asyncio.run(run()) == (["before", "after"], ["boom"])

@@ -27,6 +27,7 @@ from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat, LighthouseConnection, LighthouseUnavailable, QuorumClient
 from lightning_fthsdp.lighthouse.http import Connection, HttpError, Pending, Request, Response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from lightning_fthsdp.lighthouse.server import Lighthouse
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import Client, hb, qr, replica
 
@@ -369,3 +370,42 @@ def test_a_handler_answers_now_or_later_and_a_failing_one_leaves_the_connection_
         thread.join(10)
         server.close()
         loop.close()
+
+
+class Transport(asyncio.Transport):
+    """Collects what a connection writes: the lighthouse in-process, without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_with_the_new_epoch() -> None:
+    """Its deadline's callback runs after the change but before the change's answers to every held heartbeat: it
+    must leave the heartbeat to those (which carry the new epoch), and the heartbeats due with it still get theirs."""
+    async def run() -> list[bytes]:
+        lighthouse = Lighthouse(startup_grace_ms=0)
+        transports = []
+        for rid in ("a", "b"):
+            transports.append(Transport())
+            connection = lighthouse._connect()
+            connection.connection_made(transports[-1])
+            body = json.dumps(hb(rid, 0, wait_ms=60_000)).encode()
+            connection.data_received(b"POST /v1/heartbeat HTTP/1.1\r\nX-Request-Id: 1\r\nContent-Length: %d\r\n\r\n%s"
+                                     % (len(body), body))
+        first = next(iter(lighthouse._held))
+        lighthouse._bump_epoch()  # a death, say: every held heartbeat is answered on the next turn
+        lighthouse._release(first)  # its deadline, due earlier in this same turn
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await lighthouse.stop()
+        return [bytes(t.written) for t in transports]
+
+    for written in asyncio.run(run()):
+        assert written.count(b"HTTP/1.1 200") == 1 and b'"epoch": 1,' in written, written

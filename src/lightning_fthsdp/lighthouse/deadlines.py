@@ -57,4 +57,8 @@ class Deadlines:
     def _fire(self, slot: int) -> None:
         del self._timers[slot]
         for callback in self._due.pop(slot).values():
-            callback()
+            try:
+                callback()
+            except Exception as e:  # as the event loop does for its own callbacks: the others of this point still run
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": f"deadline callback {callback!r} failed", "exception": e})

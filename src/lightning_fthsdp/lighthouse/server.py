@@ -309,9 +309,10 @@ class Lighthouse:
         return waiter
 
     def _release(self, waiter: Pending) -> None:
-        """A held heartbeat's time is up (unless the epoch changed meanwhile: then ``_answer_held`` answers it)."""
-        replica_id, _ = self._held.pop(waiter)
-        waiter.answer(self._heartbeat_answer(replica_id))
+        """A held heartbeat's time is up."""
+        held = self._held.pop(waiter, None)
+        if held is not None:  # else the epoch changed earlier in this event-loop turn: _answer_held has it
+            waiter.answer(self._heartbeat_answer(held[0]))
 
     def _unhold(self, waiter: Pending) -> None:
         """A held heartbeat's connection closed."""
