@@ -56,9 +56,12 @@ class Deadlines:
 
     def _fire(self, slot: int) -> None:
         del self._timers[slot]
-        for callback in self._due.pop(slot).values():
+        callbacks = self._due[slot]
+        while callbacks:  # taken one at a time: a callback may cancel another of this grid point
+            _, callback = callbacks.popitem()
             try:
                 callback()
             except Exception as e:  # as the event loop does for its own callbacks: the others of this point still run
                 asyncio.get_running_loop().call_exception_handler(
                     {"message": f"deadline callback {callback!r} failed", "exception": e})
+        self._due.pop(slot, None)  # (a callback may have closed them all)

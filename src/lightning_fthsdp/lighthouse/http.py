@@ -281,17 +281,17 @@ class Connection(asyncio.Protocol):
 
     def _handle(self, request: Request) -> Response | Pending:
         try:
-            return self._handler(request)
+            answer = self._handler(request)
         except HttpError as e:
-            response = _error(e.status, e.message, e.headers)
+            answer = _error(e.status, e.message, e.headers)
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
-            response = _error(500, "internal error in the lighthouse; see its log")
-        if request.pending is not None:  # deferred, then failed: the error is its answer, now
+            answer = _error(500, "internal error in the lighthouse; see its log")
+        if isinstance(answer, Response) and request.pending is not None:  # deferred, then failed: this answers it
             request.pending.done = True
             self._in_flight.discard(request.pending)
             self._ordered = False
-        return response
+        return answer
 
     def _answer(self, request: Request, response: Response) -> bool:
         """Write ``response``; whether the connection stays open for more."""

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -146,6 +147,10 @@ class Lighthouse:
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
         self._epoch = 0
+        self.instance = secrets.token_hex(8)
+        """Names this start of the lighthouse in every heartbeat answer: a rank whose answers come from another start
+        knows the lighthouse (and its store, and any rendezvous on it) was replaced. Epochs alone cannot tell: both
+        starts count from 0."""
         # The held heartbeats (the group each answers, its deadline), each answered at the next epoch change or its
         # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
         # scanned on every timeout: O(groups^2) per interval at scale).
@@ -279,13 +284,14 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
-        if self._epoch == beat.known_epoch and beat.wait_ms > 0:
+        if self._epoch == beat.known_epoch and beat.known_lighthouse in ("", self.instance) and beat.wait_ms > 0:
             return self._hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         return self._heartbeat_answer(replica_id)
 
     def _heartbeat_answer(self, replica_id: str) -> Response:
         if self._heartbeat_body is None:  # cached until the epoch or the quorum changes: a death wakes every long-poll
             self._heartbeat_body = json.dumps({
+                "lighthouse": self.instance,
                 "epoch": self._epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
                 "quorum_size": len(self._previous.members) if self._previous else 0,
@@ -361,16 +367,19 @@ class Lighthouse:
         self._deadlines.cancel(waiting[1])
         return waiting[0]
 
-    def _forget(self, waiter: Pending) -> None:
-        """A held quorum request's time is up or its client went away: forget the request."""
+    def _forget(self, waiter: Pending) -> str | None:
+        """A held quorum request's time is up or its client went away: forget the request. Returns its group (None:
+        it was answered or forgotten already)."""
         replica_id = self._end_wait(waiter)
         if replica_id is not None and self._waiters.get(replica_id) is waiter:
             self._drop_pending(replica_id)
             self._schedule_decide(force=True)
+        return replica_id
 
     def _time_out(self, timeout_ms: int, waiter: Pending) -> None:
-        replica_id = self._deadline_of[waiter][0]
-        self._forget(waiter)
+        replica_id = self._forget(waiter)
+        if replica_id is None:
+            return
         waiter.fail(HttpError(
             504, f"no quorum containing {replica_id!r} within timeout_ms={timeout_ms}: {self._readiness.asked} "
                  f"of {len(self._readiness.alive)} alive replicas asked, min_replicas={self.rules.min_replicas}; "
@@ -676,10 +685,11 @@ class Lighthouse:
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 waiter, request = self._waiters.get(replica_id), self._readiness.pending.get(replica_id)
+                response = self._answers.to(request.members_digest if request is not None else "")
                 self._drop_pending(replica_id)
                 if waiter is not None:
                     self._end_wait(waiter)
-                    waiter.answer(self._answers.to(request.members_digest if request is not None else ""))
+                    waiter.answer(response)
             if changed or self._answered != answered_before:
                 # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
                 # relay; the members have it from their answers already, so no held heartbeat is woken for it.

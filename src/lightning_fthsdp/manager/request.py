@@ -134,7 +134,10 @@ class QuorumRequester:
             if self._lighthouse_away:
                 self._qlog.info("lighthouse is back")
                 self._lighthouse_away = False
-            self._announce(*answer)
+            try:
+                self._announce(*answer)
+            except Exception:  # telling the group early is an optimisation: the answer goes on regardless
+                self._qlog.exception("telling the group's ranks of quorum %d failed", answer[0].quorum_id)
             return answer
 
     def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:
