@@ -48,12 +48,6 @@ class HeartbeatRequest:
     losses: int = 0
     """How many ranks the leader has lost so far: a heartbeat reporting fewer losses than the lighthouse knows was
     sent before the newest one and revives nothing."""
-    known_lighthouse: str = ""
-    """The ``lighthouse`` (the id of one start of it) of the answer the rank last had ("": none): an epoch of another
-    start names nothing here, so such a heartbeat is answered at once."""
-
-
-MAX_LIGHTHOUSE_ID = 64
 
 
 @dataclass(frozen=True)
@@ -118,13 +112,8 @@ def parse_heartbeat(request: Request) -> HeartbeatRequest:
     if not all(isinstance(r, int) and not isinstance(r, bool) and 0 < r < shard_count for r in lost):
         raise HttpError(400, f"field 'lost' must list ranks from 1 to shard_count - 1 = {shard_count - 1}, got "
                              f"{lost!r}")
-    known = require(body, "known_lighthouse", str, 'the "lighthouse" of the last answer ("": none)') \
-        if "known_lighthouse" in body else ""
-    if len(known) > MAX_LIGHTHOUSE_ID:
-        raise HttpError(400, f"field 'known_lighthouse' must be at most {MAX_LIGHTHOUSE_ID} characters (an answer's "
-                             f"\"lighthouse\"), got {len(known)}")
     return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms,
-                            tuple(lost), losses, known)
+                            tuple(lost), losses)
 
 
 LOSS_CAUSES = ("crash", "hang")

@@ -306,7 +306,6 @@ class Heartbeat(MembershipView):
                 "step": self._step(),
                 "shard_count": self._shard_count,
                 "known_epoch": self.membership.epoch,
-                "known_lighthouse": self.membership.lighthouse,
                 "wait_ms": self._timeouts.heartbeat_interval_ms,
             }
             if self._relay is not None:

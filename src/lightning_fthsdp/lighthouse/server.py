@@ -284,7 +284,7 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
-        if self._epoch == beat.known_epoch and beat.known_lighthouse in ("", self.instance) and beat.wait_ms > 0:
+        if self._epoch == beat.known_epoch and beat.wait_ms > 0:
             return self._hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         return self._heartbeat_answer(replica_id)
 
