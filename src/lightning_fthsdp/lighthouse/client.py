@@ -328,11 +328,12 @@ class Heartbeat(MembershipView):
 
     def quorum_answered(self, quorum: Quorum, store: str) -> None:
         """The leader's quorum answer (``QuorumClient.request``), news to the group at once: the lighthouse wakes no
-        held heartbeat for a new quorum, so this is how every rank starts the quorum's rendezvous as it is decided."""
+        held heartbeat for a new quorum, so this is how every rank starts the quorum's rendezvous as it is decided.
+        Relayed only when new to the leader: the same quorum answered again each step is no message to the ranks (and
+        one the leader had from a heartbeat answer reached them with that answer)."""
         news = {"quorum_id": quorum.quorum_id, "quorum_rank": quorum.rank_of(self._replica_id),
                 "quorum_size": len(quorum.members), "store": store}
-        self.membership.quorum(news)
-        if self._relay is not None:
+        if self.membership.quorum(news) and self._relay is not None:
             self._relay.publish({"quorum": news}, channel="quorum")
 
     def _report_lost(self, rank: int, cause: str, reason: str) -> None:

@@ -48,9 +48,11 @@ class Deadlines:
             callbacks.pop(deadline[1], None)
 
     def close(self) -> None:
-        """No callback runs any more."""
+        """No callback runs any more (also none left of a grid point firing now)."""
         for timer in self._timers.values():
             timer.cancel()
+        for callbacks in self._due.values():
+            callbacks.clear()
         self._timers.clear()
         self._due.clear()
 

@@ -119,7 +119,7 @@ class Pending:
     def __init__(self, request: Request) -> None:
         self.request = request
         self.done = False
-        self.on_cancel: Callable[[Pending], None] | None = None
+        self.on_cancel: Callable[[Pending], object] | None = None
 
     def answer(self, response: Response) -> None:
         if not self.done:

@@ -94,21 +94,22 @@ class Membership:
             self._on_dead(dead)
         self.quorum(answer)
 
-    def quorum(self, news: Mapping[str, object]) -> None:
+    def quorum(self, news: Mapping[str, object]) -> bool:
         """News of a quorum: ``quorum_id``, and where this group is a member ``quorum_rank``, ``quorum_size`` and
         ``store`` (a heartbeat answer's fields; the leader relays its own quorum answer's so, ahead of the heartbeat
         answers). ``on_quorum`` runs for a quorum newer than any seen: news from the two sources may arrive in either
-        order, and quorum ids only grow (a restarted lighthouse continues them)."""
+        order, and quorum ids only grow (a restarted lighthouse continues them). Returns whether it was news."""
         quorum_id = _int(news.get("quorum_id"), -1)
         with self._quorum_lock:  # the leader's two sources are two threads: the heartbeat's and the quorum request's
             if "quorum_rank" not in news or quorum_id <= self._quorum_id:
-                return
+                return False
             self._quorum_id = quorum_id
         try:
             self._on_quorum(quorum_id, _int(news["quorum_rank"], 0), _int(news.get("quorum_size"), 0),
                             str(news.get("store", "")))
         except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
             _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+        return True
 
     def unavailable(self, refused: bool, timed_out: bool) -> bool:
         """No answer: nothing listens (``refused``), no answer in time (``timed_out``) or the connection broke.

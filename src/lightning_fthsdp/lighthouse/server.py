@@ -316,15 +316,13 @@ class Lighthouse:
 
     def _release(self, waiter: Pending) -> None:
         """A held heartbeat's time is up."""
-        held = self._held.pop(waiter, None)
-        if held is not None:  # else the epoch changed earlier in this event-loop turn: _answer_held has it
-            waiter.answer(self._heartbeat_answer(held[0]))
+        replica_id = self._unhold(waiter)
+        if replica_id is not None:  # else the epoch changed earlier in this event-loop turn: _answer_held has it
+            waiter.answer(self._heartbeat_answer(replica_id))
 
-    def _unhold(self, waiter: Pending) -> None:
-        """A held heartbeat's connection closed."""
-        held = self._held.pop(waiter, None)
-        if held is not None:  # else the epoch changed: _answer_held has it
-            self._deadlines.cancel(held[1])
+    def _unhold(self, waiter: Pending) -> str | None:
+        """A held heartbeat is answered or its connection closed (see ``_settle``)."""
+        return self._settle(self._held, waiter)
 
     def _answer_held(self, held: dict[Pending, tuple[str, Deadline]]) -> None:
         """Answer the heartbeats held when the epoch changed, after every change of this event-loop turn."""
@@ -360,12 +358,17 @@ class Lighthouse:
         return waiter
 
     def _end_wait(self, waiter: Pending) -> str | None:
-        """``waiter`` is answered or gone: its deadline is off. Returns its group, None if ended already."""
-        waiting = self._deadline_of.pop(waiter, None)
-        if waiting is None:
+        """A held quorum request is answered or gone (see ``_settle``)."""
+        return self._settle(self._deadline_of, waiter)
+
+    def _settle(self, table: dict[Pending, tuple[str, Deadline]], waiter: Pending) -> str | None:
+        """Take ``waiter`` out of ``table`` (``_held`` or ``_deadline_of``) and call off its deadline. Returns its
+        group, None if it was out already."""
+        entry = table.pop(waiter, None)
+        if entry is None:
             return None
-        self._deadlines.cancel(waiting[1])
-        return waiting[0]
+        self._deadlines.cancel(entry[1])
+        return entry[0]
 
     def _forget(self, waiter: Pending) -> str | None:
         """A held quorum request's time is up or its client went away: forget the request. Returns its group (None:
@@ -685,9 +688,9 @@ class Lighthouse:
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 waiter, request = self._waiters.get(replica_id), self._readiness.pending.get(replica_id)
-                response = self._answers.to(request.members_digest if request is not None else "")
                 self._drop_pending(replica_id)
                 if waiter is not None:
+                    response = self._answers.to(request.members_digest if request is not None else "")
                     self._end_wait(waiter)
                     waiter.answer(response)
             if changed or self._answered != answered_before:
