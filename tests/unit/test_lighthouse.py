@@ -28,7 +28,6 @@ from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.member import MemberHeartbeat
-from lightning_fthsdp.lighthouse.membership import Membership
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 
@@ -519,25 +518,6 @@ def test_a_leader_relays_its_quorum_answer_to_its_ranks_at_once(lighthouse: Call
     finally:
         member.leave()
         leader.leave()
-
-
-def test_a_replaced_lighthouse_is_known_by_its_start_not_by_its_epoch() -> None:
-    """Two starts of a lighthouse both count epochs from 0, and a job without deaths never leaves epoch 0: each
-    heartbeat answer names the start that gave it. A rank whose answer comes from another start reports the old one
-    lost (its store, and any rendezvous on it, went with it), once."""
-    first, second = (LighthouseThread(rules=QuorumRules(min_replicas=1), heartbeat_timeout_ms=30_000,
-                                      startup_grace_ms=0) for _ in range(2))
-    with first as url, second as other_url:
-        on_old, on_new = Client(url), Client(other_url)  # kept open: a close would declare a dead (a new epoch)
-        old = on_old.call("POST", "/v1/heartbeat", hb("a"))[1]
-        new = on_new.call("POST", "/v1/heartbeat", hb("a"))[1]
-        assert old["epoch"] == new["epoch"] == 0 and old["lighthouse"] != new["lighthouse"]
-        losses: list[int] = []
-        membership = Membership("a", Timeouts(), on_dead=lambda dead: None, on_quorum=lambda *news: None,
-                                on_lost=lambda: losses.append(1))
-        for answer in (old, old, new, new):
-            membership.answered(answer, time.monotonic())
-        assert losses == [1] and membership.lighthouse == new["lighthouse"]
 
 
 def test_importing_the_lighthouse_imports_no_torch() -> None:

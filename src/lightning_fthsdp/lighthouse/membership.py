@@ -46,8 +46,6 @@ class Membership:
         self._quorum_lock = threading.Lock()
         self.epoch = -1
         """The lighthouse's epoch in the newest answer (-1: none yet)."""
-        self.lighthouse = ""
-        """The start of the lighthouse that gave the newest answer (its ``instance``; "": none yet)."""
         self.dead: frozenset[str] = frozenset()
         self.deaths = 0
         """How often the lighthouse declared this group dead, as of the newest answer."""
@@ -83,10 +81,10 @@ class Membership:
         self._acknowledged = sent
         self.state = "ok"
         self._settled.set()
-        lighthouse = str(answer.get("lighthouse", ""))
-        if self.lighthouse and lighthouse != self.lighthouse:
-            self._on_lost()  # another start of the lighthouse answered our resent request: the old one is gone
-        self.lighthouse, self.epoch = lighthouse, _int(answer.get("epoch"), -1)
+        epoch = _int(answer.get("epoch"), -1)
+        if epoch < self.epoch:
+            self._on_lost()  # a new lighthouse (epochs only grow within one) answered our resent request
+        self.epoch = epoch
         dead_ids = answer.get("dead", ())
         dead = frozenset(str(d) for d in dead_ids) if isinstance(dead_ids, list | tuple) else frozenset()
         if dead != self.dead:

@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import json
 import logging
-import secrets
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -147,10 +146,6 @@ class Lighthouse:
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
         self._epoch = 0
-        self.instance = secrets.token_hex(8)
-        """Names this start of the lighthouse in every heartbeat answer: a rank whose answers come from another start
-        knows the lighthouse (and its store, and any rendezvous on it) was replaced. Epochs alone cannot tell: both
-        starts count from 0."""
         # The held heartbeats (the group each answers, its deadline), each answered at the next epoch change or its
         # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
         # scanned on every timeout: O(groups^2) per interval at scale).
@@ -291,7 +286,6 @@ class Lighthouse:
     def _heartbeat_answer(self, replica_id: str) -> Response:
         if self._heartbeat_body is None:  # cached until the epoch or the quorum changes: a death wakes every long-poll
             self._heartbeat_body = json.dumps({
-                "lighthouse": self.instance,
                 "epoch": self._epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
                 "quorum_size": len(self._previous.members) if self._previous else 0,
