@@ -2,6 +2,8 @@
 run's invariants checked as it goes (see lightning_fthsdp.launch.soak for what it injects and checks).
 
     python bench/bench_soak.py --minutes 5 --seed 1        # writes bench/results/soak.json
+    python bench/bench_soak.py --minutes 5 --network       # on a host per group, network faults too (root);
+                                                           # writes bench/results/soak_network.json
 
 Prints the failures by kind and phase, the healthy groups' stall p50/p99/max (split by what else was going on:
 nothing, another group failing, another group recovering, the lighthouse away), the recovery times (kill -> the new
@@ -31,12 +33,19 @@ def main() -> int:
     parser.add_argument("--mean-gap-s", type=float, default=defaults.mean_gap_s, help="mean time between failures")
     parser.add_argument("--step-time-ms", type=int, default=defaults.step_time_ms)
     parser.add_argument("--ballast-mib", type=int, default=defaults.ballast_mib)
+    parser.add_argument("--network", action="store_true",
+                        help="every group and the lighthouse on a host of its own (network namespaces, root), with "
+                             "network faults: cut from the lighthouse, cut between groups, slow link, flap")
+    parser.add_argument("--collective-timeout-ms", type=int, default=defaults.collective_timeout_ms,
+                        help="bounds the stall of a cut between two groups (the exchange fails at it)")
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/soak[_network].json")
     parser.add_argument("--verbose", action="store_true", help="print every event as it happens")
     args = parser.parse_args()
     config = SoakConfig(duration_s=args.minutes * 60, seed=args.seed, mean_gap_s=args.mean_gap_s,
-                        step_time_ms=args.step_time_ms, ballast_mib=args.ballast_mib)
+                        step_time_ms=args.step_time_ms, ballast_mib=args.ballast_mib, network=args.network,
+                        collective_timeout_ms=args.collective_timeout_ms)
+    args.out = args.out or RESULTS / ("soak_network.json" if args.network else "soak.json")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fthsdp-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"soak: {args.minutes} min, seed {args.seed}, logs in {workdir}", flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 PACKAGE = "lightning_fthsdp"
 
 PLANES: tuple[frozenset[str], ...] = (
-    frozenset({"config", "faults"}),
+    frozenset({"config", "faults", "netcluster"}),  # netcluster: hosts on network namespaces, stdlib only
     frozenset({"lighthouse", "exchange", "recovery", "data"}),
     frozenset({"manager"}),
     frozenset({"lightning", "accelerate", "models", "recipes", "sim"}),

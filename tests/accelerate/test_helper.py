@@ -149,3 +149,9 @@ def test_clipping_is_the_helpers_and_another_norm_is_refused(lighthouse: str) ->
             ft.accelerator.clip_grad_norm_(ft.model.parameters(), 1.0)
         accelerator_optimizer_step(ft)
     assert "clip_grad_norm_" not in vars(ft.accelerator)  # the guards are gone after the loop
+
+
+def test_advertise_host_reaches_the_manager() -> None:
+    ft = helper("http://127.0.0.1:1", advertise_host="127.0.0.2")  # the lighthouse is contacted at the first step
+    with ft:
+        assert ft.manager.advertise_host == "127.0.0.2"

@@ -44,6 +44,8 @@ def check_group_container(container: dict[str, Any], index_label: str, nodes: in
     assert list(env).index("FTHSDP_REPLICA_ID") > list(env).index("FTHSDP_REPLICA_INDEX")
     assert env["FTHSDP_LIGHTHOUSE"] == "http://job-lighthouse:29510"
     assert env["FTHSDP_TOKEN"] == {"secretKeyRef": {"name": "job-token", "key": "token"}}
+    # What the other groups dial for this pod's catch-up state, relay and gloo device: its own IP.
+    assert env["FTHSDP_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert container["volumeMounts"] == [{"name": "recipe", "mountPath": "/etc/fthsdp", "readOnly": True}]
     return command
 
@@ -117,3 +119,12 @@ def test_refusals_name_the_value(args: tuple[str, ...], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_fthsdp.cli", "k8s", str(ROOT / "recipes" / "mlp.yaml"),
                            "--image", "i", *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_one_advertise_host_for_every_pod_is_refused() -> None:
+    done = subprocess.run([sys.executable, "-m", "lightning_fthsdp.cli", "k8s", str(ROOT / "recipes" / "mlp.yaml"),
+                           "ft.advertise_host=10.0.0.5", "--image", "i"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode != 0, done.stdout
+    assert ("ft.advertise_host='10.0.0.5' would be the advertised address of every pod of the job, while each must "
+            "advertise its own (its pod IP, $FTHSDP_ADVERTISE_HOST): set ft.advertise_host=''") in done.stderr

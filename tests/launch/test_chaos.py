@@ -22,7 +22,7 @@ def test_grammar() -> None:
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("crash:at=1s", "kind must be one of kill, hang, got 'crash'"),
+    ("crash:at=1s", "kind must be one of kill, hang, partition, slowlink, flap, got 'crash'"),
     ("kill", "exactly one of at=WHEN and every=WHEN"),
     ("kill:at=1s:every=2s", "exactly one of"),
     ("kill:at=soon", "at='soon' is not a duration"),

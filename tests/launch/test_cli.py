@@ -63,6 +63,14 @@ def test_fit_no_ft_trains_with_lightnings_own_strategy() -> None:
     assert lightning_config(alone, ft=False)["trainer"]["strategy"] == "auto"
 
 
+def test_fit_passes_the_recipes_advertise_host_to_the_strategy_only_when_set() -> None:
+    recipe = load_recipe(ROOT / "recipes" / "mlp.yaml", ["ft.advertise_host=10.0.0.5"])
+    assert lightning_config(recipe)["trainer"]["strategy"]["init_args"]["advertise_host"] == "10.0.0.5"
+    # Unset: no argument, so $FTHSDP_ADVERTISE_HOST (which an explicit one would override) still applies.
+    plain = load_recipe(ROOT / "recipes" / "mlp.yaml")
+    assert "advertise_host" not in lightning_config(plain)["trainer"]["strategy"]["init_args"]
+
+
 def test_fit_starts_the_other_ranks_itself_only_when_nobody_else_does(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert _may_start_ranks_early(2, ["--trainer.enable_progress_bar=false"])

@@ -12,6 +12,7 @@ from torch import nn
 
 import lightning_fthsdp
 from lightning_fthsdp.lightning import FTHSDPStrategy, ReplicaStreamSampler
+from lightning_fthsdp.lightning import strategy as strategy_module
 from lightning_fthsdp.lightning.policy import shard_units
 from tests.paths import EXAMPLES
 
@@ -219,3 +220,19 @@ def test_validation_at_job_steps(every: int, max_steps: int, validated: list[int
     validate_at_job_steps(trainer, 4)  # type: ignore[arg-type]
     trainer.global_step = 7  # a catch-up jumped from 0 to 7 past the multiple 4: the others validated that one
     assert not trainer.fit_loop.epoch_loop._should_check_val_fx(None)
+
+
+def test_advertise_host_reaches_the_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: dict[str, object] = {}
+
+    def manager(**kwargs: object) -> str:
+        made.update(kwargs)
+        return "manager"
+
+    monkeypatch.setattr(strategy_module, "FTManager", manager)
+    strategy = FTHSDPStrategy(advertise_host="10.0.0.5", checkpoint_dir="ckpt")
+    strategy.parallel_devices = [torch.device("cpu")]
+    assert strategy._new_manager(None) == "manager"
+    assert made["advertise_host"] == "10.0.0.5" and made["lighthouse"] == "http://127.0.0.1:1"
+    assert made["backend"] == "gloo" and made["checkpoint_dir"] == "ckpt"
+    assert FTHSDPStrategy().advertise_host is None  # the manager then reads $FTHSDP_ADVERTISE_HOST, else the route

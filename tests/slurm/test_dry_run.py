@@ -78,6 +78,7 @@ def test_dry_run_of_a_cpu_recipe_asks_for_no_gpus() -> None:
     (("--nodes-per-replica", "3"), "--nodes-per-replica 3 must be >= 1 and divide launch.shard_count=8"),
     (("launch.chaos=kill:at=step5",), "launch.chaos='kill:at=step5' is fthsdp launch's"),
     (("--spares", "-1"), "SbatchScript.spares must be >= 0, got -1"),
+    (("ft.advertise_host=10.0.0.5",), "ft.advertise_host='10.0.0.5' would be the advertised address of every node"),
 ])
 def test_dry_run_refuses_with_the_value_and_the_fix(args: tuple[str, ...], message: str) -> None:
     done = dry_run(str(GPU_RECIPE), *args)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+from lightning_fthsdp.config.env import ENV_ADVERTISE_HOST
+from lightning_fthsdp.slurm import queries
 from lightning_fthsdp.slurm.nodes import NodePool
+from lightning_fthsdp.slurm.placement import SlurmPlacement
 
 
 def pool(down: set[str], nodes: int = 5, per: int = 1, replicas: int = 3) -> NodePool:
@@ -51,3 +56,14 @@ def test_a_down_spare_is_skipped() -> None:
 def test_too_few_nodes_are_refused_with_the_count() -> None:
     with pytest.raises(ValueError, match="3 replica groups x 2 nodes need 6 nodes, the allocation has 5"):
         pool(set(), nodes=5, per=2)
+
+
+def test_a_group_step_advertises_each_nodes_own_address_not_the_batch_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun --export=ALL hands every node the supervisor's environment: an advertised address set there would be the
+    batch node's for all; the step gets it empty (unset), so each node takes its own route to the lighthouse."""
+    monkeypatch.setattr(queries, "node_fields", lambda node: {"NodeAddr": f"10.0.0.{node[1:]}"})
+    placement = SlurmPlacement("7", "n1", pool(set(), nodes=3, replicas=2), ranks_per_node=1, gpus=False)
+    argv = [sys.executable, "-m", "lightning_fthsdp.cli", "fit"]
+    command, env = placement.place("a", 0, argv, {"MASTER_ADDR": "127.0.0.1", ENV_ADVERTISE_HOST: "10.0.0.1"})
+    assert env[ENV_ADVERTISE_HOST] == "" and "MASTER_ADDR" not in env
+    assert command[0] == "srun" and "--export=ALL" in command

@@ -81,10 +81,17 @@ def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: 
 
 def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = (), commit_failed: bool = False,
        timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1,
-       incarnation: str | None = None) -> dict[str, Any]:
+       incarnation: str | None = None, unreachable: tuple[str, ...] | None = None,
+       probed: bool = True) -> dict[str, Any]:
+    """A quorum request. One reporting a failed commit says it probed the members and reached them all (unless
+    ``unreachable`` says otherwise, or ``probed`` is False): the lighthouse asks for that probe first (see
+    test_partition_probe)."""
+    if commit_failed and probed and unreachable is None:
+        unreachable = ()
     return {"replica_id": rid, "incarnation": incarnation or inc(rid), "step": step, "shard_count": shard_count,
             "address": f"{rid}:1", "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
-            "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms}
+            "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms,
+            "unreachable": None if unreachable is None else list(unreachable)}
 
 
 def inc(rid: str) -> str:
@@ -270,7 +277,7 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     status = obs.status()
     assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "checkpoint", "waiting",
                            "min_replicas", "participants", "step_rate",
-                           "declared", "members", "groups", "catch_up_from", "store", "uptime_s"}
+                           "declared", "members", "groups", "catch_up_from", "excluded", "store", "uptime_s"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None
     assert status["participants"] == 0 and status["step_rate"] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any, cast
 
@@ -10,7 +11,7 @@ import pytest
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.client import LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.client import Excluded, LighthouseUnavailable, ProbeRequested, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.request import QuorumRequester, QuorumUnavailable
 
@@ -26,14 +27,16 @@ class Client:
     def __init__(self, *answers: tuple[Quorum, str] | Exception) -> None:
         self.answers = list(answers)
         self.asked: list[tuple[Any, ...]] = []
+        self.timings: list[Any] = []  # the step times each request reported (lighthouse.stragglers)
         self.announced: list[tuple[Quorum, str]] = []  # what the requester told the group of
         self.closed = False
         self.release = threading.Event()
         self.release.set()
 
-    def request(self, *args: Any) -> tuple[Quorum, str]:
+    def request(self, *args: Any, timing: Any = None) -> tuple[Quorum, str]:
         self.release.wait(10)
         self.asked.append(args)
+        self.timings.append(timing)
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if isinstance(answer, Exception):
             raise answer
@@ -58,11 +61,11 @@ def test_the_answer_is_the_clients_and_the_request_says_what_the_group_holds() -
         request.start(4, True, None, "", 3, True)
         assert request.answer() == (QUORUM, "store:1")
         assert client.announced == [(QUORUM, "store:1")]  # the group learns each answer as it comes
-        assert client.asked == [("a", 4, 2, "h:1,h:2", True, None, 3, True, None)]
+        assert client.asked == [("a", 4, 2, "h:1,h:2", True, None, 3, True, None, None)]
         caught_up = {"source": "b", "step": 3, "bytes": 10, "fetch_s": 0.5}  # reported with the next request
         assert request.start(5, False, QUORUM, "store:1", 7, False, caught_up)
         assert request.answer() == (QUORUM, "store:1")
-        assert client.asked[-1] == ("a", 5, 2, "h:1,h:2", False, QUORUM, 7, False, caught_up)
+        assert client.asked[-1] == ("a", 5, 2, "h:1,h:2", False, QUORUM, 7, False, caught_up, None)
     finally:
         request.close()
     assert client.closed
@@ -139,3 +142,49 @@ def test_an_unreachable_lighthouse_ends_in_quorum_unavailable_without_a_quorum_t
             request.answer()
     finally:
         request.close()
+
+
+def test_a_probe_the_lighthouse_asks_for_goes_with_the_same_request_sent_again() -> None:
+    """After a failed exchange the lighthouse asks for a probe of the members: the requester probes them (a closed
+    port is a host that answered; a silent one is not reached) and asks again with what it could not reach."""
+    with socket.create_server(("127.0.0.1", 0)) as up:
+        targets = {"b": f"http://127.0.0.1:{up.getsockname()[1]}", "c": "no address"}
+        client = Client(ProbeRequested(targets, "the exchange failed"), (QUORUM, "store:1"))
+        request, _ = requester(client)
+        try:
+            request.start(4, True, QUORUM, "store:1", 3, False)
+            assert request.answer() == (QUORUM, "store:1")
+        finally:
+            request.close()
+    assert [asked[-1] for asked in client.asked] == [None, ["c"]]
+
+
+def test_an_excluded_group_reports_its_probe_with_its_next_request() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as up:
+        targets = {"b": f"http://127.0.0.1:{up.getsockname()[1]}"}
+        client = Client(Excluded({"reason": "partition", "detail": "cannot exchange with b"}, targets),
+                        (QUORUM, "store:1"))
+        request, _ = requester(client)
+        try:
+            request.start(4, True, None, "", 3, False)
+            with pytest.raises(Excluded, match="keeps this group out"):
+                request.answer()
+            request.start(4, True, None, "", 3, False)
+            assert request.answer() == (QUORUM, "store:1")
+        finally:
+            request.close()
+    assert [asked[-1] for asked in client.asked] == [None, []]  # it reached b: the lighthouse admits it
+
+
+def test_the_last_steps_times_go_with_the_next_request_once() -> None:
+    client = Client((QUORUM, "store:1"))
+    request, _ = requester(client)
+    try:
+        timing = {"compute_s": 0.3, "wait_s": 0.01}
+        assert request.start(4, False, QUORUM, "store:1", 3, False, None, timing)
+        request.answer()
+        assert request.start(5, False, QUORUM, "store:1", 3, False)
+        request.answer()
+    finally:
+        request.close()
+    assert client.timings == [timing, None]

@@ -42,6 +42,18 @@ def test_ftmanager_refuses_two_different_process_groups(one_rank_group: dist.Pro
         FTManager(replica_id="a", lighthouse=UNREACHABLE, process_group=one_rank_group, group=other)
 
 
+def test_ftmanager_state_host_is_read_as_advertise_host() -> None:
+    with pytest.warns(FutureWarning, match=r"FTManager\(state_host=\) is deprecated, use advertise_host="):
+        manager = FTManager(replica_id="a", lighthouse=UNREACHABLE, state_host="127.0.0.2")
+    try:
+        assert manager.advertise_host == "127.0.0.2"
+    finally:
+        manager.shutdown()
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match=r"FTManager got advertise_host='127.0.0.3' and "
+                                                                     r"state_host='127.0.0.2'.*pass only advertise"):
+        FTManager(replica_id="a", lighthouse=UNREACHABLE, advertise_host="127.0.0.3", state_host="127.0.0.2")
+
+
 def test_ftmanager_recoveries_is_the_catch_up_log() -> None:
     manager = FTManager(replica_id="a", lighthouse=UNREACHABLE)
     try:

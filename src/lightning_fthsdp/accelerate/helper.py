@@ -65,6 +65,11 @@ class FaultTolerantHSDP:
             ``$FTHSDP_REPLICAS`` (else 1) and ``$FTHSDP_REPLICA_INDEX`` (else 0 with one group).
         timeouts: the fault-tolerant path's timeouts (``Timeouts``); the group's own process group timeout is
             Accelerate's (``InitProcessGroupKwargs``).
+        advertise_host: the address the other groups reach this rank at (catch-up state, heartbeat relay,
+            cross-group gloo device); default ``$FTHSDP_ADVERTISE_HOST``, else the host's local address on the route
+            to the lighthouse; see ``FTManager``. On GPUs NCCL's socket interface is pinned to the interface holding
+            it only if the cross-group communicator is the process's first (NCCL chooses once per process): where
+            Accelerate's own NCCL group came first, set ``NCCL_SOCKET_IFNAME`` yourself if NCCL's choice is wrong.
         record: append the group's launch records (docs/launch.md) here; default ``$FTHSDP_RECORD`` (what
             ``fthsdp launch`` sets), none when unset.
 
@@ -79,7 +84,7 @@ class FaultTolerantHSDP:
                  drop_last: bool = False, max_grad_norm: float | None = None, replica_id: str | None = None,
                  lighthouse: str | None = None, token: str | None = None, replicas: int | None = None,
                  replica_index: int | None = None, timeouts: Timeouts | None = None,
-                 record: str | Path | None = None) -> None:
+                 advertise_host: str | None = None, record: str | Path | None = None) -> None:
         anatomy.mark("imports")  # no-op when marked already; else the script's imports and model end here
         anatomy.mark("setup")
         refuse_unsupported(accelerator)
@@ -99,7 +104,7 @@ class FaultTolerantHSDP:
         self._stream = GroupStream(dataset, topology, shard_count=accelerator.num_processes,
                                    shard_rank=accelerator.process_index, batch_size=batch_size,
                                    collate_fn=collate_fn, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.manager = self._build_manager(lighthouse, token, timeouts)
+        self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host)
         self.discarded = 0
         """Failed commit attempts of this process (each retried with the same gradients)."""
         self._drawn = 0  # micro-batches of the current step handed out by batches()
@@ -203,7 +208,8 @@ class FaultTolerantHSDP:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _build_manager(self, lighthouse: str | None, token: str | None, timeouts: Timeouts | None) -> FTManager:
+    def _build_manager(self, lighthouse: str | None, token: str | None, timeouts: Timeouts | None,
+                       advertise_host: str | None) -> FTManager:
         """The rank's FTManager over the group's own process group, its catch-up state and its replay update."""
         accelerator = self.accelerator
         process_group = None
@@ -214,7 +220,7 @@ class FaultTolerantHSDP:
         device = accelerator.device
         manager = FTManager(replica_id=self.replica_id, lighthouse=lighthouse, token=token,
                             process_group=process_group, backend="gloo" if device.type == "cpu" else "nccl",
-                            device=device, timeouts=timeouts)
+                            device=device, timeouts=timeouts, advertise_host=advertise_host)
         module_state = ModuleState(self.model)
         manager.register_state("model", module_state.get, module_state.load)
         manager.register_state("optimizer", lambda: optimizer_state(self.optimizer),

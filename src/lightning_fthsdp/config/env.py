@@ -29,6 +29,12 @@ ENV_RECORD = "FTHSDP_RECORD"
 """A path: the group's rank 0 appends its launch records there (one JSON line per event, docs/launch.md); ``fthsdp
 launch`` sets it for every script it starts. Unset: no records."""
 
+ENV_ADVERTISE_HOST = "FTHSDP_ADVERTISE_HOST"
+"""The address this rank advertises to replica groups on other hosts (its catch-up state server, its group's heartbeat
+relay, the cross-group gloo device), e.g. ``10.0.0.5``; an explicit ``advertise_host`` argument (recipe key
+``ft.advertise_host``) wins over it. Unset: this host's local address on the route to the lighthouse (see
+``lightning_fthsdp.config.addresses``). Kubernetes sets it from the pod IP."""
+
 RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
 """Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
 

@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replica-id", default=None, help="this group's stable id (default $FTHSDP_REPLICA_ID)")
     parser.add_argument("--lighthouse", default=None, help="http://HOST:PORT (default $FTHSDP_LIGHTHOUSE)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="the address other groups reach this rank at (default $FTHSDP_ADVERTISE_HOST, else this "
+                             "host's address on the route to the lighthouse)")
     parser.add_argument("--steps", type=int, default=100, help="train until this many committed steps")
     parser.add_argument("--log-jsonl", type=Path, default=None, help="append one JSON line per step here")
     parser.add_argument("--lr", type=float, default=1e-2)
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     manager = FTManager(replica_id=args.replica_id, lighthouse=args.lighthouse, process_group=process_group,
                         backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
                         global_batches=args.global_batches, checkpoint_dir=args.checkpoint_dir,
-                        checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep)
+                        checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
+                        advertise_host=args.advertise_host)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)

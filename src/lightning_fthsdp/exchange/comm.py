@@ -22,6 +22,12 @@ once the rendezvous is abandoned.
 
 Errors no retry can fix (a backend name that does not exist, NCCL missing) raise ``CrossGroupConfigError`` at once
 instead of aborting the step.
+
+Addresses (docs/launch.md, "Addresses across hosts"): the gloo device binds the rank's advertised address
+(``advertise_host``) unless ``GLOO_SOCKET_IFNAME`` is set; left alone, gloo takes the address its host name resolves
+to, which may be loopback or no address of this host. For NCCL, ``NCCL_SOCKET_IFNAME`` is set (when unset) to the
+interface holding that address. A store address whose host is the wildcard (a lighthouse bound to ``0.0.0.0``) is
+dialled at the lighthouse URL's host instead.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_fthsdp.config import log
+from lightning_fthsdp.config import addresses, log
 from lightning_fthsdp.config.timeouts import Timeouts
 
 _log = logging.getLogger(log.ERRORS)
@@ -237,12 +243,22 @@ _REAPER = _Reaper()
 
 
 def new_backend(
-    backend: str, store: dist.Store, rank: int, size: int, timeout_ms: int, device: torch.device
+    backend: str, store: dist.Store, rank: int, size: int, timeout_ms: int, device: torch.device,
+    advertise_host: str | None = None,
 ) -> dist.ProcessGroup:
-    """A raw backend process group (no default group needed), gloo or NCCL."""
+    """A raw backend process group (no default group needed), gloo or NCCL. ``advertise_host``: the address gloo's
+    device binds and publishes to its peers (None, or ``GLOO_SOCKET_IFNAME`` set: gloo's own choice); NCCL takes its
+    interface from ``NCCL_SOCKET_IFNAME`` (see ``CrossGroupComm``)."""
     timeout = Timeouts.delta(timeout_ms)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        if advertise_host is None or os.environ.get(addresses.GLOO_SOCKET_IFNAME):
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        # Gloo's default device takes the address the host name resolves to: loopback on many distributions, or an
+        # address peers on other hosts cannot reach. lazy_init=None keeps TORCH_GLOO_LAZY_INIT's choice.
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=advertise_host)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -272,6 +288,11 @@ def check_backend(backend: str, device: torch.device) -> None:
 class CrossGroupComm:
     """The cross-group collective of one rank, rebuilt when the quorum changes.
 
+    ``advertise_host``: the address other groups reach this rank at (``lightning_fthsdp.config.addresses``): gloo's
+    device binds it; for NCCL it pins ``NCCL_SOCKET_IFNAME`` (when unset) to its interface. None: the backend's own
+    choice. ``lighthouse_host``: dialled instead of a store address's wildcard host (a lighthouse bound to
+    ``0.0.0.0`` or ``::`` advertises that).
+
     Raises CrossGroupConfigError at construction for a backend that cannot work here (see ``check_backend``).
     """
 
@@ -283,9 +304,16 @@ class CrossGroupComm:
         shard_rank: int,
         on_collective_started: Callable[[], None] | None = None,
         token: str | None = None,
+        advertise_host: str | None = None,
+        lighthouse_host: str | None = None,
     ) -> None:
         check_backend(backend, device)
         self.backend_name = backend
+        self.advertise_host = advertise_host
+        self._lighthouse_host = lighthouse_host
+        if backend == "nccl" and advertise_host is not None:
+            # Before this process's first NCCL communicator, if this is first: NCCL reads the variable once.
+            addresses.pin_nccl_interface(advertise_host)
         self._token = token.encode() if token else None
         self.device = device
         self._timeouts = timeouts
@@ -477,7 +505,8 @@ class CrossGroupComm:
     # ----------------------------------------------------------------------------------------------------
 
     def _build_in_thread(self, pending: _Prepared) -> None:
-        quorum_id, rank, size, store_address = pending.key
+        quorum_id, rank, size, advertised = pending.key
+        store_address = addresses.dialable(advertised, self._lighthouse_host)
         future = pending.build
 
         def build() -> None:
@@ -500,7 +529,8 @@ class CrossGroupComm:
                 gloo = self.backend_name == "gloo"
                 collective_ms = self._timeouts.collective_timeout_ms
                 backend = new_backend(self.backend_name, store if gloo and not lazy else store.plain, rank, size,
-                                      collective_ms // _GLOO_CONNECT_WAITS if gloo else collective_ms, self.device)
+                                      collective_ms // _GLOO_CONNECT_WAITS if gloo else collective_ms, self.device,
+                                      self.advertise_host)
                 backend.set_timeout(Timeouts.delta(collective_ms))
                 self._stores.give_back(store_address, client)
                 future.set_result(backend)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_fthsdp.launch.cluster_args import add_job_arguments, job_overrides, ranks_per_node
+from lightning_fthsdp.launch.cluster_args import (
+    add_job_arguments,
+    job_overrides,
+    ranks_per_node,
+    refuse_one_advertise_host,
+)
 
 EXTRAS = ("launch",)
 
@@ -41,11 +46,13 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, job_overrides(args))
         per = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per, node="pod")
+        refuse_one_advertise_host(recipe.ft.advertise_host, "pod", "its pod IP, $FTHSDP_ADVERTISE_HOST")
         timeouts = recipe.ft.timeouts
         spec = JobSpec(args.name, args.image, to_yaml(recipe), recipe.launch.replicas, per, ranks,
                        recipe.trainer.accelerator != "cpu", recipe.ft.min_replicas, timeouts.heartbeat_timeout_ms,
                        timeouts.join_timeout_ms, recipe.launch.max_restarts,
-                       args.token_secret or f"{args.name}-token", args.namespace)
+                       args.token_secret or f"{args.name}-token", args.namespace,
+                       lighthouse_args=tuple(recipe.ft.stragglers.args()))
         objects = manifests(spec, args.engine)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp k8s: error: {err}") from None

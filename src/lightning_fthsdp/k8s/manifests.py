@@ -54,6 +54,8 @@ class JobSpec:
     the JobSet version; docs/kubernetes.md)."""
     token_secret: str
     namespace: str | None = None
+    lighthouse_args: tuple[str, ...] = ()
+    """More ``fthsdp lighthouse`` flags (the recipe's straggler policy: ``StragglerPolicy.args``)."""
 
     def __post_init__(self) -> None:
         for field_name in ("replicas", "nodes_per_replica", "ranks_per_node"):
@@ -92,7 +94,8 @@ def lighthouse(spec: JobSpec) -> list[dict[str, Any]]:
     command = ["python", "-m", "lightning_fthsdp.cli", "lighthouse", "--host", "$(POD_IP)",
                "--port", str(LIGHTHOUSE_PORT), "--store-port", str(STORE_PORT),
                "--min-replicas", str(spec.min_replicas), "--join-timeout-ms", str(spec.join_timeout_ms),
-               "--heartbeat-timeout-ms", str(spec.heartbeat_timeout_ms), "--replica-ids", ",".join(spec.replica_ids)]
+               "--heartbeat-timeout-ms", str(spec.heartbeat_timeout_ms), "--replica-ids", ",".join(spec.replica_ids),
+               *spec.lighthouse_args]
     container = {"name": "lighthouse", "image": spec.image, "command": command,
                  "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, _token(spec)],
                  "ports": [{"name": "http", "containerPort": LIGHTHOUSE_PORT},
@@ -146,6 +149,9 @@ def _group_pod(spec: JobSpec, index_label: str, rdzv_host: str, node_rank: str) 
            {"name": "FTHSDP_REPLICA_ID", "value": "g$(FTHSDP_REPLICA_INDEX)"},
            {"name": "FTHSDP_REPLICAS", "value": str(spec.replicas)},
            {"name": "FTHSDP_LIGHTHOUSE", "value": spec.lighthouse_url},
+           # What the other groups dial for this pod's catch-up state, relay and gloo device: its own IP. The route
+           # to the lighthouse's Service IP gives the same address on most CNIs; the pod IP is the one that is sure.
+           {"name": "FTHSDP_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            _token(spec)]
     if spec.gpus:
         env.append({"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"})

@@ -1,4 +1,5 @@
-"""``--chaos``: a schedule of whole-replica-group failures the launcher injects with real signals.
+"""``--chaos``: a schedule of whole-replica-group failures the launcher injects with real signals, and, with
+``--hosts`` (each group and the lighthouse on a host of its own), real network faults.
 
 Grammar::
 
@@ -6,19 +7,39 @@ Grammar::
     FAULT    := KIND (":" OPTION)*
     KIND     := kill                      SIGKILL the group's whole process group (the launcher restarts it)
               | hang                      SIGSTOP it, SIGCONT after ``for`` (the lighthouse declares it dead)
+              | partition                 --hosts: the group's packets to/from ``from`` vanish until ``for`` ends
+              | slowlink                  --hosts: the group's link runs at ``rate`` both ways until ``for`` ends
+              | flap                      --hosts: the group's link goes down for ``down``, up for ``up``,
+                                          ``cycles`` times
     OPTION   := at=WHEN                   once, at WHEN
               | every=WHEN                repeatedly: at WHEN, then WHEN after each injection
               | count=N                   with every: at most N injections (default: until the run ends)
-              | for=DURATION              with hang: how long the group stays stopped (default 5s)
+              | for=DURATION              with hang, partition, slowlink: how long it lasts (default 5s)
               | group=ID                  the target replica group (default: one chosen at random, seeded,
                                           among the groups training at that moment)
+              | from=PEER                 with partition: what the group is cut from (default lighthouse)
+              | dir=out|in                with partition: only what the group sends (out) or only what it
+                                          receives (in) vanishes (default: both)
+              | oneway                    with partition: the same as dir=out
+              | rate=RATE                 with slowlink: tc's rate, e.g. 1mbit, 500kbit, 2mbps (default 1mbit)
+              | down=DURATION             with flap: how long the link stays down each time (default 1s)
+              | up=DURATION               with flap: how long it stays up between downs (default 1s)
+              | cycles=N                  with flap: down/up cycles per injection (default 3)
+    PEER     := lighthouse | ID | all     the lighthouse's host, another group's host (needs group=), or every
+                                          other host
     WHEN     := DURATION                  time since the job's first committed step
               | "step" N                  once the job has committed step N
     DURATION := NUMBER ("ms" | "s" | "m")
 
 Exactly one of ``at`` and ``every``. A fault only strikes a group that is training (started and committed since
-its last start, not stopped); while none is, a due fault waits. Examples: ``kill:every=20s``,
-``kill:at=step40:group=b``, ``hang:at=45s:for=10s``, ``kill:every=step50:count=2,hang:at=30s``.
+its last start, not stopped); while none is, a due fault waits. A network fault on a group that is already under
+one of the same kind replaces it. Examples: ``kill:every=20s``, ``kill:at=step40:group=b``,
+``hang:at=45s:for=10s``, ``kill:every=step50:count=2,hang:at=30s``, ``partition:at=step30:group=b:for=3s``,
+``partition:every=20s:from=all:oneway``, ``slowlink:at=10s:rate=500kbit:for=10s``,
+``flap:at=step50:group=a:down=500ms:up=2s:cycles=2``.
+
+A flap's cycles are ``cycles=`` (``count=`` already counts a fault's injections). Dropped packets vanish (no reset,
+no ICMP answer): see ``lightning_fthsdp.netcluster.faults`` for how each fault is made and what was measured.
 """
 
 from __future__ import annotations
@@ -27,14 +48,24 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_fthsdp.faults import parse_options
 
-KINDS = ("kill", "hang")
-_OPTIONS = ("at", "every", "count", "for", "group")
+SIGNAL_KINDS = ("kill", "hang")
+NETWORK_KINDS = ("partition", "slowlink", "flap")
+"""Faults that need ``--hosts``: each group on a network host of its own (``lightning_fthsdp.netcluster``)."""
+KINDS = SIGNAL_KINDS + NETWORK_KINDS
+_OPTIONS = ("at", "every", "count", "for", "group", "from", "dir", "rate", "down", "up", "cycles")
+_KIND_OPTIONS = {"for": ("hang", "partition", "slowlink"), "from": ("partition",), "dir": ("partition",),
+                 "rate": ("slowlink",), "down": ("flap",), "up": ("flap",), "cycles": ("flap",)}
+_PEERS = ("lighthouse", "all")
+_RATE = re.compile(r"^\d+(?:\.\d+)?[kmgt]?(?:bit|bps)$", re.IGNORECASE)  # tc's (netcluster.faults checks it too)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0}
 DEFAULT_HANG_S = 5.0
+DEFAULT_FOR_S = DEFAULT_HANG_S
+"""How long a hang, partition or slow link lasts without for=."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +84,18 @@ class Fault:
     count: int | None = None
     duration_s: float = DEFAULT_HANG_S
     group: str | None = None
+    peer: str = "lighthouse"
+    """partition: what the group is cut from (lighthouse, all, or another group's id)."""
+    direction: str = "both"
+    """partition: both, out (what the group sends vanishes) or in (what it receives)."""
+    rate: str = "1mbit"
+    """slowlink: the link's rate, in tc's units."""
+    down_s: float = 1.0
+    """flap: how long the link stays down each cycle."""
+    up_s: float = 1.0
+    """flap: how long it stays up between downs."""
+    cycles: int = 3
+    """flap: down/up cycles per injection."""
 
 
 @dataclass(frozen=True)
@@ -63,28 +106,49 @@ class Injection:
     group: str
     duration_s: float
     spec: str
+    fault: Fault | None = None
+    """The fault it comes from (a network fault's options are there)."""
 
 
-def parse(spec: str, groups: Sequence[str] = ()) -> list[Fault]:
-    """The faults of ``spec`` (empty for ""); ValueError names the fault, the option and the grammar."""
+def parse(spec: str, groups: Sequence[str] = (), *, hosts: bool | None = None) -> list[Fault]:
+    """The faults of ``spec`` (empty for ""); ValueError names the fault, the option and the grammar. ``hosts``:
+    whether the job runs each group on a host of its own (False refuses network faults, naming the fix; None: not
+    known here, nothing refused)."""
     faults = []
     for text in (part.strip() for part in spec.split(",")):
         if text:
-            faults.append(_parse_fault(text, groups))
+            faults.append(_parse_fault(text, groups, hosts))
     return faults
 
 
-def _parse_fault(text: str, groups: Sequence[str]) -> Fault:
-    kind, values = parse_options(text, _OPTIONS, "--chaos fault", ", ".join(o + "=..." for o in _OPTIONS))
+def _parse_fault(text: str, groups: Sequence[str], hosts: bool | None) -> Fault:
+    head, *options = text.split(":")
+    if "oneway" in options:
+        if any(o.startswith("dir=") for o in options) or options.count("oneway") > 1:
+            raise ValueError(f"--chaos fault {text!r}: oneway is dir=out: give it once, without another dir=")
+        options = ["dir=out" if o == "oneway" else o for o in options]
+    kind, values = parse_options(":".join([head, *options]), _OPTIONS, "--chaos fault",
+                                 ", ".join(o + "=..." for o in _OPTIONS) + ", oneway")
     if kind not in KINDS:
         raise ValueError(f"--chaos fault {text!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind in NETWORK_KINDS and hosts is False:
+        raise ValueError(f"--chaos fault {text!r}: a {kind} is a network fault between hosts, and this job runs "
+                         "every group on this machine's loopback: add --hosts (or launch.hosts=true) to put the "
+                         "lighthouse and each group on a host of its own (needs root; docs/launch.md)")
     if ("at" in values) == ("every" in values):
         raise ValueError(f"--chaos fault {text!r}: give exactly one of at=WHEN and every=WHEN "
                          "(WHEN: 30s, 500ms, 2m or step40)")
+    if kind == "flap" and "count" in values and "every" not in values:
+        raise ValueError(f"--chaos fault {text!r}: a flap's down/up cycles are cycles=N (count=N counts injections, "
+                         "with every=WHEN)")
     if "count" in values and "every" not in values:
         raise ValueError(f"--chaos fault {text!r}: count=N only goes with every=WHEN")
-    if "for" in values and kind != "hang":
-        raise ValueError(f"--chaos fault {text!r}: for=DURATION only goes with hang (a kill lasts until restart)")
+    if "for" in values and kind not in _KIND_OPTIONS["for"]:
+        raise ValueError(f"--chaos fault {text!r}: for=DURATION only goes with hang, partition and slowlink (a "
+                         f"{kind} {'lasts until restart' if kind == 'kill' else 'lasts its down= and up= cycles'})")
+    for key in values:
+        if key in _KIND_OPTIONS and kind not in _KIND_OPTIONS[key]:
+            raise ValueError(f"--chaos fault {text!r}: {key}= only goes with {' and '.join(_KIND_OPTIONS[key])}")
     count = None
     if "count" in values:
         if not values["count"].isdigit() or int(values["count"]) < 1:
@@ -98,8 +162,41 @@ def _parse_fault(text: str, groups: Sequence[str]) -> Fault:
     if every is not None and every.value <= 0:
         raise ValueError(f"--chaos fault {text!r}: every must be positive, got {values['every']!r}")
     return Fault(kind, at=_when(text, "at", values["at"]) if "at" in values else None, every=every, count=count,
-                 duration_s=_duration(text, "for", values["for"]) if "for" in values else DEFAULT_HANG_S,
-                 group=group)
+                 duration_s=_duration(text, "for", values["for"]) if "for" in values else DEFAULT_FOR_S,
+                 group=group, **_network_options(text, values, groups))
+
+
+def _network_options(text: str, values: dict[str, str], groups: Sequence[str]) -> dict[str, Any]:
+    """The Fault fields of a partition's, slow link's or flap's options (the defaults for those not given)."""
+    options: dict[str, Any] = {}
+    if "from" in values:
+        peer = values["from"]
+        if peer not in _PEERS:
+            if groups and peer not in groups:
+                raise ValueError(f"--chaos fault {text!r}: from={peer!r} is none of lighthouse, all and this job's "
+                                 f"groups: {', '.join(groups)}")
+            if values.get("group") in (None, peer):
+                raise ValueError(f"--chaos fault {text!r}: from={peer} needs group=ID of another group (the target "
+                                 "cut off from it)")
+        options["peer"] = peer
+    if "dir" in values:
+        if values["dir"] not in ("out", "in"):
+            raise ValueError(f"--chaos fault {text!r}: dir must be out (what the group sends vanishes) or in (what it "
+                             f"receives), got {values['dir']!r}")
+        options["direction"] = values["dir"]
+    if "rate" in values:
+        if not _RATE.match(values["rate"]):
+            raise ValueError(f"--chaos fault {text!r}: rate={values['rate']!r} is not a rate of tc's (e.g. 1mbit, "
+                             "500kbit, 2mbps)")
+        options["rate"] = values["rate"]
+    for key in ("down", "up"):
+        if key in values:
+            options[f"{key}_s"] = _duration(text, key, values[key])
+    if "cycles" in values:
+        if not values["cycles"].isdigit() or int(values["cycles"]) < 1:
+            raise ValueError(f"--chaos fault {text!r}: cycles must be a positive integer, got {values['cycles']!r}")
+        options["cycles"] = int(values["cycles"])
+    return options
 
 
 def _when(text: str, key: str, value: str) -> When:
@@ -114,7 +211,7 @@ def _duration(text: str, key: str, value: str) -> float:
     match = _DURATION.match(value)
     if match is None:
         raise ValueError(f"--chaos fault {text!r}: {key}={value!r} is not a duration (e.g. 500ms, 20s, 2m)"
-                         + (" or a step (step40)" if key != "for" else ""))
+                         + (" or a step (step40)" if key in ("at", "every") else ""))
     return float(match.group(1)) * _UNIT_S[match.group(2)]
 
 
@@ -169,7 +266,7 @@ class ChaosSchedule:
             if target is None:
                 continue
             available.remove(target)
-            injections.append(Injection(fault.kind, target, fault.duration_s, pending.spec))
+            injections.append(Injection(fault.kind, target, fault.duration_s, pending.spec, fault))
             pending.injected += 1
             if fault.every is None or (fault.count is not None and pending.injected >= fault.count):
                 pending.next = None
@@ -186,8 +283,16 @@ def _describe(fault: Fault) -> str:
     parts = [fault.kind, f"at={when(fault.at)}" if fault.at else f"every={when(fault.every)}"]  # type: ignore[arg-type]
     if fault.count is not None:
         parts.append(f"count={fault.count}")
-    if fault.kind == "hang":
+    if fault.kind in _KIND_OPTIONS["for"]:
         parts.append(f"for={fault.duration_s:g}s")
     if fault.group is not None:
         parts.append(f"group={fault.group}")
+    if fault.kind == "partition":
+        parts.append(f"from={fault.peer}")
+        if fault.direction != "both":
+            parts.append(f"dir={fault.direction}")
+    elif fault.kind == "slowlink":
+        parts.append(f"rate={fault.rate}")
+    elif fault.kind == "flap":
+        parts += [f"down={fault.down_s:g}s", f"up={fault.up_s:g}s", f"cycles={fault.cycles}"]
     return ":".join(parts)

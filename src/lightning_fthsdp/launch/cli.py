@@ -11,6 +11,9 @@ else the highest step a group ended at), every finished group holds the same fin
 its restarts; a group still restarting when training ended is named in the summary but fails nothing.
 Group choices (``model=mlp``) and key overrides (``trainer.max_steps=50``) come after the recipe (docs/recipes.md);
 the flags win over the recipe's ``launch`` section. ``--print-config`` prints the composed recipe and exits.
+``--hosts`` (``launch.hosts``) runs the lighthouse and each group on a host of its own (a network namespace, made
+for the run and removed at its end; needs root), which the network faults of ``--chaos`` (partition, slowlink,
+flap) need.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.supervisor import Placement
     from lightning_fthsdp.launch.view import ConsoleView
+    from lightning_fthsdp.netcluster.cluster import Cluster
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 
@@ -86,6 +90,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help=argparse.SUPPRESS)
     parser.add_argument("--chaos", default=None, metavar="SPEC",
                         help="failures to inject, e.g. kill:every=20s,hang:at=45s:for=10s (default: launch.chaos)")
+    parser.add_argument("--hosts", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the lighthouse and each replica group on a host of its own: a network namespace with "
+                             "its own address, made for the run (needs root); required by the network faults of "
+                             "--chaos (default: launch.hosts)")
     parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
     parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                         help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
@@ -110,18 +118,19 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     for flag, key in ((args.replicas, "launch.replicas"), (args.shard_count, "launch.shard_count"),
-                      (args.chaos, "launch.chaos")):
+                      (args.chaos, "launch.chaos"), (args.hosts, "launch.hosts")):
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
     try:
         recipe = load_recipe(args.recipe, overrides)
         replica_ids = group_ids(recipe.launch.replicas)
-        faults = chaos.parse(recipe.launch.chaos, replica_ids)
+        faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
     if args.print_config:
         print(to_yaml(recipe), end="")
         return 0
+    hosts_available(recipe)
     out = fresh_out(args.out)
     checkpoints_under(recipe, out)
     (out / "recipe.yaml").write_text(to_yaml(recipe))
@@ -140,7 +149,8 @@ def _run_script(args: argparse.Namespace) -> int:
 
     recipe = RecipeConfig()
     recipe.launch.standby = False
-    for flag, key in ((args.replicas, "replicas"), (args.shard_count, "shard_count"), (args.chaos, "chaos")):
+    for flag, key in ((args.replicas, "replicas"), (args.shard_count, "shard_count"), (args.chaos, "chaos"),
+                      (args.hosts, "hosts")):
         if flag is not None:
             setattr(recipe.launch, key, flag)
     script_args = ([str(args.recipe)] if args.recipe is not None else []) + list(args.overrides)
@@ -151,14 +161,26 @@ def _run_script(args: argparse.Namespace) -> int:
             raise ValueError(f"--target-steps must be >= 1, got {args.target_steps}")
         command = ScriptCommand(args.script.resolve(), tuple(script_args), recipe.launch.shard_count)
         replica_ids = group_ids(recipe.launch.replicas)
-        faults = chaos.parse(recipe.launch.chaos, replica_ids)
+        faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
     except ValueError as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
+    hosts_available(recipe)
     out = fresh_out(args.out)
     meta = {"script": str(command.script), "script_args": list(command.args)}
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, args.target_steps, meta)
     return write_report(report, out)
+
+
+def hosts_available(recipe: RecipeConfig) -> None:
+    """With launch.hosts, exit now, saying why, where hosts cannot be made (not root, no iproute2), not after the
+    run's folder was cleared."""
+    if recipe.launch.hosts:
+        from lightning_fthsdp.netcluster import available
+
+        reason = available()
+        if reason is not None:
+            raise SystemExit(f"fthsdp launch: error: --hosts (launch.hosts=true) cannot make hosts here: {reason}")
 
 
 def write_report(report: dict[str, Any], out: Path) -> int:
@@ -175,25 +197,36 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
             placement: Placement | None = None, restart_lighthouse: bool = False) -> dict[str, Any]:
     """Run the job to its end and return its report; ``target_steps``: the step every group trains to (None: unknown
     until the groups end, then the highest step one ended at); ``placement``: where the lighthouse and the groups
-    run (None: on this machine; ``fthsdp slurm`` passes its own); ``restart_lighthouse``: a lighthouse that exits is
-    started again at the same address (up to ``launch.max_restarts`` times; it rebuilds its state from what the groups
-    hold), else the job goes on without one."""
+    run (None: on this machine, on hosts of their own with ``launch.hosts``; ``fthsdp slurm`` passes its own);
+    ``restart_lighthouse``: a lighthouse that exits is started again at the same address (up to
+    ``launch.max_restarts`` times; it rebuilds its state from what the groups hold), else the job goes on without
+    one."""
+    from lightning_fthsdp.launch.chaos import KINDS
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
     from lightning_fthsdp.launch.supervisor import Supervisor
     from lightning_fthsdp.launch.view import ConsoleView
 
+    if recipe.launch.hosts and placement is not None:
+        raise ValueError(f"launch.hosts=true puts every process on a host of its own on this machine; {placement} "
+                         "places them elsewhere: set launch.hosts=false")
     timeouts = recipe.ft.timeouts
     host, prefix = placement.lighthouse() if placement is not None else ("127.0.0.1", ())
+    cluster = _make_hosts(replica_ids) if recipe.launch.hosts else None
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
               lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)), lighthouse_host=host,
-              lighthouse_prefix=prefix)
+              lighthouse_prefix=prefix, hosts=cluster, straggler_policy=recipe.ft.stragglers)
     if placement is not None:  # a step the scheduler starts: as long as the groups wait to reach it
         job.lighthouse_start_s = timeouts.connect_timeout_ms / 1000
-    supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
-                            recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
-                            standby=recipe.launch.standby, placement=placement)
+    try:
+        supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
+                                recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
+                                standby=recipe.launch.standby, placement=placement)
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
     view = ConsoleView(len(replica_ids), target_steps, live)
     # SIGTERM (a scheduler, `timeout`) must still end every process we started: turn it into an exception.
     signal.signal(signal.SIGTERM, _terminate)
@@ -205,6 +238,9 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     checkpoint = None
     lighthouse_restarts: list[float] = []
     try:
+        if cluster is not None:
+            view.event(f"hosts: {', '.join(f'{h} {cluster.address(h)}' for h in cluster.hosts)} "
+                       f"(network namespaces {cluster.name}-*)")
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
         supervisor.start_all()
@@ -234,7 +270,9 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
                     view.event(f"inject {injection.kind} on group {injection.group} ({injection.spec})")
                     supervisor.inject(injection)
             for event in supervisor.transitions[seen:]:
-                if event["event"] not in ("kill", "hang"):
+                if event["event"] == "heal":
+                    view.event(f"group {event['replica_id']}: {event['kind']} healed (step {event['step']})")
+                elif event["event"] not in KINDS:
                     view.event(f"group {event['replica_id']}: {event['event']} (step {event['step']})")
             seen = len(supervisor.transitions)
             view.update(supervisor.groups)
@@ -249,7 +287,12 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
         view.event(f"{outcome}: stopping every process")
     finally:
         view.close()
-        job.close()
+        try:
+            supervisor.heal_network()  # the flaps' threads end; every heal is in the timeline
+        finally:
+            job.close()
+            if cluster is not None:  # after the processes: nothing is left running in its namespaces
+                cluster.close()
     supervisor.read_records()
     if target_steps is None:
         target_steps = max((g.step for g in supervisor.groups.values() if g.params_sha256), default=0)
@@ -259,6 +302,15 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
             "quorum_waits": waits.episodes, "lighthouse_restarts": len(lighthouse_restarts)}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=target_steps, meta=meta)
+
+
+def _make_hosts(replica_ids: list[str]) -> Cluster:
+    """The run's hosts: ``lighthouse`` and one per group, named after it; namespaces that crashed runs left behind
+    (their PID is gone) are removed first."""
+    from lightning_fthsdp.netcluster import LIGHTHOUSE, Cluster, remove_leftovers
+
+    remove_leftovers()
+    return Cluster([LIGHTHOUSE, *replica_ids])
 
 
 def _restart_lighthouse(job: Job, restarts: list[float], budget: int, view: ConsoleView) -> str | None:

@@ -29,3 +29,11 @@ def ranks_per_node(shard_count: int, nodes_per_replica: int, node: str) -> int:
                          f"{shard_count} (the ranks of a group over all its {node}s): set launch.shard_count={whole} "
                          f"or change the {node}s")
     return shard_count // nodes_per_replica
+
+
+def refuse_one_advertise_host(advertise_host: str, node: str, default: str) -> None:
+    """A recipe's ``ft.advertise_host`` would be every node's advertised address (an explicit value wins over the
+    per-node environment): refused, naming the per-node ``default`` that applies without it."""
+    if advertise_host:
+        raise ValueError(f"ft.advertise_host={advertise_host!r} would be the advertised address of every {node} of the "
+                         f"job, while each must advertise its own ({default}): set ft.advertise_host=''")

@@ -109,7 +109,7 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool 
         "class_path": STRATEGY, "init_args": {"lr_scaling": recipe.ft.lr_scaling,
                                               "keep_global_batch": recipe.ft.keep_global_batch, "timeouts": timeouts,
                                               "validate_every_n_steps": trainer.val_every_n_steps,
-                                              **_checkpoint_args(recipe)}}
+                                              **_checkpoint_args(recipe), **_address_args(recipe)}}
     if not ft:
         strategy = "ddp" if recipe.launch.shard_count > 1 else "auto"
     return {
@@ -133,6 +133,12 @@ def _checkpoint_args(recipe: RecipeConfig) -> dict[str, Any]:
         return {}
     return {"checkpoint_dir": ft.checkpoint_dir, "checkpoint_every_n_steps": ft.checkpoint_every_n_steps,
             "checkpoint_keep": ft.checkpoint_keep}
+
+
+def _address_args(recipe: RecipeConfig) -> dict[str, Any]:
+    """The strategy's ``advertise_host`` when the recipe sets one; else none, so $FTHSDP_ADVERTISE_HOST still applies
+    (an explicit argument would win over it)."""
+    return {"advertise_host": recipe.ft.advertise_host} if recipe.ft.advertise_host else {}
 
 
 def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path | None = None,

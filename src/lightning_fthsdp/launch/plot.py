@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_fthsdp.launch.chaos import KINDS
+
 _COLORS = {"training": "tab:green", "starting": "tab:gray", "hung": "tab:orange", "down": "tab:red",
            "done": "tab:blue", "failed": "black", "abandoned": "tab:purple"}
 
@@ -37,7 +39,7 @@ def write_png(report: dict[str, Any], path: Path) -> None:
             member_ax.barh(row, max(stop - event["t"], 0.0), left=event["t"], color=_COLORS[event["event"]],
                            height=0.6)
     for event in report["timeline"]:
-        if event["event"] in ("kill", "hang"):
+        if event["event"] in KINDS:
             member_ax.axvline(event["t"], color="black", ls="--", lw=0.8)
             member_ax.text(event["t"], -0.55, f" {event['event']} {event['replica_id']}", fontsize=8, va="bottom")
     member_ax.set_yticks(range(len(groups)), [f"group {g}" for g in groups])

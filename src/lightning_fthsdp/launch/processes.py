@@ -5,6 +5,11 @@ SIGKILL, so stopped ones die too). Waits are for events (a line, a JSONL record,
 
 Every job has a token (``$FTHSDP_TOKEN`` if set, else a fresh random one), handed to the lighthouse and every group
 through the environment, never on a command line.
+
+With ``Job.hosts`` (a ``lightning_fthsdp.netcluster.Cluster``) every process runs on a host of its own: the
+lighthouse on host ``lighthouse``, bound to that host's address, and each group on the host named after its replica
+id (or the hosts given), as on a real cluster. ``ip netns exec`` execs the command, so the PIDs ended by
+``close()`` are the processes' own. Without it, everything runs on this machine's loopback, as always.
 """
 
 from __future__ import annotations
@@ -24,10 +29,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.config.anatomy import ENV_SPAWNED_AT
 from lightning_fthsdp.config.env import ENV_TOKEN
+
+if TYPE_CHECKING:
+    from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
+    from lightning_fthsdp.netcluster.cluster import Cluster
 
 PLAIN_TRAINER = "lightning_fthsdp.demo.train_plain"
 LISTENING = re.compile(r"listening on (http://\S+:(\d+)) store")
@@ -59,6 +68,8 @@ class Group:
     proc: subprocess.Popen[bytes]
     jsonl: Path
     log: Path
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """The group's launches on its other hosts (a group over several hosts: ``proc`` is the first host's)."""
 
     def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
         rows = read_jsonl(self.jsonl)
@@ -92,6 +103,12 @@ class Job:
     """What runs the lighthouse's command elsewhere (``srun ...`` inside a SLURM allocation); empty: here."""
     lighthouse_start_s: float = 30.0
     """How long the lighthouse may take to listen (a step a scheduler starts needs longer than a process here)."""
+    straggler_policy: StragglerPolicy | None = None
+    """The lighthouse's straggler policy (``lighthouse.stragglers``; None: its default, measure and show only)."""
+    hosts: Cluster | None = None
+    """Run every process on a host of this cluster (``lightning_fthsdp.netcluster``): the lighthouse on host
+    ``lighthouse`` at its address (``lighthouse_host`` and ``lighthouse_prefix`` are then not used), each group on the
+    host named after its replica id unless told others. None: this machine's loopback."""
     lighthouse_url: str = ""
     lighthouse: subprocess.Popen[bytes] | None = None
     groups: dict[str, Group] = field(default_factory=dict)
@@ -101,15 +118,23 @@ class Job:
     def start_lighthouse(self) -> str:
         """Start (or restart, on the same port) the lighthouse; returns its URL once it listens."""
         out = self.workdir / f"lighthouse-{len(self._procs)}.out"
-        cmd = [*self.lighthouse_prefix, sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse",
-               "--host", self.lighthouse_host,
+        bind, prefix, env = self.lighthouse_host, self.lighthouse_prefix, None
+        if self.hosts is not None:
+            from lightning_fthsdp.netcluster.cluster import LIGHTHOUSE
+
+            bind, prefix, env = (self.hosts.address(LIGHTHOUSE), tuple(self.hosts.command_prefix(LIGHTHOUSE)),
+                                 self.hosts.env(LIGHTHOUSE))
+        cmd = [*prefix, sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse",
+               "--host", bind,
                "--port", str(self._port), "--min-replicas", str(self.min_replicas),
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
         if self.replica_ids:
             cmd += ["--replica-ids", ",".join(self.replica_ids)]
         if self.lost_state_wait_ms is not None:
             cmd += ["--lost-state-wait-ms", str(self.lost_state_wait_ms)]
-        self.lighthouse = self._spawn(cmd, out)
+        if self.straggler_policy is not None:
+            cmd += self.straggler_policy.args()
+        self.lighthouse = self._spawn(cmd, out, env)
         match = wait_for(lambda: LISTENING.search(out.read_text()), self.lighthouse_start_s,
                          "the lighthouse's listening line")
         self.lighthouse_url, self._port = match.group(1), int(match.group(2))
@@ -125,7 +150,20 @@ class Job:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def start_group(self, replica_id: str, steps: int, *, fault: str | None = None, shard_count: int = 1,
-                    step_time_ms: int = 20, extra: tuple[str, ...] = ()) -> Group:
+                    step_time_ms: int = 20, extra: tuple[str, ...] = (), host: str | None = None,
+                    hosts: tuple[str, ...] = ()) -> Group:
+        """Start the demo trainer as replica group ``replica_id`` (``shard_count`` ranks, under torchrun when more than
+        one). With ``Job.hosts``: on ``host`` (default: the host named ``replica_id``), or over ``hosts``: one torchrun
+        per host, the group's ``shard_count`` ranks split evenly among them (rank 0 on the first host)."""
+        if (host is not None or hosts) and self.hosts is None:
+            raise ValueError(f"Job.start_group(host={host!r}, hosts={hosts!r}) places a group on a host of Job.hosts, "
+                             "which is None: give the Job a netcluster.Cluster")
+        if host is not None and hosts:
+            raise ValueError(f"Job.start_group takes host= or hosts=, got both: {host!r} and {hosts!r}")
+        if hosts and shard_count % len(hosts):
+            raise ValueError(f"Job.start_group({replica_id!r}) splits its shard_count={shard_count} ranks evenly over "
+                             f"its {len(hosts)} hosts {hosts}: give a multiple of {len(hosts)} (every group of a job "
+                             "has the same number of ranks)")
         jsonl = self.workdir / f"{replica_id}.jsonl"
         log = self.workdir / f"{replica_id}-{len(self._procs)}.log"
         args = ["-m", PLAIN_TRAINER, "--replica-id", replica_id, "--lighthouse", self.lighthouse_url,
@@ -137,19 +175,55 @@ class Job:
                 "--connect-timeout-ms", str(self.collective_timeout_ms + 20_000), *extra]
         if fault:
             args += ["--fault", fault]
+        if hosts:
+            return self._start_over_hosts(replica_id, hosts, shard_count, args, jsonl, log)
         if shard_count > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(shard_count),
                    "--standalone", "--max-restarts", "0", *args]
         else:
             cmd = [sys.executable, *args]
-        group = Group(replica_id, self._spawn(cmd, log), jsonl, log)
+        if self.hosts is None:
+            group = Group(replica_id, self._spawn(cmd, log), jsonl, log)
+        else:
+            on = host if host is not None else replica_id
+            group = Group(replica_id, self._spawn([*self.hosts.command_prefix(on), *cmd], log, self.hosts.env(on)),
+                          jsonl, log)
         self.groups[replica_id] = group
         return group
 
     def start_command(self, replica_id: str, cmd: list[str], *, jsonl: Path, log: Path,
-                      env: dict[str, str] | None = None, cwd: Path | None = None) -> Group:
-        """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours."""
+                      env: dict[str, str] | None = None, cwd: Path | None = None, host: str | None = None) -> Group:
+        """Start any replica-group command (own session, ended by ``close()``) with ``env`` added to ours; with
+        ``Job.hosts`` on ``host`` (default: the host named ``replica_id``), the host's environment under ``env``."""
+        if self.hosts is not None:
+            on = host if host is not None else replica_id
+            cmd, env = [*self.hosts.command_prefix(on), *cmd], {**self.hosts.env(on), **(env or {})}
+        elif host is not None:
+            raise ValueError(f"Job.start_command(host={host!r}) places a group on a host of Job.hosts, which is None: "
+                             "give the Job a netcluster.Cluster")
         group = Group(replica_id, self._spawn(cmd, log, env, cwd), jsonl, log)
+        self.groups[replica_id] = group
+        return group
+
+    def _start_over_hosts(self, replica_id: str, hosts: tuple[str, ...], shard_count: int, args: list[str],
+                          jsonl: Path, log: Path) -> Group:
+        """One torchrun per host, ``shard_count`` ranks over all, rendezvous at the first host (see ``start_group``)."""
+        assert self.hosts is not None
+        first = hosts[0]
+        # torchrun's static rendezvous: node 0 serves the store at --master-port. A port bound at 0 cannot be handed
+        # to torchrun still bound, so the cluster reserves one below the host's ephemeral range: nothing else in
+        # that namespace (this job's alone) is ever handed it, so no other process can take it first.
+        port = self.hosts.reserve_port(first)
+        procs = []
+        for rank, on in enumerate(hosts):
+            cmd = [*self.hosts.command_prefix(on), sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes", str(len(hosts)), "--node-rank", str(rank),
+                   "--nproc-per-node", str(shard_count // len(hosts)),
+                   "--master-addr", self.hosts.address(first), "--master-port", str(port), "--max-restarts", "0",
+                   *args]
+            out = log if rank == 0 else log.with_name(f"{log.stem}.{on}{log.suffix}")
+            procs.append(self._spawn(cmd, out, self.hosts.env(on)))
+        group = Group(replica_id, procs[0], jsonl, log, others=procs[1:])
         self.groups[replica_id] = group
         return group
 

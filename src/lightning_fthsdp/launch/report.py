@@ -2,7 +2,8 @@
 
 Times are seconds. ``t0`` is the job's first committed step (start-up and imports are not training time).
 
-- ``failures_injected``: failures the chaos schedule injected.
+- ``failures_injected``: failures the chaos schedule injected (kills, hangs and, with ``--hosts``, network faults:
+  partitions, slow links, flaps; the timeline has each one's details and a ``heal`` event when it ended).
 - ``committed_steps``: the job's highest committed step.
 - ``discarded_steps``: failed commit attempts, summed over groups (each was retrained on the same batch).
 - ``stalls_s``: one per failure: from the injection until a group other than the target committed a step
@@ -48,6 +49,7 @@ import statistics
 from typing import Any
 
 from lightning_fthsdp.config import anatomy
+from lightning_fthsdp.launch.chaos import KINDS
 from lightning_fthsdp.launch.supervisor import GroupState
 
 ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x median fault-free step time, divided by "
@@ -59,7 +61,7 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
     """The report as a JSON-able dict (fields in the module docstring, plus per-group details and the timeline)."""
     steps = [r for g in groups.values() for r in g.records if r["event"] == "commit"]
     t0 = min((r["t"] for r in steps), default=0.0)
-    injections = [e for e in transitions if e["event"] in ("kill", "hang")]
+    injections = [e for e in transitions if e["event"] in KINDS]
     stalls, recoveries = [], []
     for event in injections:
         others = [r["t"] for r in steps if r["t"] > event["t"] and r["replica_id"] != event["replica_id"]]
@@ -149,7 +151,7 @@ def _start_phases(groups: dict[str, GroupState], transitions: list[dict[str, Any
             if incarnation > 0:
                 before = [e for e in transitions if e["replica_id"] == g.replica_id
                           and e["incarnation"] == incarnation - 1]
-                injected = [e["event"] for e in before if e["event"] in ("kill", "hang")]
+                injected = [e["event"] for e in before if e["event"] in KINDS]
                 down = [e["t"] for e in before if e["event"] == "down"]
                 began = marks.get("released", marks.get("spawned"))
                 entry["after"] = injected[-1] if injected else "exit"

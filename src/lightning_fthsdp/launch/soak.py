@@ -10,7 +10,11 @@ What it injects (each one seeded, at exponential intervals of ``mean_gap_s``):
 - every restart draws its incarnation's own fault: killed as it fetches, follows or replays, or killed from outside
   while still starting (failures faster than restarts), or none;
 - ``two``: two groups killed at once (or one killed, one stopped);
-- ``lighthouse``: a group killed and the lighthouse killed during the membership change, restarted a little later.
+- ``lighthouse``: a group killed and the lighthouse killed during the membership change, restarted a little later;
+- with ``network`` (every group and the lighthouse on a host of its own, ``lightning_fthsdp.netcluster``), faults of
+  the network between them, each healed after a random time: ``cut_lighthouse`` (a group cut off from the lighthouse,
+  still reaching its peers), ``cut_peers`` (two groups cut off from each other, both reaching the lighthouse),
+  ``slowlink`` (a group's link rate-limited) and ``flap`` (a group's link down and up a few times).
 
 A stopped group is resumed (SIGCONT) or killed after a random time; a dead group is restarted after a random delay.
 The soak never takes down every group holding the job's committed state at once: every injection needs an
@@ -18,7 +22,8 @@ up-to-date group that stays untouched (no fault armed, none planned). Losing all
 checkpoints are for, and this soak does not test it.
 
 Measured: the failures by kind and phase, the stall of the healthy groups (time between consecutive commits of a
-group not failing itself, split by what else was going on), each recovery (kill -> first commit of the new
+group not failing itself, split by what else was going on; a group under a network fault is failing itself), each
+recovery (kill -> first commit of the new
 incarnation). Checked every ``check_every_s`` on the logs so far and at the end: no committed step lost (the
 lighthouse's ``lost_steps``, ``assert_no_regression``), identical parameters across the groups that committed a step
 in the kept quorum (``assert_consistent``), every batch trained exactly once (``assert_exactly_once``), and that every
@@ -40,10 +45,13 @@ from typing import Any
 
 from lightning_fthsdp.launch.invariants import assert_consistent, assert_exactly_once, assert_no_regression
 from lightning_fthsdp.launch.processes import Job
+from lightning_fthsdp.netcluster.cluster import Cluster
+from lightning_fthsdp.netcluster.faults import Flap, NetworkFault, cut, flap, partition, slowlink
 
 PHASE_FAULTS = ("forward", "backward", "before", "allreduce", "commit", "optimizer")
 RECOVERY_FAULTS = ("fetch", "follow", "replay")
 SCENARIOS = {"phase": 6.0, "serve": 2.0, "two": 1.0, "lighthouse": 1.0}
+NETWORK_SCENARIOS = {"cut_lighthouse": 2.0, "cut_peers": 1.5, "slowlink": 1.0, "flap": 1.0}
 LIMITS = ("never takes down every group holding the committed state at once (a durable checkpoint would be needed "
           "to keep the job's progress then: not exercised here)")
 STEPS = 10**9  # the groups train until the soak ends them
@@ -68,6 +76,14 @@ class SoakConfig:
     settle_s: float = 90.0
     """After the chaos: how long every group may take to train together again."""
     check_every_s: float = 10.0
+    network: bool = False
+    """Run the lighthouse and every group on a host of its own (network namespaces: root only) and inject network
+    faults too (``NETWORK_SCENARIOS``)."""
+    network_fault_s: tuple[float, float] = (1.5, 5.0)
+    """How long a cut or a slow link lasts before it heals (a flap: its down and up times are drawn from a third of
+    this each)."""
+    slow_rate: str = "2mbit"
+    """The rate of a slow link (tc's units)."""
 
 
 @dataclass
@@ -170,12 +186,16 @@ class Soak:
         self._lighthouse_back_at: float | None = None
         self._kill_lighthouse_on_ready: str | None = None
         self.checks = 0
+        self.cluster: Cluster | None = None
+        self.network_faults: list[_NetworkFault] = []
 
     # ------------------------------------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
         try:
+            if cfg.network:
+                self.cluster = self.job.hosts = Cluster(["lighthouse", *cfg.replica_ids], prefix="fthsdp-soak")
             self.job.start_lighthouse()
             self.t0, self.wall0 = time.monotonic(), time.time()
             for group in self.groups.values():
@@ -197,7 +217,11 @@ class Soak:
             settled = self._settle()
             self._poll_lighthouse()
         finally:
+            for fault in self.network_faults:
+                fault.handle.heal()
             self.job.close()
+            if self.cluster is not None:
+                self.cluster.close()
         self._tick(chaos=False)
         self._check(final=True)
         return self._result(chaos_s, settled)
@@ -240,6 +264,11 @@ class Soak:
             self._event("lighthouse restarted", "lighthouse")
         if self.job.lighthouse is not None and self._lighthouse_back_at is None:
             self._poll_lighthouse()
+        for fault in self.network_faults:
+            if fault.ended is None and (now >= fault.heal_at or (isinstance(fault.handle, Flap) and fault.handle.done)):
+                fault.handle.heal()
+                fault.ended = now - self.t0
+                self._event("healed", fault.who, kind=fault.kind)
 
     def _read(self, group: _Group) -> None:
         for row in group.tail.read():
@@ -273,9 +302,61 @@ class Soak:
 
     def _inject(self) -> bool:
         """One injection of a scenario drawn by weight among those possible now; False if none is."""
-        names = list(SCENARIOS)
-        order = self.rng.choices(names, weights=[SCENARIOS[n] for n in names], k=len(names) * 2)
+        scenarios = {**SCENARIOS, **(NETWORK_SCENARIOS if self.config.network else {})}
+        names = list(scenarios)
+        order = self.rng.choices(names, weights=[scenarios[n] for n in names], k=len(names) * 2)
         return any(getattr(self, f"_inject_{scenario}")() for scenario in order)
+
+    def _inject_cut_lighthouse(self) -> bool:
+        group = self._network_victim()
+        if group is None:
+            return False
+        assert self.cluster is not None
+        self._network_fault("cut_lighthouse", (group,), cut(self.cluster, group.replica_id, ["lighthouse"]))
+        return True
+
+    def _inject_cut_peers(self) -> bool:
+        holders = [g for g in self._holders() if not self._faulted(g)]
+        pairs = [(x, y) for x in holders for y in holders if x.replica_id < y.replica_id and self._safe_without(x, y)]
+        if not pairs:
+            return False
+        assert self.cluster is not None
+        x, y = self.rng.choice(pairs)
+        self._network_fault("cut_peers", (x, y), partition(self.cluster, x.replica_id, y.replica_id))
+        return True
+
+    def _inject_slowlink(self) -> bool:
+        group = self._network_victim()
+        if group is None:
+            return False
+        assert self.cluster is not None
+        self._network_fault("slowlink", (group,), slowlink(self.cluster, group.replica_id, self.config.slow_rate))
+        return True
+
+    def _inject_flap(self) -> bool:
+        group = self._network_victim()
+        if group is None:
+            return False
+        assert self.cluster is not None
+        low, high = (t / 3 for t in self.config.network_fault_s)
+        handle = flap(self.cluster, group.replica_id, down_s=self.rng.uniform(low, high),
+                      up_s=self.rng.uniform(low, high), count=self.rng.randint(2, 3))
+        self._network_fault("flap", (group,), handle)
+        return True
+
+    def _network_victim(self) -> _Group | None:
+        candidates = [g for g in self._holders() if self._safe_without(g) and not self._faulted(g)]
+        return self.rng.choice(candidates) if candidates else None
+
+    def _faulted(self, group: _Group) -> bool:
+        return any(f.ended is None and group.replica_id in f.who.split(",") for f in self.network_faults)
+
+    def _network_fault(self, kind: str, groups: tuple[_Group, ...], handle: NetworkFault) -> None:
+        now = time.monotonic()
+        who = ",".join(g.replica_id for g in groups)
+        heal_at = now + (3600.0 if isinstance(handle, Flap) else self.rng.uniform(*self.config.network_fault_s))
+        self.network_faults.append(_NetworkFault(kind, who, handle, now - self.t0, heal_at))
+        self._event("network", who, kind=kind, detail=handle.detail)
 
     def _inject_phase(self) -> bool:
         candidates = [g for g in self._holders() if self._safe_without(g)]
@@ -445,6 +526,9 @@ class Soak:
                 group.resolve_at = 0.0  # resumed by the next tick (chaos=False: never killed)
         if self._lighthouse_back_at is not None:
             self._lighthouse_back_at = time.monotonic()
+        for fault in self.network_faults:
+            fault.heal_at = 0.0  # healed by the next tick
+            fault.handle.heal()
         start = max(g.last_step for g in self.groups.values())
         return self._wait(lambda: all(g.alive and g.last_event == "commit" and g.last_step >= start + 20
                                       for g in self.groups.values())
@@ -495,6 +579,8 @@ class Soak:
                 by_kind[f"sigstop external ({e['why']})"] = by_kind.get(f"sigstop external ({e['why']})", 0) + 1
             elif e["event"] == "lighthouse killed":
                 by_kind[f"lighthouse killed ({e['during']})"] = by_kind.get(f"lighthouse killed ({e['during']})", 0) + 1
+            elif e["event"] == "network":
+                by_kind[f"network {e['kind']}"] = by_kind.get(f"network {e['kind']}", 0) + 1
         stalls = self._stalls()
         recoveries = self._recoveries()
         commits = max((step for g in self.groups.values() for inc in g.incarnations for _, step in inc.commits),
@@ -507,6 +593,9 @@ class Soak:
             "failures_by_kind": dict(sorted(by_kind.items())),
             "restarts": sum(len(g.incarnations) - 1 for g in self.groups.values()),
             "stall_s": {kind: _stats(values) for kind, values in stalls.items()},
+            "network_faults": [{"kind": f.kind, "who": f.who, "detail": f.handle.detail, "at_s": round(f.started, 3),
+                                "for_s": None if f.ended is None else round(f.ended - f.started, 3)}
+                               for f in self.network_faults],
             "recovery_s": {kind: _stats([r[kind] for r in recoveries if r[kind] is not None])
                            for kind in ("kill_to_commit", "spawn_to_commit", "imports", "build", "join_to_commit")},
             "recoveries": recoveries,
@@ -521,21 +610,27 @@ class Soak:
 
     def _stalls(self) -> dict[str, list[float]]:
         """Gaps between consecutive commits of a group not failing itself (within one incarnation, not stopped,
-        not its own catch-up), by what else happened meanwhile: ``all``; ``quiet`` (nothing); ``failure`` (another
-        group died or stopped); ``recovering`` (another group was restarting, no failure); ``lighthouse`` (it was
-        down)."""
+        not its own catch-up, not under a network fault of its own), by what else happened meanwhile: ``all``;
+        ``quiet`` (nothing); ``failure`` (another group died or stopped); ``recovering`` (another group was
+        restarting, no failure); ``lighthouse`` (it was down); ``network`` (another group was under a network
+        fault)."""
         deaths = [e["t"] for e in self.events if e["event"] in ("died", "stopped", "stop")]
         recovering = [(inc.spawned, inc.commits[0][0] if inc.commits else inc.ended or 1e18, g.replica_id)
                       for g in self.groups.values() for inc in g.incarnations[1:]]
-        out: dict[str, list[float]] = {"all": [], "quiet": [], "failure": [], "recovering": [], "lighthouse": []}
+        out: dict[str, list[float]] = {"all": [], "quiet": [], "failure": [], "recovering": [], "lighthouse": [],
+                                       "network": []}
+        network = [(f.started, f.ended if f.ended is not None else 1e18, f.who.split(",")) for f in self.network_faults]
         for group in self.groups.values():
             for inc in group.incarnations:
                 for (t1, _), (t2, _) in zip(inc.commits, inc.commits[1:], strict=False):
-                    if any(a < t2 and t1 < b for a, b in inc.stopped) or t2 in inc.catch_up_at:
+                    if any(a < t2 and t1 < b for a, b in inc.stopped) or t2 in inc.catch_up_at or any(
+                            a < t2 and t1 < b and group.replica_id in who for a, b, who in network):
                         continue
                     gap = t2 - t1
                     out["all"].append(gap)
-                    if any(a < t2 and t1 < b for a, b in self.lighthouse_down):
+                    if any(a < t2 and t1 < b for a, b, _ in network):
+                        out["network"].append(gap)
+                    elif any(a < t2 and t1 < b for a, b in self.lighthouse_down):
                         out["lighthouse"].append(gap)
                     elif any(t1 - 0.05 <= t <= t2 for t in deaths):
                         out["failure"].append(gap)
@@ -560,6 +655,18 @@ class Soak:
                             "build": _span(inc.imports_done, inc.ready if first else None),
                             "join_to_commit": _span(inc.ready, first)})
         return out
+
+
+@dataclass
+class _NetworkFault:
+    kind: str
+    who: str
+    """The group(s) it strikes, comma separated."""
+    handle: NetworkFault
+    started: float
+    heal_at: float
+    """Monotonic time to heal it (a flap heals itself when its cycles end)."""
+    ended: float | None = None
 
 
 def _span(start: float | None, end: float | None) -> float | None:

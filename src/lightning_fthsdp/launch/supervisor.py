@@ -1,6 +1,7 @@
 """Supervises the replica groups of one local job: starts each as one launch of its command (``fthsdp fit`` of a
 recipe, or a script: ``launch.commands``), follows its JSONL,
-restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group. With
+restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group (or, for
+a network fault, on its host: ``launch.netchaos``, when ``Job.hosts`` places each group on a host of its own). With
 ``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
 it (see ``launch.standby``).
 
@@ -18,13 +19,16 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
-from lightning_fthsdp.launch.chaos import Injection
+from lightning_fthsdp.launch.chaos import NETWORK_KINDS, Injection
 from lightning_fthsdp.launch.commands import GroupCommand
 from lightning_fthsdp.launch.fit import ENV_STANDBY
 from lightning_fthsdp.launch.processes import Group, Job, free_port
+
+if TYPE_CHECKING:
+    from lightning_fthsdp.launch.netchaos import NetworkChaos
 
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
@@ -114,7 +118,9 @@ class Supervisor:
     standby: bool = False
     """Keep each training group's next incarnation started ahead (see ``launch.standby``; a ``FitCommand`` only)."""
     placement: Placement | None = None
-    """Where the groups run (None: this machine)."""
+    """Where the groups run (None: this machine, or the hosts of ``job.hosts``)."""
+    network: NetworkChaos | None = field(default=None, init=False)
+    """The network faults in place (with ``job.hosts``: each group on a host of its own)."""
 
     def __post_init__(self) -> None:
         if self.standby and not self.command.standby:
@@ -122,6 +128,13 @@ class Supervisor:
         if self.standby and self.placement is not None:
             raise ValueError("Supervisor(standby=True) starts groups on this machine: it cannot be combined with a "
                              f"placement ({self.placement}); set launch.standby=false")
+        if self.job.hosts is not None:
+            if self.placement is not None:
+                raise ValueError(f"Supervisor places groups either on the hosts of job.hosts ({self.job.hosts}) or "
+                                 f"with a placement ({self.placement}), not both")
+            from lightning_fthsdp.launch.netchaos import NetworkChaos  # only with hosts: nothing to import otherwise
+
+            self.network = NetworkChaos(self.job.hosts)
 
     def start_all(self) -> None:
         for replica_id in self.replica_ids:
@@ -146,14 +159,28 @@ class Supervisor:
                 state.restarts += 1
                 state.restart_times.append(now)
                 self._start(state)
+        if self.network is not None:
+            for active, healed in self.network.due(now):
+                self._record_heal(active.replica_id, healed)
         if self.standby:
             self._prepare_standby()
         if self.placement is not None:
             self.placement.poll()
 
     def inject(self, injection: Injection) -> None:
-        """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group)."""
+        """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group); a network
+        fault is put in place on its host, healed by ``poll()`` when due."""
         state = self.groups[injection.group]
+        if injection.kind in NETWORK_KINDS:
+            if self.network is None:
+                raise ValueError(f"Supervisor cannot inject a {injection.kind} ({injection.spec}): its groups run on "
+                                 "this machine's loopback (Job.hosts is None); launch with --hosts")
+            detail = self.network.inject(injection)
+            # Timed once the fault is in place, as a signal's injection is timed after the signal.
+            self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
+                                     "spec": injection.spec, "step": state.step, "incarnation": state.incarnation,
+                                     **detail})
+            return
         self._signal(state, signal.SIGKILL if injection.kind == "kill" else signal.SIGSTOP)
         # Timed after the signal: a record the target wrote before it has an earlier t, none can come after it.
         self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
@@ -165,6 +192,12 @@ class Supervisor:
         else:
             state.resume_at = time.time() + injection.duration_s
             self._set(state, HUNG)
+
+    def heal_network(self) -> None:
+        """Undo every network fault still in place (the run is ending), each recorded as healed."""
+        if self.network is not None:
+            for active, healed in self.network.heal_all():
+                self._record_heal(active.replica_id, healed)
 
     def abandon_stranded(self) -> list[str]:
         """Once a group finished and none is training, end the groups still starting, down or hung.
@@ -296,6 +329,11 @@ class Supervisor:
         if state.process is not None:
             with contextlib.suppress(ProcessLookupError):  # it already exited: poll() records the exit
                 os.killpg(state.process.proc.pid, sig)
+
+    def _record_heal(self, replica_id: str, healed: dict[str, Any]) -> None:
+        state = self.groups[replica_id]
+        self.transitions.append({"t": time.time(), "replica_id": replica_id, "event": "heal", **healed,
+                                 "step": state.step, "incarnation": state.incarnation})
 
     def _set(self, state: GroupState, status: str) -> None:
         if state.status != status or not self.transitions or status == STARTING:

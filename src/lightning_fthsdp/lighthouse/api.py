@@ -16,15 +16,19 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, require, require_int
+from lightning_fthsdp.lighthouse.exclusions import Exclusion
+from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, json_response, require, require_int
 from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, check_replica_id
 from lightning_fthsdp.lighthouse.registry import check_incarnation
+from lightning_fthsdp.lighthouse.stragglers import MAX_STEP_S
 
 MAX_QUORUM_TIMEOUT_MS = 3_600_000
 GZIP_OVER_BYTES = 16384
 """Quorum answers larger than this are also sent gzip-compressed to clients that accept it."""
 MAX_DIGEST = 64
 """Longest ``members_digest`` a quorum request may send (``Quorum.members_digest`` is 32 hex digits)."""
+MAX_UNREACHABLE = 1024
+"""Most groups one request may report unreachable: as many as the probe targets the lighthouse hands out at most."""
 KEPT_BASES = 8
 """Member lists kept as bases of delta answers: the newest answered. A steady group holds the newest one; after a few
 changes in a row, or an answer lost on its way, an older one."""
@@ -62,6 +66,18 @@ class CaughtUp:
     """Bytes of state the leader (shard rank 0) fetched: its own shard's part of the group's state."""
     fetch_s: float
     """Seconds from the start of the transfer to the state loaded and the steps held since replayed."""
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """A quorum request's optional ``compute_s`` and ``wait_s``: the times of the requester's last step, for
+    ``lighthouse.stragglers``."""
+
+    compute_s: float
+    """Seconds the group spent on its own: from the end of its previous commit to the start of the exchange, the
+    wait for the quorum answer left out."""
+    wait_s: float | None
+    """Seconds its exchange took, waiting for the others included (None: it did not exchange, e.g. excluded)."""
 
 
 def authorize(request: Request, token: bytes | None) -> None:
@@ -143,12 +159,16 @@ def parse_lost(request: Request) -> LostRequest:
     return LostRequest(replica_id, incarnation, rank, cause, losses)
 
 
-def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str, int, CaughtUp | None]:
+def parse_quorum(request: Request,
+                 arrived_s: float) -> tuple[QuorumRequest, str, int, CaughtUp | None, StepTiming | None]:
     """``POST /v1/quorum``: the quorum request, the requester's incarnation, how long (ms) it waits for the answer,
-    and the catch-up it reports (optional field ``caught_up``: ``source``, ``step``, ``bytes``, ``fetch_s``).
+    the catch-up it reports (optional field ``caught_up``: ``source``, ``step``, ``bytes``, ``fetch_s``) and the
+    times of its last step (optional fields ``compute_s`` and ``wait_s``, see ``StepTiming``; ``wait_s`` only with
+    ``compute_s``).
 
     Fields: ``replica_id``, ``incarnation``, ``step``, ``shard_count``, ``address``, ``commit_failed``,
-    ``committed_in``, ``following``, ``timeout_ms``; of the quorum the requester holds, ``quorum_id`` (-1: none),
+    ``committed_in``, ``following``, ``timeout_ms``, ``unreachable`` (optional: the probe targets it could not reach,
+    after a ``probe_answer``); of the quorum the requester holds, ``quorum_id`` (-1: none),
     ``members_digest`` (optional, ``Quorum.members_digest``: lets the answer be a delta) and ``members`` (optional,
     its member ids: sent only when the lighthouse answers 428 because it needs them, then at once with the same
     request). The answer (``QuorumAnswers``) is the quorum with ``store``, the rendezvous store's address."""
@@ -175,10 +195,43 @@ def parse_quorum(request: Request, arrived_s: float) -> tuple[QuorumRequest, str
     if len(digest) > MAX_DIGEST:
         raise HttpError(400, f"field 'members_digest' must be at most {MAX_DIGEST} characters (the digest the client "
                              f"computes), got {len(digest)}")
+    unreachable = None
+    if body.get("unreachable") is not None:
+        unreachable = require(body, "unreachable", list, "a list of replica ids (or null: not probed)")
+        if len(unreachable) > MAX_UNREACHABLE:
+            raise HttpError(400, f"field 'unreachable' names {len(unreachable)} groups, more than {MAX_UNREACHABLE}: a "
+                                 f"group reports only the probe targets the lighthouse gave it")
+        for target in unreachable:
+            try:
+                check_replica_id(target)
+            except ValueError as e:
+                raise HttpError(400, f"field 'unreachable' has an invalid entry: {e}") from None
+        unreachable = tuple(unreachable)
     request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
                             members=tuple(members), members_digest=digest, committed_in=committed_in,
-                            following=following)
-    return request, incarnation, timeout_ms, _caught_up(body)
+                            following=following, unreachable=unreachable)
+    return request, incarnation, timeout_ms, _caught_up(body), _step_timing(body)
+
+
+def _step_timing(body: dict[str, object]) -> StepTiming | None:
+    compute_s, wait_s = _seconds(body, "compute_s"), _seconds(body, "wait_s")
+    if compute_s is None:
+        if wait_s is not None:
+            raise HttpError(400, "field 'wait_s' needs 'compute_s' in the same request: send both times of the step, "
+                                 "or neither")
+        return None
+    return StepTiming(compute_s, wait_s)
+
+
+def _seconds(body: dict[str, object], name: str) -> float | None:
+    """The optional duration ``body[name]`` (absent or null: None)."""
+    if body.get(name) is None:
+        return None
+    value = require(body, name, float | int, f"a number of seconds from 0 to {MAX_STEP_S:g} (or null)")
+    if not 0 <= value <= MAX_STEP_S:
+        raise HttpError(400, f"field {name!r} must be a number of seconds from 0 to {MAX_STEP_S:g} (one day), got "
+                             f"{value!r}")
+    return float(value)
 
 
 def _caught_up(body: dict[str, object]) -> CaughtUp | None:
@@ -270,6 +323,19 @@ class QuorumAnswers:
             response = Response(200, body, gzipped=gzip.compress(body, 6) if len(body) > GZIP_OVER_BYTES else None)
             self._encoded[key] = response
         return response
+
+
+def probe_answer(targets: dict[str, str], why: str) -> Response:
+    """The answer to a quorum request that must first probe ``targets`` (replica id -> the address its leader serves
+    state on; a TCP connect to it tells whether that group's host is reachable) and ask again with the ids it could
+    not reach in ``unreachable``. ``why``: for the requester's log."""
+    return json_response({"probe": targets, "why": why})
+
+
+def excluded_answer(replica_id: str, exclusion: Exclusion, targets: dict[str, str], now: float) -> Response:
+    """The answer to a quorum request of an excluded group: no quorum (it is no candidate), why, and the peers to probe
+    before it asks again (it is admitted once it reaches them all)."""
+    return json_response({"excluded": {**exclusion.to_json(now), "replica_id": replica_id}, "probe": targets})
 
 
 def _replica_id(body: dict[str, object]) -> str:

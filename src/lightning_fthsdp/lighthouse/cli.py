@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
-from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.config.timeouts import Timeouts, field_docs
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, check_replica_id
+from lightning_fthsdp.lighthouse.stragglers import MODES, StragglerPolicy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -53,6 +54,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--lost-state-wait-ms", type=_non_negative, default=int(QuorumRules.lost_state_wait_s * 1000),
                         help="when no live group holds the committed step, wait this long for one before restarting "
                              "from an older step and reporting the steps lost (default %(default)s)")
+    # Help from StragglerPolicy's field docstrings: one source for --help, the recipe keys and the docs.
+    straggler_docs, straggler_defaults = field_docs(StragglerPolicy), StragglerPolicy()
+    parser.add_argument("--straggler-policy", choices=MODES, default=straggler_defaults.mode,
+                        help=f"{straggler_docs['mode']} (default %(default)s)")
+    parser.add_argument("--straggler-factor", type=float, default=straggler_defaults.factor,
+                        help=f"{straggler_docs['factor']} (default %(default)s)")
+    parser.add_argument("--straggler-window", type=int, default=straggler_defaults.window,
+                        help=f"{straggler_docs['window']} (default %(default)s)")
     parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
                         help=f"read the job's token from this file (default: ${ENV_TOKEN}); every request then "
                              f"needs 'Authorization: Bearer TOKEN', and the groups need the same token")
@@ -77,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(2, str(e))
     try:
+        stragglers = StragglerPolicy(args.straggler_policy, args.straggler_factor, args.straggler_window)
+    except ValueError as e:
+        return _fail(2, f"{e} (--straggler-policy, --straggler-factor, --straggler-window)")
+    try:
         loopback = _is_loopback(args.host)
     except OSError as e:
         return _fail(1, f"cannot resolve --host {args.host!r} ({e}): give a name or address of this machine")
@@ -94,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         replica_ids=args.replica_ids,
         token=token,
+        straggler_policy=stragglers,
     )
 
     async def main() -> None:

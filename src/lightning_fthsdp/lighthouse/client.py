@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.parse
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -53,6 +53,28 @@ class LighthouseRejected(RuntimeError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"lighthouse answered {status}: {message}")
         self.status = status
+
+
+class ProbeRequested(RuntimeError):
+    """The lighthouse asks the group to probe ``targets`` (replica id -> address) and ask again with the ids it could
+    not reach: its exchange failed while every member lived (``lighthouse.exclusions``)."""
+
+    def __init__(self, targets: dict[str, str], why: str) -> None:
+        super().__init__(f"the lighthouse asks for a probe of {len(targets)} groups: {why}")
+        self.targets = targets
+
+
+class Excluded(RuntimeError):
+    """The lighthouse keeps this live group out of the quorum (it could not reach some members, or it is a straggler):
+    no quorum this step. ``targets``: the peers to probe before asking again; it is admitted once it reaches them
+    all (a straggler: none; it is admitted once its step times keep pace, see ``lighthouse.stragglers``)."""
+
+    def __init__(self, detail: dict[str, Any], targets: dict[str, str]) -> None:
+        until = (f"it is admitted once it reaches {','.join(sorted(targets))} again" if targets or
+                 detail.get("reason") != "straggler" else "it is admitted again once its step time keeps pace")
+        super().__init__(f"the lighthouse keeps this group out of the quorum ({detail.get('reason')}: "
+                         f"{detail.get('detail')}); {until}")
+        self.detail, self.targets = detail, targets
 
 
 class LighthouseConnection:
@@ -384,23 +406,32 @@ class QuorumClient:
         committed_in: int,
         following: bool,
         caught_up: dict[str, object] | None = None,
+        unreachable: list[str] | None = None,
+        timing: Mapping[str, float] | None = None,
     ) -> tuple[Quorum, str]:
         """Return the next quorum and the rendezvous store address ``HOST:PORT``. ``caught_up``: the catch-up this
         group finished since its last request (``source``, ``step``, ``bytes``, ``fetch_s``), for the lighthouse's
-        event log and metrics.
+        event log and metrics. ``unreachable``: the groups a probe the lighthouse asked for could not reach (None: no
+        probe was asked for). ``timing``: the times of this group's last step (``compute_s`` and, if it exchanged,
+        ``wait_s``), for the lighthouse's straggler measurement.
 
         The request names ``current`` by its id and members digest; its members go only to a lighthouse that asks for
         them (428: it is new or restarted, or must tell its own quorum of that id from its predecessor's), in the same
         request sent again at once. The answer may be a delta against ``current``.
 
-        Raises LighthouseUnavailable (unreachable), LighthouseRejected (an error answer, 504 on timeout), or
-        ValueError for a delta answer that does not fit ``current`` (a protocol error: never a guessed membership).
+        Raises LighthouseUnavailable (unreachable), LighthouseRejected (an error answer, 504 on timeout),
+        ProbeRequested (probe, then ask again), Excluded (no quorum for this group now), or ValueError for a delta
+        answer that does not fit ``current`` (a protocol error: never a guessed membership).
         """
         timeout_ms = self._timeouts.quorum_timeout_ms
         body = quorum_request_body(replica_id, self._incarnation, step, shard_count, address, commit_failed, current,
                                    committed_in, following, timeout_ms)
         if caught_up is not None:
             body["caught_up"] = caught_up
+        if unreachable is not None:
+            body["unreachable"] = unreachable
+        if timing is not None:
+            body.update(timing)
         with self._asking:
             try:
                 answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5, stop=self._closed)
@@ -409,6 +440,10 @@ class QuorumClient:
                     raise
                 answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=timeout_ms / 1000 + 5,
                                          stop=self._closed)
+        if "excluded" in answer:
+            raise Excluded(dict(answer["excluded"]), {str(k): str(v) for k, v in dict(answer["probe"]).items()})
+        if "probe" in answer:
+            raise ProbeRequested({str(k): str(v) for k, v in dict(answer["probe"]).items()}, str(answer.get("why")))
         return Quorum.from_json(answer, current), str(answer["store"])
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ class Event:
     """Wall-clock time (Unix seconds), for people; durations are measured on the monotonic clock."""
     kind: str
     """``join``, ``rejoin``, ``alive``, ``death``, ``leave``, ``quorum``, ``catch_up``, ``caught_up``, ``recovered``,
-    ``discard`` or ``lost_state``."""
+    ``discard``, ``lost_state``, ``exclude``, ``readmit``, ``straggler``, ``keeps_pace`` or ``not_straggler``."""
     replica_id: str
     """The group it concerns ("" for a quorum change)."""
     text: str

@@ -22,8 +22,11 @@ that waited on the collective timeout or on ``min_replicas``."""
 RECOVERY_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 """A recovery includes restarting the group's processes (seconds on a laptop, minutes for a large model on a
 cluster)."""
-GROUP_STATES = ("training", "catching_up", "following", "joining", "waiting", "down", "hung")
+GROUP_STATES = ("training", "catching_up", "following", "joining", "waiting", "excluded", "down", "hung")
 """Every state ``/status`` gives a group (``groups[].state``): each is exported, 0 when no group is in it."""
+TOP_WAITED_FOR = 3
+"""Groups exported per group in the straggler gauges besides the flagged ones: the most waited for (with a wait).
+Bounded so that a job of thousands of groups exports a handful of series, not one per group."""
 
 
 class LighthouseMetrics:
@@ -96,6 +99,37 @@ class _StatusGauges(Collector):
             age.add_metric([group["replica_id"]], group["heartbeat_age_s"])
         yield lag
         yield age
+        yield from _straggler_gauges(status)
+
+
+def _straggler_gauges(status: dict[str, Any]) -> Iterator[Metric]:
+    """The job's step time and exchange, and per group only the flagged stragglers and the ``TOP_WAITED_FOR`` groups
+    the others waited for most (``lighthouse.stragglers``). A document without them (a test's) yields zeros."""
+    job = status.get("stragglers", {})
+    groups = [{"step_time_s": None, "waited_for_s": 0.0, "straggler": False, **g} for g in status["groups"]]
+    yield _gauge("fthsdp_stragglers", "Replica groups flagged as stragglers now (the straggler policy report or "
+                 "evict)", sum(1 for g in groups if g["straggler"]))
+    for name, key, documentation in (
+            ("fthsdp_step_time_seconds", "step_time_s", "The median of the groups' median step times (their own "
+             "compute, the exchange left out)"),
+            ("fthsdp_exchange_seconds", "exchange_s", "The median time of the cross-group exchange itself (the wait "
+             "of the member that arrived last)")):
+        if job.get(key) is not None:
+            yield _gauge(name, documentation, job[key])
+    waited = sorted((g for g in groups if g["waited_for_s"] > 0), key=lambda g: -g["waited_for_s"])
+    shown = {g["replica_id"]: g for g in waited[:TOP_WAITED_FOR]}
+    shown.update((g["replica_id"], g) for g in groups if g["straggler"])
+    step = GaugeMetricFamily("fthsdp_straggler_step_time_seconds", "A group's median step time (its own compute), "
+                             "for the flagged stragglers and the groups waited for most", labels=["replica_id"])
+    waited_for = GaugeMetricFamily("fthsdp_straggler_waited_for_seconds", "Seconds the other members waited for a "
+                                   "group over the policy's window of steps, for the flagged stragglers and the "
+                                   "groups waited for most", labels=["replica_id"])
+    for replica_id, group in sorted(shown.items()):
+        if group["step_time_s"] is not None:
+            step.add_metric([replica_id], group["step_time_s"])
+        waited_for.add_metric([replica_id], group["waited_for_s"])
+    yield step
+    yield waited_for
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

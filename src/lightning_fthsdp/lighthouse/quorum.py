@@ -59,6 +59,9 @@ class QuorumRequest:
     members_digest: str = ""
     """``Quorum.members_digest`` of the quorum the requester holds ("": none): the lighthouse answers with a delta
     against it when it still knows those members."""
+    unreachable: tuple[str, ...] | None = None
+    """The groups the requester could not reach when it probed them, as the lighthouse asked it to (after a failed
+    exchange, or while it is excluded for a partition: ``lighthouse.exclusions``); None: it did not probe."""
 
 
 @dataclass(frozen=True)

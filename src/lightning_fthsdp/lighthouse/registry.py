@@ -56,6 +56,8 @@ class GroupRecord:
     """The ranks its leader reports lost now: the group stays dead while any is (nothing it says revives it)."""
     losses: int = 0
     """Ranks its leader reported lost so far (this incarnation)."""
+    address: str = ""
+    """Where its leader serves state (from its latest quorum request): the target when another group probes it."""
 
     @property
     def lost_contact(self) -> bool:
@@ -156,6 +158,12 @@ class Registry:
         record = self._records.get(replica_id)
         if record is not None:
             record.member, record.answered, record.deaths_answered = True, quorum_id, record.deaths
+
+    def addressed(self, replica_id: str, addresses: str) -> None:
+        """The group's latest quorum request names its ranks' state addresses (comma separated, leader first)."""
+        record = self._records.get(replica_id)
+        if record is not None:
+            record.address = addresses.split(",", 1)[0]
 
     def remove(self, replica_id: str) -> None:
         self._records.pop(replica_id, None)

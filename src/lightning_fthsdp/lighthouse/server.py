@@ -32,15 +32,19 @@ from typing import TYPE_CHECKING, Any
 from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.api import (
     QuorumAnswers,
+    StepTiming,
     authorize,
     check_shard_count,
+    excluded_answer,
     parse_checkpoint,
     parse_heartbeat,
     parse_leave,
     parse_lost,
     parse_quorum,
+    probe_answer,
 )
 from lightning_fthsdp.lighthouse.deadlines import Deadline, Deadlines
+from lightning_fthsdp.lighthouse.exclusions import MAX_PROBE_TARGETS, Exclusions, fewest_to_exclude, unreachable_pairs
 from lightning_fthsdp.lighthouse.http import (
     IDLE_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
@@ -65,6 +69,7 @@ from lightning_fthsdp.lighthouse.quorum import (
 )
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
+from lightning_fthsdp.lighthouse.stragglers import Change, StragglerPolicy, Stragglers
 from lightning_fthsdp.lighthouse.watch import Watch
 
 if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
@@ -73,6 +78,8 @@ if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (
 log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_LONG_POLL_MS = 5_000
+MIN_STRAGGLER_HOLD_S = 0.01
+"""Shortest hold of an excluded straggler's request: one whose steps take no time must not spin on the lighthouse."""
 
 
 class Lighthouse:
@@ -84,7 +91,8 @@ class Lighthouse:
     connections (see ``lighthouse.http``). ``startup_grace_ms`` (default: the heartbeat timeout): a lighthouse that
     may replace one that died forms no quorum of its own (it adopts one a healthy group holds) for this long after it
     starts, so every live group has reconnected first; a fresh group asking at once must not start the job over from
-    step 0 while a group holding the job's state is still on its way back.
+    step 0 while a group holding the job's state is still on its way back. ``straggler_policy`` (default: ``off``,
+    measure and show only): what it does about groups that drag every step (``lighthouse.stragglers``).
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
@@ -109,6 +117,7 @@ class Lighthouse:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         startup_grace_ms: int | None = None,
+        straggler_policy: StragglerPolicy | None = None,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
@@ -138,6 +147,12 @@ class Lighthouse:
         self._readiness = Readiness(self.rules)
         self._waiters: dict[str, Pending] = {}  # each group's held quorum request
         self._deadline_of: dict[Pending, tuple[str, Deadline]] = {}  # each held quorum request's group, deadline
+        self._exclusions = Exclusions()
+        self._reports: dict[str, tuple[str, ...]] = {}  # pending requests that report groups they could not reach
+        self._excluded_held: dict[Pending, tuple[str, Deadline]] = {}  # excluded groups' requests: a probe interval
+        # Each group's step times, always measured (O(1) a request) and shown; the policy flags or evicts only when
+        # it is report or evict.
+        self._stragglers = Stragglers(straggler_policy or StragglerPolicy())
         self._previous: Quorum | None = None
         self._answers = QuorumAnswers()  # the encoded answers of _previous
         # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
@@ -325,7 +340,7 @@ class Lighthouse:
             waiter.answer(self._heartbeat_answer(replica_id))
 
     def _quorum(self, request: Request) -> Response | Pending:
-        asked, incarnation, timeout_ms, caught_up = parse_quorum(request, time.monotonic())
+        asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
         check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
         self._registry.check(replica_id, incarnation, 0)
@@ -336,10 +351,22 @@ class Lighthouse:
             raise _members_needed(asked, str(e)) from None
         self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
         self._group_connections.carried(replica_id, request.connection)
+        self._registry.addressed(replica_id, asked.address)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
+        if timing is not None:
+            self._note_timing(asked, timing)
+        if replica_id in self._exclusions:
+            held = self._excluded_request(request, asked, timeout_ms)
+            if held is not None:
+                return held
+        elif self._probe_wanted(asked):
+            assert self._previous is not None
+            targets = self._probe_targets(replica_id, self._previous.member_ids)
+            return probe_answer(targets, f"the exchange of quorum {self._previous.quorum_id} failed while every member "
+                                         f"lived: report the members you cannot reach")
         if self._previous is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
@@ -350,6 +377,141 @@ class Lighthouse:
         waiter.on_cancel = self._forget
         self._add_pending(asked, waiter)
         return waiter
+
+    def _probe_wanted(self, asked: QuorumRequest) -> bool:
+        """Whether ``asked`` must first probe the members of its quorum: its exchange failed while every member lived
+        (no death explains it: a cut between members may)."""
+        previous = self._previous
+        if not asked.commit_failed or asked.unreachable is not None or previous is None or len(previous.members) < 2 \
+                or asked.replica_id not in previous or asked.quorum_id != previous.quorum_id:
+            return False
+        records = [self._registry.get(rid) for rid in previous.member_ids]
+        return all(record is not None and not record.dead for record in records)
+
+    def _probe_targets(self, replica_id: str, peers: Collection[str]) -> dict[str, str]:
+        """``peers`` but ``replica_id`` that live, each with the address its leader serves state on (at most
+        ``MAX_PROBE_TARGETS``)."""
+        targets: dict[str, str] = {}
+        for rid in sorted(peers):
+            record = self._registry.get(rid)
+            if rid != replica_id and record is not None and not record.dead and record.address:
+                targets[rid] = record.address
+                if len(targets) == MAX_PROBE_TARGETS:
+                    break
+        return targets
+
+    def _excluded_request(self, request: Request, asked: QuorumRequest, timeout_ms: int) -> Pending | None:
+        """An excluded group asks: admit it (None: its request goes on as any other) when it reached every peer it
+        was cut from that still lives, else hold the request for a probe interval and answer it with those peers."""
+        replica_id = asked.replica_id
+        exclusion = self._exclusions.get(replica_id)
+        assert exclusion is not None
+        if exclusion.reason == "straggler":
+            return self._straggler_request(request, replica_id, exclusion.times, timeout_ms)
+        targets = self._probe_targets(replica_id, exclusion.peers)
+        if not targets or (asked.unreachable is not None and not set(asked.unreachable) & set(targets)):
+            self._exclusions.admit(replica_id)
+            log.info("replica %s reaches %s again: admitted", replica_id, ",".join(sorted(targets)) or "its peers")
+            self._watch.readmitted(replica_id, exclusion.reason)
+            return None
+        return self._hold_excluded(request, replica_id, min(timeout_ms, self.heartbeat_timeout_ms) / 1000)
+
+    def _hold_excluded(self, request: Request, replica_id: str, interval_s: float) -> Pending:
+        """Hold an excluded group's request for ``interval_s``, then answer it (``_answer_excluded``)."""
+        waiter = request.defer()
+        self._excluded_held[waiter] = replica_id, self._deadlines.add(
+            interval_s, functools.partial(self._answer_excluded, waiter))
+        waiter.on_cancel = lambda w: self._settle(self._excluded_held, w)
+        return waiter
+
+    # ---- stragglers (lighthouse.stragglers) ----
+
+    def _note_timing(self, asked: QuorumRequest, timing: StepTiming) -> None:
+        """Record the times of the requester's last step; a step of the current quorum whose every member has
+        reported closes a round, after which the policy reviews the groups. Only an exchange that succeeded in the
+        quorum the lighthouse holds counts towards a round (a failed one's wait is its failure, not a straggler)."""
+        previous = self._previous
+        in_round = (timing.wait_s is not None and not asked.commit_failed and previous is not None
+                    and asked.quorum_id == previous.quorum_id and asked.replica_id in previous)
+        closed = self._stragglers.record(asked.replica_id, timing.compute_s, timing.wait_s if in_round else None,
+                                         (asked.quorum_id, asked.step), previous.member_ids if in_round else ())
+        if closed and self._stragglers.policy.acts:
+            self._review_stragglers()
+
+    def _review_stragglers(self) -> None:
+        """Carry out the policy's changes: flags go to the log and the event log, evictions and trials exclude."""
+        for change in self._stragglers.review(self._readiness.alive, self.rules.min_replicas):
+            if change.kind in ("evict", "trial"):
+                self._exclude_straggler(change)
+                continue
+            exclusion = self._exclusions.get(change.replica_id)
+            if change.kind == "convicted" and exclusion is not None and exclusion.reason == "straggler":
+                exclusion.detail = change.detail  # it stays out: /status says why now
+            log.log(logging.WARNING if change.kind in ("flagged", "convicted") else logging.INFO,
+                    "replica %s %s: %s", change.replica_id, change.kind, change.detail)
+            self._watch.straggler(change.kind, change.replica_id, change.detail)
+
+    def _exclude_straggler(self, change: Change) -> None:
+        replica_id, now = change.replica_id, time.monotonic()
+        exclusion = self._exclusions.exclude(replica_id, "straggler", change.detail, now)
+        self._stragglers.excluded(replica_id)
+        log.warning("replica %s excluded from the quorum (%s): %s", replica_id, change.kind, change.detail)
+        self._watch.excluded(replica_id, exclusion.reason, change.detail)
+        waiter = self._waiters.get(replica_id)
+        self._drop_pending(replica_id)
+        if waiter is not None:
+            self._end_wait(waiter)
+            waiter.answer(excluded_answer(replica_id, exclusion, {}, now))
+        self._schedule_decide(force=True)  # the others may all have asked: they need not wait for it
+
+    def _straggler_request(self, request: Request, replica_id: str, times: int, timeout_ms: int) -> Pending | None:
+        """An excluded straggler asks: admit it (None: its request goes on as any other, and it catches up) when the
+        policy lets it back or the quorum cannot do without it, else hold the request for about one of the job's
+        steps (so it asks at the job's pace, not in a tight loop) and answer that it is still out."""
+        counted = len(self._readiness.alive)
+        why = (f"only {counted} groups count without it, fewer than min_replicas={self.rules.min_replicas}"
+               if counted < self.rules.min_replicas else self._stragglers.readmission(replica_id, times))
+        if why is not None:
+            self._exclusions.admit(replica_id)
+            self._stragglers.admitted(replica_id)
+            log.info("replica %s admitted again: %s", replica_id, why)
+            self._watch.readmitted(replica_id, "straggler", why)
+            return None
+        pace_s = self._stragglers.pace_s()
+        interval_s = min(timeout_ms, self.heartbeat_timeout_ms) / 1000
+        return self._hold_excluded(request, replica_id, max(MIN_STRAGGLER_HOLD_S, min(interval_s, pace_s or
+                                                                                     interval_s)))
+
+    def _answer_excluded(self, waiter: Pending) -> None:
+        replica_id = self._settle(self._excluded_held, waiter)
+        exclusion = self._exclusions.get(replica_id) if replica_id is not None else None
+        if replica_id is not None:
+            targets = self._probe_targets(replica_id, exclusion.peers) if exclusion is not None else {}
+            if exclusion is None:
+                waiter.fail(HttpError(409, f"replica {replica_id!r} is no longer excluded: ask again"))
+            else:
+                waiter.answer(excluded_answer(replica_id, exclusion, targets, time.monotonic()))
+
+    def _exclude_partitioned(self) -> None:
+        """Keep out the fewest groups that leave no unreachable pair among the groups asking (see
+        ``lighthouse.exclusions``); their held requests are answered with the peers to probe."""
+        alive = self._readiness.alive
+        pairs = unreachable_pairs(self._reports, [rid for rid in self._readiness.pending if rid in alive])
+        if not pairs:
+            return
+        steps = {rid: request.step for rid, request in self._readiness.pending.items()}
+        now = time.monotonic()
+        for replica_id in sorted(fewest_to_exclude(pairs, steps)):
+            peers = {other for pair in pairs if replica_id in pair for other in pair if other != replica_id}
+            detail = f"cannot exchange with {','.join(sorted(peers))} (probed after a failed exchange)"
+            exclusion = self._exclusions.exclude(replica_id, "partition", detail, now, peers)
+            log.warning("replica %s excluded from the quorum: it %s", replica_id, detail)
+            self._watch.excluded(replica_id, exclusion.reason, detail)
+            waiter = self._waiters.get(replica_id)
+            self._drop_pending(replica_id)
+            if waiter is not None:
+                self._end_wait(waiter)
+                waiter.answer(excluded_answer(replica_id, exclusion, self._probe_targets(replica_id, peers), now))
 
     def _end_wait(self, waiter: Pending) -> str | None:
         """A held quorum request is answered or gone (see ``_settle``)."""
@@ -391,6 +553,8 @@ class Lighthouse:
             self._heartbeat_connections.release((replica_id, rank))
             return json_response({})
         self._registry.remove(replica_id)
+        self._exclusions.forget(replica_id)
+        self._stragglers.forget(replica_id)
         self._fail_pending(replica_id, HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
@@ -448,8 +612,10 @@ class Lighthouse:
         members contributing gradients; ``step_rate`` committed steps per second over the last minute; per group its
         ``state`` (``lighthouse.metrics.GROUP_STATES``), ``lag`` behind the committed step, ``incarnations`` (starts of
         its processes so far), ``deaths`` and the last death's ``cause`` (``crash``, ``hang``; "" for none),
-        ``heartbeat_connections`` (those whose close declares it dead: one per rank that heartbeats here) and
-        ``connections`` (every open connection that carried a request of its, of any kind)."""
+        ``heartbeat_connections`` (those whose close declares it dead: one per rank that heartbeats here),
+        ``connections`` (every open connection that carried a request of its, of any kind), and its ``step_time_s``,
+        ``waited_for_s`` and ``straggler`` (``Stragglers.group_json``); ``stragglers`` the job's side of those
+        (``Stragglers.to_json``); ``excluded`` the groups kept out while they live, and why."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         connections = self._heartbeat_connections.per_group()
@@ -474,10 +640,12 @@ class Lighthouse:
                  "lag": max(0, self._ledger.committed_step - r.step), "incarnations": r.incarnations,
                  "deaths": r.deaths, "cause": r.cause, "heartbeat_connections": connections.get(rid, 0),
                  "connections": self._group_connections.count(rid),
-                 "lost_ranks": list(r.lost)}
+                 "lost_ranks": list(r.lost), **self._stragglers.group_json(rid)}
                 for rid, r in sorted(self._registry.items())
             ],
+            "stragglers": self._stragglers.to_json(),
             "catch_up_from": [{"replica_id": k, "source": v} for k, v in sorted(catch_up_from.items())],
+            "excluded": self._exclusions.to_json(now),
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
         }
@@ -486,6 +654,8 @@ class Lighthouse:
         """What a person watching calls the group's state (``lighthouse.metrics.GROUP_STATES``)."""
         if record.dead:
             return "hung" if record.cause == "hang" else "down"
+        if replica_id in self._exclusions:
+            return "excluded"
         quorum = self._previous
         if quorum is not None and replica_id in quorum:
             if replica_id in quorum.catch_up_from:
@@ -581,7 +751,7 @@ class Lighthouse:
     def _sync_alive(self, replica_id: str) -> None:
         """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
         counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic(),
-                                       self._ledger.committed_step)
+                                       self._ledger.committed_step) and replica_id not in self._exclusions
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
 
@@ -597,6 +767,10 @@ class Lighthouse:
         replica_id = request.replica_id
         old = self._waiters.get(replica_id)
         self._readiness.add(request)
+        if request.unreachable:
+            self._reports[replica_id] = request.unreachable
+        else:
+            self._reports.pop(replica_id, None)
         self._waiters[replica_id] = waiter
         self._sync_alive(replica_id)
         if old is not None:
@@ -611,6 +785,7 @@ class Lighthouse:
 
     def _drop_pending(self, replica_id: str) -> None:
         self._readiness.drop(replica_id)
+        self._reports.pop(replica_id, None)
         self._waiters.pop(replica_id, None)
         self._sync_alive(replica_id)
 
@@ -646,6 +821,8 @@ class Lighthouse:
                 self._startup_timer = asyncio.get_running_loop().call_at(self._started_s + self._startup_grace_s,
                                                                          self._schedule_decide, True)
         else:
+            if self._reports:
+                self._exclude_partitioned()
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
                             time.monotonic())
         if quorum is not None and quorum.max_step >= self._ledger.committed_step:
@@ -768,6 +945,7 @@ class Lighthouse:
                 for replica_id in strays:
                     self._heartbeat_connections.release_group(replica_id)
                     self._watch.forget(replica_id)
+                    self._stragglers.forget(replica_id)
                 log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                          ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
 

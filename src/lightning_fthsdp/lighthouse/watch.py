@@ -106,6 +106,25 @@ class Watch:
         for pending in (self._stalls, self._recoveries, self._catch_ups, self._discarded, self._fetched):
             pending.pop(replica_id, None)
 
+    def excluded(self, replica_id: str, reason: str, detail: str) -> None:
+        """The lighthouse keeps the live group ``replica_id`` out of the quorum (``lighthouse.exclusions``)."""
+        self._add("exclude", replica_id, f"{replica_id} excluded from the quorum ({reason}: {detail})", reason=reason)
+
+    def readmitted(self, replica_id: str, reason: str, why: str = "") -> None:
+        """The cause of the group's exclusion is over (``why``, when told): it may join the next quorum (and catches
+        up)."""
+        self._add("readmit", replica_id, f"{replica_id} admitted again ({why or f'its {reason} is over'})",
+                  reason=reason)
+
+    def straggler(self, kind: str, replica_id: str, detail: str) -> None:
+        """A change of the straggler policy other than an exclusion (``lighthouse.stragglers.Change``): ``flagged``
+        and ``convicted`` log a ``straggler`` event, ``cleared`` a ``keeps_pace`` one, ``acquitted`` a
+        ``not_straggler`` one."""
+        event, what = {"flagged": ("straggler", "is a straggler"), "convicted": ("straggler", "is the slow link"),
+                       "cleared": ("keeps_pace", "keeps pace again"),
+                       "acquitted": ("not_straggler", "is not the slow link")}[kind]
+        self._add(event, replica_id, f"{replica_id} {what}: {detail}", change=kind)
+
     def discarded(self, replica_id: str, step: int) -> None:
         """``replica_id``'s leader says its attempt at the step after ``step`` failed (it retrains it)."""
         if self._discarded.get(replica_id) == step:

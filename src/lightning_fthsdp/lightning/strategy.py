@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fthsdp.config import addresses
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -79,6 +80,11 @@ class FTHSDPStrategy(ModelParallelStrategy):
             (model, optimizers, schedulers, loop counters, data positions), written by one contributing group in the
             background, loaded by every group when no live group holds the job's committed step; see ``FTManager``.
             Independent of Lightning's own ``ModelCheckpoint`` (``save_checkpoint``).
+        advertise_host: the address the other groups reach this group's ranks at (catch-up state, heartbeat relay,
+            cross-group gloo device; on GPUs NCCL's socket interface is pinned to the interface holding it, unless
+            ``NCCL_SOCKET_IFNAME`` is set); default ``$FTHSDP_ADVERTISE_HOST``, else the host's local address on the
+            route to the lighthouse. Set it where the groups' traffic takes another network than the lighthouse's;
+            see ``FTManager`` for what is refused.
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend: as for ``ModelParallelStrategy``.
         timeout: this group's own process group timeout; default ``timeouts.process_group_timeout_ms``, whose place
@@ -108,6 +114,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         checkpoint_dir: str | None = None,
         checkpoint_every_n_steps: int = 0,
         checkpoint_keep: int = 2,
+        advertise_host: str | None = None,
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -129,6 +136,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.lighthouse = resolve(lighthouse, ENV_LIGHTHOUSE, "FTHSDPStrategy lighthouse",
                                   "the URL `fthsdp lighthouse` prints, e.g. http://127.0.0.1:29510")
         self._token = token
+        self.advertise_host = advertise_host
         self.topology = DataTopology.resolve(self.replica_id, replicas, replica_ids, replica_index)
         check_lr_scaling(lr_scaling, keep_global_batch)
         self.lr_scaling = lr_scaling
@@ -184,6 +192,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.root_device.type == "cuda":
+            # NCCL picks its socket interface once per process, at its first communicator: this group's own,
+            # created next. Pin it now to the interface the cross-group communicators need (unless the user chose).
+            addresses.pin_nccl_interface(addresses.advertise_host(self.advertise_host, self.lighthouse))
         # Inside one group all devices shard (FSDP2), none replicate: the replication is across groups.
         private.shard_over_all_devices(self, self.num_nodes * self.num_processes)
         super().setup_environment()
@@ -198,12 +210,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None
         process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
-        manager = self._manager = FTManager(
-            replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token,
-            process_group=process_group if self.world_size > 1 else None,
-            backend="gloo" if self.root_device.type == "cpu" else "nccl",
-            device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
-            global_batches=self.replicas if self.keep_global_batch else None, **self._checkpointing)
+        manager = self._manager = self._new_manager(process_group if self.world_size > 1 else None)
         self._commit = StepCommit(manager, self.topology, self.root_device, self._logs, self._fire_fault)
         self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
                                                     on_counters_loaded=self._commit.mark_caught_up)
@@ -349,6 +356,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
         return checkpoint
 
     # ------------------------------------------------------------------------------------------- helpers
+
+    def _new_manager(self, process_group: dist.ProcessGroup | None) -> FTManager:
+        """This rank's FTManager, with every fault-tolerance argument the strategy was given."""
+        return FTManager(
+            replica_id=self.replica_id, lighthouse=self.lighthouse, token=self._token, process_group=process_group,
+            backend="gloo" if self.root_device.type == "cpu" else "nccl",
+            device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
+            global_batches=self.replicas if self.keep_global_batch else None, advertise_host=self.advertise_host,
+            **self._checkpointing)
 
     def _step_at_degraded_lr(self, optimizer: Optimizer, closure: Callable[[], Any],
                              model: pl.LightningModule | torch.nn.Module | None, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_TOKEN
-from lightning_fthsdp.lighthouse.client import LighthouseRejected
+from lightning_fthsdp.lighthouse.client import Excluded, LighthouseRejected
 from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.request import QuorumUnavailable
 
@@ -34,6 +34,9 @@ class GroupAgreement:
         self._qlog = log.ReplicaLogger(log.QUORUM, replica_id, self.rank, step)
         self.no_quorum_reason = ""
         """Why the last ``quorum()`` returned None."""
+        self.excluded = False
+        """Whether the last ``quorum()`` returned None because the lighthouse keeps this group out for now (it lives;
+        the steps it cannot take meanwhile are no failures)."""
 
     @property
     def is_leader(self) -> bool:
@@ -70,15 +73,20 @@ class GroupAgreement:
                            "fatal": True}
             except LighthouseRejected as exc:
                 message = {"error": _with_fix(exc), "fatal": exc.status != _GATEWAY_TIMEOUT}
+            except Excluded as exc:
+                message = {"error": str(exc), "excluded": True}
             except QuorumUnavailable as exc:
                 message = {"error": str(exc), "fatal": True}
         message = self._broadcast_from_leader(message)
         if "error" in message:
             if message.get("fatal"):
                 raise RuntimeError(f"FTManager (group {self._replica_id}): {message['error']}")
-            self._qlog.warning("no quorum this step: %s", message["error"])
+            self.excluded = bool(message.get("excluded"))
+            if not self.excluded or self.no_quorum_reason != message["error"]:
+                self._qlog.warning("no quorum this step: %s", message["error"])
             self.no_quorum_reason = str(message["error"])
             return None
+        self.excluded = False
         return Quorum.from_json(message["quorum"]), str(message["store"])  # type: ignore[arg-type]
 
     def vote(self, *flags: bool) -> tuple[bool, ...]:

@@ -23,6 +23,7 @@ that differ, a token the lighthouse refuses, a cross-group backend that cannot w
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fthsdp.config import anatomy, log
+from lightning_fthsdp.config.addresses import advertise_host as advertised_host
+from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
 from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
@@ -67,7 +70,15 @@ class FTManager:
         backend: cross-group backend, ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         device: where gradients live; cross-group buffers are allocated there.
         timeouts: the validated timeout hierarchy.
-        state_host: the address this rank serves catch-up snapshots on (reachable by the other groups).
+        advertise_host: the address the other groups reach this rank at, on other hosts too: its catch-up state
+            server and (leader) its group's heartbeat relay bind it, the cross-group gloo device binds it, NCCL's
+            socket interface is pinned to the interface holding it (unless ``NCCL_SOCKET_IFNAME`` is set). Default
+            ``$FTHSDP_ADVERTISE_HOST``, else this host's local address on the route to the lighthouse (right when
+            the lighthouse is reached over the network the groups share; set it where another network carries the
+            groups' traffic). Refused at construction (ValueError naming the fix): loopback while the lighthouse is
+            on another host, the wildcard ``0.0.0.0``/``::``, an address this host does not have. See
+            ``lightning_fthsdp.config.addresses``.
+        state_host: deprecated name of ``advertise_host`` (read until 0.3).
         on_phase: failure-injection point (see lightning_fthsdp.faults), called with ``"allreduce"`` while a
             cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
             rank, ``"fetch"`` when this rank starts fetching one.
@@ -101,7 +112,7 @@ class FTManager:
         backend: str = "gloo",
         device: torch.device | str = "cpu",
         timeouts: Timeouts | None = None,
-        state_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
         on_phase: Callable[[str], None] | None = None,
         global_batches: int | None = None,
         replay_buffer_mib: int = 1024,
@@ -110,8 +121,10 @@ class FTManager:
         checkpoint_every_n_steps: int = 0,
         checkpoint_keep: int = 2,
         group: dist.ProcessGroup | None = None,
+        state_host: str | None = None,
     ) -> None:
         process_group = renamed_argument("FTManager", "process_group", process_group, "group", group)
+        advertise_host = renamed_argument("FTManager", "advertise_host", advertise_host, "state_host", state_host)
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
@@ -125,6 +138,9 @@ class FTManager:
         )
         url = resolve(lighthouse, ENV_LIGHTHOUSE, "FTManager lighthouse", "e.g. http://127.0.0.1:29510")
         token = from_env(token, ENV_TOKEN)
+        # Refused here, not when a restarted group fails to fetch from it minutes later (see config.addresses).
+        self.advertise_host = advertised_host(advertise_host, url)
+        """The address the other groups reach this rank at (its state server, relay and gloo device bind it)."""
         self.timeouts = timeouts or Timeouts()
         self._progress = Progress()
         self._agreement = GroupAgreement(process_group, self.replica_id, step=lambda: self.step)
@@ -139,6 +155,8 @@ class FTManager:
         self._commit_failed = False
         self._failed_commits = 0  # in a row
         self._failure = ""  # why the step under way failed so far (empty: it has not)
+        self._step_done_s: float | None = None  # when the last commit() ended: the next step's own work starts
+        self._timing: dict[str, float] | None = None  # the last step's times, for the next quorum request
         self._closed = False
         self._participants: tuple[str, ...] = ()
         self._shares: dict[str, int] = {}
@@ -148,12 +166,13 @@ class FTManager:
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
         self._elog = log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
-                                    on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token)
+                                    on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token,
+                                    advertise_host=self.advertise_host, lighthouse_host=lighthouse_host(url))
         self.incarnation = self._agreement.incarnation()
         # The leader's one persistent connection to the lighthouse: its heartbeats and quorum requests, pipelined.
         lighthouse = LighthouseConnection(url, token) if self.is_leader else None
-        self._heartbeat = self._make_heartbeat(url, token, state_host, lighthouse)
-        self._catchup = CatchUp(token, state_host, self._rlog, on_phase)
+        self._heartbeat = self._make_heartbeat(url, token, self.advertise_host, lighthouse)
+        self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
         self._catch_ups_reported = 0  # catch_up_log entries sent to the lighthouse (leader only)
@@ -278,7 +297,8 @@ class FTManager:
     def begin_step(self) -> None:
         """Open the step (if it is not open yet) and start its quorum request in the background (leader only)."""
         if self._current is None:
-            self._current = StepState()
+            self._current = StepState(started_s=self._step_done_s if self._step_done_s is not None else
+                                      time.monotonic())
             if self._checkpoints is not None and not self._follower.active:
                 self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in,
                                                    agree=lambda free: self._agreement.vote(free)[0])
@@ -293,9 +313,11 @@ class FTManager:
             caught_up = None
             if len(catch_ups) > self._catch_ups_reported:
                 caught_up = {key: catch_ups[-1][key] for key in ("source", "step", "bytes", "fetch_s")}
+            # The last step's times too (lighthouse.stragglers: who the others wait for), sent once.
             if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
-                                     self._progress.committed_in, self._follower.active, caught_up):
+                                     self._progress.committed_in, self._follower.active, caught_up, self._timing):
                 self._catch_ups_reported = len(catch_ups)
+                self._timing = None
 
     def step_batches(self) -> int:
         """How many of its own batches this group trains in the current step: its share of ``global_batches``
@@ -311,6 +333,8 @@ class FTManager:
         """
         state = self._agreed_step()
         state.exchanged = state.ready = False  # a repeated call's outcome replaces the last one's
+        exchange_from = time.monotonic()
+        state.compute_s, state.wait_s = max(0.0, exchange_from - state.started_s - state.agree_s), None
         quorum = state.quorum
         if quorum is None:
             self._failure = f"no quorum: {self._agreement.no_quorum_reason}"
@@ -336,6 +360,7 @@ class FTManager:
             self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
             return False
         state.exchanged = True
+        state.wait_s = time.monotonic() - exchange_from
         state.ready = not self._follower.active or self._follower.poll(can_replay=self._update is not None)
         return True
 
@@ -347,6 +372,7 @@ class FTManager:
         """
         state, self._current = self._current or StepState(), None
         failure, self._failure = self._failure, ""
+        self._timing = state.timing() or self._timing
         lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
         if not lease_ok and not failure:
             failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
@@ -378,7 +404,10 @@ class FTManager:
             # checkpoint (it is never answered again): ask for fresh ones.
             self._commit_failed = True
             self._comm.invalidate()
-            if not state.resumed:
+            if state.quorum is None and self._agreement.excluded:
+                # Kept out while it cannot reach some members: it waits (its requests probe them) and is no failure.
+                self._log.debug("excluded from the quorum: %s", failure)
+            elif not state.resumed:
                 self.discarded_steps += 1
                 self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
                 self._count_failure(failure or "the exchange failed on another rank of this group")
@@ -390,6 +419,7 @@ class FTManager:
         else:
             self._rlog.info("state not received this step; still behind, retrying next step")
             self._count_failure(failure or "the catch-up state transfer did not deliver the state")
+        self._step_done_s = time.monotonic()
         return ok
 
     def shutdown(self) -> None:
@@ -420,8 +450,8 @@ class FTManager:
     def _make_heartbeat(self, url: str, token: str | None, host: str,
                         lighthouse: LighthouseConnection | None) -> Heartbeat | MemberHeartbeat:
         """Liveness in two levels: the leader heartbeats to the lighthouse and relays its answers to the group's
-        other ranks, which beat to the leader (on ``host``, where this rank serves its state). One relay address,
-        agreed over the group's process group."""
+        other ranks, which beat to the leader (on ``host``, its advertised address, where it also serves its state:
+        a group's ranks may span hosts). One relay address, agreed over the group's process group."""
         relay = GroupRelay(host, token, self.incarnation, self.timeouts) if self.is_leader and self.shard_count > 1 \
             else None
         leader = self._agreement.from_leader(relay.address if relay is not None else "")
@@ -452,7 +482,9 @@ class FTManager:
         if self._current is None or not self._current.agreed:
             self.begin_step()
             assert self._current is not None
+            asked = time.monotonic()
             agreed = self._agreement.quorum(self._requester.answer if self._requester is not None else None)
+            self._current.agree_s += time.monotonic() - asked  # waiting, not the group's own work
             self._current.quorum = self._adopt(*agreed) if agreed is not None else None
             self._current.agreed = True
             if self._current.quorum is not None:

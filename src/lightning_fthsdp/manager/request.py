@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
@@ -12,8 +12,15 @@ from http import HTTPStatus
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.client import LighthouseRejected, LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.lighthouse.client import (
+    Excluded,
+    LighthouseRejected,
+    LighthouseUnavailable,
+    ProbeRequested,
+    QuorumClient,
+)
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.manager.probe import unreachable
 
 
 class QuorumUnavailable(RuntimeError):
@@ -55,25 +62,28 @@ class QuorumRequester:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="fthsdp-quorum")
         self._pending: Future[tuple[Quorum, str]] | None = None
         self._lighthouse_away = False
+        self._probed: list[str] | None = None  # an excluded group's last probe, reported with its next request
         self._closed = threading.Event()
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-              following: bool, caught_up: dict[str, object] | None = None) -> bool:
+              following: bool, caught_up: dict[str, object] | None = None,
+              timing: Mapping[str, float] | None = None) -> bool:
         """Ask for the quorum of ``step`` in the background, unless a request is in flight already (then False).
         ``current`` (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it
-        may be. ``caught_up``: a finished catch-up to report (see ``QuorumClient.request``)."""
+        may be. ``caught_up``: a finished catch-up to report; ``timing``: the times of the last step (see
+        ``QuorumClient.request``)."""
         if self._pending is not None:
             return False
         self._pending = self._executor.submit(self._request, step, commit_failed, current, store, committed_in,
-                                              following, caught_up)
+                                              following, caught_up, timing)
         self._pending.add_done_callback(lambda future: self._serve_early(future, step))
         return True
 
     def answer(self) -> tuple[Quorum, str]:
         """The answer to the request in flight: the quorum and its rendezvous store's address.
 
-        Raises QuorumUnavailable, LighthouseRejected (504: no quorum in time), or TimeoutError (the client did not
-        return); the request is over either way.
+        Raises QuorumUnavailable, LighthouseRejected (504: no quorum in time), Excluded (the lighthouse keeps this
+        group out for now), or TimeoutError (the client did not return); the request is over either way.
         """
         assert self._pending is not None, "answer() follows start()"
         try:
@@ -92,14 +102,24 @@ class QuorumRequester:
             futures.wait([self._pending], timeout=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-                 following: bool, caught_up: dict[str, object] | None) -> tuple[Quorum, str]:
+                 following: bool, caught_up: dict[str, object] | None,
+                 timing: Mapping[str, float] | None) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000
         backoff_s = self._timeouts.heartbeat_interval_ms / 1000
+        probed, self._probed = self._probed, None
         while True:
             try:
                 answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
-                                              commit_failed, current, committed_in, following, caught_up)
+                                              commit_failed, current, committed_in, following, caught_up, probed,
+                                              timing=timing)
+            except ProbeRequested as exc:
+                probed = self._probe(exc.targets)
+                continue
+            except Excluded as exc:
+                # Probed now, reported with the next request: the lighthouse admits the group once it reaches all.
+                self._probed = self._probe(exc.targets)
+                raise
             except LighthouseUnavailable as exc:
                 if self._closed.is_set():
                     raise QuorumUnavailable("FTManager is shutting down") from exc
@@ -139,6 +159,12 @@ class QuorumRequester:
             except Exception:  # telling the group early is an optimisation: the answer goes on regardless
                 self._qlog.exception("telling the group's ranks of quorum %d failed", answer[0].quorum_id)
             return answer
+
+    def _probe(self, targets: dict[str, str]) -> list[str]:
+        cut = unreachable(targets, self._timeouts.heartbeat_timeout_ms / 1000)
+        if cut:
+            self._qlog.warning("probed %d groups: cannot reach %s", len(targets), ",".join(cut))
+        return cut
 
     def _serve_early(self, future: Future[tuple[Quorum, str]], step: int) -> None:
         """Quorum thread: start a snapshot as soon as the answer names us a source (overlaps forward/backward)."""

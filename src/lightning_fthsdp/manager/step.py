@@ -56,6 +56,23 @@ class StepState:
     state); the optimizer may step if every rank of the group is ready."""
     resumed: bool = False
     """The step's quorum resumed from a durable checkpoint: nobody exchanged, and that is no failure."""
+    started_s: float = 0.0
+    """When the group's own work on the step began (monotonic): the end of its previous commit, else its opening."""
+    agree_s: float = 0.0
+    """Seconds spent waiting for the step's quorum answer: no work of the group's own."""
+    compute_s: float | None = None
+    """From ``started_s`` to the start of the exchange, ``agree_s`` left out (None: ``sync_gradients`` not called)."""
+    wait_s: float | None = None
+    """Seconds the exchange took, waiting for the other groups included (None: no exchange succeeded)."""
+
+    def timing(self) -> dict[str, float] | None:
+        """The step's times as the next quorum request reports them (``lighthouse.stragglers``); None: none."""
+        if self.compute_s is None:
+            return None
+        times = {"compute_s": round(self.compute_s, 6)}
+        if self.wait_s is not None:
+            times["wait_s"] = round(self.wait_s, 6)
+        return times
 
 
 def split_batches(participants: Sequence[str], global_batches: int | None) -> dict[str, int]:

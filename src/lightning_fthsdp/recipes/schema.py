@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.stragglers import MODES as STRAGGLER_MODES
+from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 
 
 def _choice(default: str, *choices: str) -> Any:
@@ -136,11 +138,37 @@ class FTConfig:
     lost. Longer keeps more work after a transient failure of every holder; shorter trains again sooner."""
     checkpoint_keep: int = _at_least(2, 1)
     """Complete checkpoints kept; older ones are removed once a newer one is complete."""
+    advertise_host: str = ""
+    """The address the other replica groups reach this group's ranks at (catch-up state server, heartbeat relay,
+    cross-group gloo device), e.g. the host's address on the network the groups share. "" (default):
+    $FTHSDP_ADVERTISE_HOST if set, else each host's local address on the route to the lighthouse, right when the
+    lighthouse is reached over that network. A recipe is one value for every group: set it only where all groups run
+    on one host, else per host through $FTHSDP_ADVERTISE_HOST (``fthsdp slurm`` and ``fthsdp k8s`` refuse it; see
+    docs/launch.md, "Addresses across hosts"). A loopback address while the lighthouse is on another host is refused."""
+    straggler_policy: str = _choice("off", *STRAGGLER_MODES)
+    """What the lighthouse does about a group whose compute or link drags every step (its --straggler-policy).
+    "off": measure each group's step time and the time the others waited for it, and show them; "report": also flag
+    stragglers (status, metrics, page, event log); "evict": also keep each out of the quorum until it keeps pace
+    again (it catches up when it comes back). See docs/metrics.md, "Stragglers"."""
+    straggler_factor: float = 2.0
+    """A group whose median step time exceeds this many times the others' is a straggler (> 1; its
+    --straggler-factor). Lower catches smaller slowdowns and mistakes noise for one sooner."""
+    straggler_window: int = _at_least(20, 3)
+    """Steps each median is taken over, a link trial lasts, and an evicted group stays out at least (doubling with
+    each repeated eviction; its --straggler-window). Longer is steadier and slower to act."""
+
+    @property
+    def stragglers(self) -> StragglerPolicy:
+        """The lighthouse's straggler policy these keys make."""
+        return StragglerPolicy(self.straggler_policy, self.straggler_factor, self.straggler_window)
 
     def check(self, key: str) -> None:
         if self.checkpoint_every_n_steps and not self.checkpoint_dir:
             raise ValueError(f"{key}.checkpoint_every_n_steps={self.checkpoint_every_n_steps} needs "
                              f"{key}.checkpoint_dir: name the folder the checkpoints go to")
+        if not self.straggler_factor > 1:
+            raise ValueError(f"{key}.straggler_factor={self.straggler_factor!r} must be > 1 (2.0: a group over twice "
+                             f"the others' median step time is a straggler)")
 
 
 @dataclass
@@ -169,6 +197,11 @@ class LaunchConfig:
     restart begins after the imports: its process start and imports (most of a Lightning start-up) are off the
     restart's path. Costs each group an idle process per shard rank and their imports' CPU while it trains; false:
     a restart starts from a bare process."""
+    hosts: bool = False
+    """Run the lighthouse and each replica group on a host of its own (--hosts wins): a Linux network namespace with
+    its own address, all joined by a bridge, made for the run and removed at its end. Needs root and iproute2
+    (scripts/install_network.sh); what runs on loopback otherwise. Needed by the network faults of launch.chaos
+    (partition, slowlink, flap); the groups' cross-host traffic then takes the paths it takes on a real cluster."""
 
 
 @dataclass

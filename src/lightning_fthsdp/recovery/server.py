@@ -95,7 +95,7 @@ class StateServer:
         self._held: PreparedState | None = None
         self._wanted: Counter[int] = Counter()  # step -> requests for it in progress (waiting or streaming)
         self._closed = False
-        self._httpd = ThreadingHTTPServer((host, 0), _Handler)
+        self._httpd = _server_class(host)((host, 0), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.owner = self  # type: ignore[attr-defined]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": POLL_S},
@@ -104,9 +104,9 @@ class StateServer:
 
     @property
     def address(self) -> str:
-        """``http://HOST:PORT`` of the bound socket."""
+        """``http://HOST:PORT`` of the bound socket (an IPv6 host in brackets)."""
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def prepare(self, step: int, tree: wire.StateTree) -> PreparedState:
         """``tree`` as the state of ``step``, ready to publish: split for the wire, every chunk digested.
@@ -210,6 +210,17 @@ def _client_gone(conn: socket.socket) -> bool:
         return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
     except OSError:
         return True
+
+
+class _ServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def _server_class(host: str) -> type[ThreadingHTTPServer]:
+    """The server class for ``host``'s address family (ThreadingHTTPServer binds IPv4 only): an IPv6 advertised
+    address, e.g. ``fd00::2``, must get an IPv6 socket."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    return _ServerV6 if family == socket.AF_INET6 else ThreadingHTTPServer
 
 
 class _Handler(BaseHTTPRequestHandler):

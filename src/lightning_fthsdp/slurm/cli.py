@@ -20,7 +20,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_fthsdp.launch.cluster_args import add_job_arguments, job_overrides, ranks_per_node
+from lightning_fthsdp.launch.cluster_args import (
+    add_job_arguments,
+    job_overrides,
+    ranks_per_node,
+    refuse_one_advertise_host,
+)
 
 if TYPE_CHECKING:
     from lightning_fthsdp.slurm.script import SbatchScript
@@ -55,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, overrides)
         per_replica = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per_replica, node="node")
+        refuse_one_advertise_host(recipe.ft.advertise_host, "node",
+                                  "by default its local address on the route to the lighthouse")
         if recipe.launch.chaos:
             raise ValueError(f"launch.chaos={recipe.launch.chaos!r} is fthsdp launch's: on SLURM inject failures with "
                              f"scancel --signal=KILL JOB.STEP or scontrol update nodename=N state=down; set "

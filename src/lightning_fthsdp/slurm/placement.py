@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_fthsdp.config.env import ENV_ADVERTISE_HOST
 from lightning_fthsdp.launch.commands import under_torchrun
 from lightning_fthsdp.launch.processes import free_port
 from lightning_fthsdp.slurm import queries
@@ -93,8 +94,11 @@ class SlurmPlacement:
                              gpus=self.gpus, fit_argv=argv)
         self.steps.setdefault(replica_id, []).append({"incarnation": incarnation, "name": name, "step": None,
                                                       "nodes": list(nodes), "rdzv_endpoint": endpoint})
-        # torchrun gives every rank its own MASTER_ADDR/PORT: the launcher's loopback ones would only mislead.
-        return command, {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        # torchrun gives every rank its own MASTER_ADDR/PORT: the launcher's loopback ones would only mislead. And
+        # srun --export=ALL would hand every node the batch node's $FTHSDP_ADVERTISE_HOST, if its shell set one: empty
+        # (unset, for FTManager), each node advertises its own address on the route to the lighthouse.
+        env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        return command, {**env, ENV_ADVERTISE_HOST: ""}
 
     def exited(self, replica_id: str, done: bool) -> bool:
         self.poll()
