@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fthsdp.launch.invariants import assert_consistent
-from lightning_fthsdp.launch.processes import Job
+from lightning_fthsdp.launch.processes import Job, wait_for
 from lightning_fthsdp.netcluster import Cluster
 from tests.netcluster.conftest import ClusterFactory
 
@@ -47,7 +47,9 @@ def test_groups_train_on_hosts_of_their_own_and_close_ends_them(tmp_path: Path,
             os.getpid())
         # A process still running on a host is ended by close(), by its own PID (ip netns exec execs).
         straggler = job.start_group("a", 100_000, step_time_ms=200)
-        assert _net_namespace(straggler.proc.pid) == _host_namespace(cluster, "a")
+        host_a = _host_namespace(cluster, "a")
+        wait_for(lambda: _net_namespace(straggler.proc.pid) == host_a, 10,
+                 "the straggler's ip netns exec entering host a")  # the same PID: it execs the trainer there
     finally:
         job.close()
     assert straggler.proc.poll() is not None and job.lighthouse is not None and job.lighthouse.poll() is not None

@@ -140,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="pad each step's forward and backward to at least this long: the accelerator compute "
                              "a real model would spend there (what the quorum request and a catch-up snapshot "
                              "overlap with)")
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="make this group's own work per step (from its last commit to its exchange: compute, "
+                             "optimizer step, logging) this many times as long, e.g. 3: a group at a third of the "
+                             "speed, a straggler (bench/bench_straggler.py)")
     parser.add_argument("--pace-file", type=Path, default=None,
                         help="pad the steps (--step-time-ms) only while this file exists: a harness paces a group "
                              "until the moment it waits for has come, then lets it run at full speed by deleting it")
@@ -152,6 +156,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
+    parser.add_argument("--exchange-mib", type=float, default=0.0,
+                        help="add this much (MiB of float32 zeros) to every step's cross-group exchange: the gradient "
+                             "volume of a larger model, for benchmarks of a slow link (bench/bench_straggler.py)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="durable checkpoints under this folder (shared by every group): the job resumes from the "
                              "newest when no live group holds its committed state (default: none)")
@@ -234,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
+    # Extra bytes in every exchange (--exchange-mib): zeros, so the average leaves them zeros.
+    exchange_ballast = [torch.zeros(round(args.exchange_mib * (1 << 18)), device=device)] if args.exchange_mib else []
     anatomy.mark("model")
     write({"event": "ready", "imports_done": imports_done})
+    own_from = time.monotonic()  # where this group's own work on the step began: after its last commit
     try:
         while manager.step < args.steps:
             started = time.monotonic()
@@ -250,15 +260,21 @@ def main(argv: list[str] | None = None) -> int:
             pad = args.step_time_ms / 1000 - (time.monotonic() - started)
             if pad > 0 and (args.pace_file is None or args.pace_file.exists()):
                 time.sleep(pad)
+            if args.slowdown > 1:
+                # A straggler: all of its own work takes longer, not only the padded compute. Before step_batches(),
+                # which waits for the quorum answer: that wait is no work of its own.
+                time.sleep((args.slowdown - 1) * (time.monotonic() - own_from))
             for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
                 x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
                 nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
             # A step N fault fires once this group holds step N: while following, it holds only the steps it replays.
             on_phase("follow" if manager.following else "before")
-            manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None])
+            manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None]
+                                   + exchange_ballast)
             on_phase("commit")
             catch_ups, step_before = len(manager.catch_up_log), manager.step
             committed = manager.commit()
+            own_from = time.monotonic()
             if committed:
                 on_phase("optimizer")
                 optimizer.step()

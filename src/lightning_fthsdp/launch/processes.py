@@ -141,9 +141,22 @@ class Job:
         return self.lighthouse_url
 
     def status(self) -> dict[str, Any]:
-        request = urllib.request.Request(f"{self.lighthouse_url}/status", headers=self.auth_headers())
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
+        """The lighthouse's ``GET /status``; with ``hosts``, asked from the lighthouse's host (this machine's own
+        network does not reach the cluster's addresses). Raises OSError when it does not answer."""
+        if self.hosts is None:
+            request = urllib.request.Request(f"{self.lighthouse_url}/status", headers=self.auth_headers())
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return json.loads(response.read())
+        from lightning_fthsdp.netcluster.cluster import LIGHTHOUSE
+
+        fetch = ("import json, sys, urllib.request; r = urllib.request.Request(sys.argv[1], headers=json.loads("
+                 "sys.argv[2])); sys.stdout.write(urllib.request.urlopen(r, timeout=5).read().decode())")
+        done = subprocess.run([*self.hosts.command_prefix(LIGHTHOUSE), sys.executable, "-c", fetch,
+                               f"{self.lighthouse_url}/status", json.dumps(self.auth_headers())],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise OSError(f"GET /status from the lighthouse's host failed: {done.stderr.strip()[-500:]}")
+        return json.loads(done.stdout)
 
     def auth_headers(self) -> dict[str, str]:
         """The header every request to this job's lighthouse needs."""
