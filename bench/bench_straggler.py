@@ -48,9 +48,19 @@ def job_step_at(groups: dict[str, Group], t: float) -> int:
 
 
 def events(job: Job) -> list[dict[str, Any]]:
-    request = urllib.request.Request(f"{job.lighthouse_url}/events", headers=job.auth_headers())
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["events"]
+    """The lighthouse's event log; with ``Job.hosts`` fetched from the lighthouse's host (this machine's own network
+    does not reach the cluster's addresses)."""
+    url, headers = f"{job.lighthouse_url}/events", job.auth_headers()
+    if job.hosts is None:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as response:
+            return json.loads(response.read())["events"]
+    from lightning_fthsdp.netcluster.cluster import LIGHTHOUSE
+
+    fetch = ("import json, sys, urllib.request; r = urllib.request.Request(sys.argv[1], headers=json.loads("
+             "sys.argv[2])); sys.stdout.write(urllib.request.urlopen(r, timeout=10).read().decode())")
+    done = job.hosts.run(LIGHTHOUSE, [sys.executable, "-c", fetch, url, json.dumps(headers)], capture_output=True,
+                         text=True, timeout=30, check=True)
+    return json.loads(done.stdout)["events"]
 
 
 def link_rate(args: argparse.Namespace, healthy_step_s: float) -> str:

@@ -277,14 +277,16 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     status = obs.status()
     assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "checkpoint", "waiting",
                            "min_replicas", "participants", "step_rate",
-                           "declared", "members", "groups", "catch_up_from", "excluded", "store", "uptime_s"}
+                           "declared", "members", "groups", "catch_up_from", "excluded", "stragglers", "store",
+                           "uptime_s"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None
     assert status["participants"] == 0 and status["step_rate"] == 0
     assert replica(status, "a") | {"heartbeat_age_s": 0} == {
         "replica_id": "a", "step": 4, "alive": True, "dead": False, "heartbeat_age_s": 0, "in_quorum": False,
         "pending": False, "state": "waiting", "lag": 0, "incarnations": 1, "deaths": 0, "cause": "",
-        "heartbeat_connections": 1, "connections": 1, "lost_ranks": []}
+        "heartbeat_connections": 1, "connections": 1, "lost_ranks": [], "step_time_s": None, "waited_for_s": 0.0,
+        "straggler": False}
     code, page = obs.call("GET", "/")
     # The page is static; its script renders what /status and /events say (tests/browser checks it in Chromium).
     assert code == 200 and "<h1>fthsdp lighthouse</h1>" in page and 'getJSON("/status")' in page

@@ -10,7 +10,11 @@ from typing import Any
 
 import pytest
 
+from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
+from lightning_fthsdp.recipes import load_recipe
+from tests.k8s.test_manifests import by_kind, manifests
+from tests.paths import ROOT
 from tests.unit.test_lighthouse import Client, form, hb, lighthouse, qr, replica
 from tests.unit.test_lighthouse_metrics import scrape
 
@@ -148,3 +152,17 @@ def test_bad_step_times_are_refused_naming_the_field(lighthouse: Callable[..., s
 def test_a_wait_without_its_compute_is_refused(lighthouse: Callable[..., str]) -> None:
     code, answer = Client(lighthouse()).call("POST", "/v1/quorum", {**qr("a"), "wait_s": 0.01})
     assert code == 400 and "'wait_s' needs 'compute_s'" in answer["error"], answer
+
+
+def test_the_policy_comes_from_the_recipe_to_the_lighthouse_and_a_bad_one_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # ft=datacenter (llama_gpu's) reports stragglers over 50 steps; the k8s lighthouse gets the flags.
+    policy = load_recipe(ROOT / "recipes" / "llama_gpu.yaml").ft.stragglers
+    assert policy == StragglerPolicy("report", 2.0, 50)
+    assert load_recipe(ROOT / "recipes" / "mlp.yaml").ft.stragglers.args() == []  # off: the command as before
+    kinds = by_kind(manifests(str(ROOT / "recipes" / "llama_gpu.yaml"), "--replicas", "4", "--nodes-per-replica",
+                              "2", "--image", "reg/img:1", "--name", "big"))
+    command = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-4:] == ["--straggler-policy", "report", "--straggler-window", "50"], command
+    assert cli_main(["lighthouse", "--port", "0", "--straggler-policy", "evict", "--straggler-factor", "1"]) == 2
+    assert "factor must be a number > 1" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_a_policy_names_the_value_and_the_fix() -> None:
         StragglerPolicy("kick")
     with pytest.raises(ValueError, match=r"factor must be a number > 1 .* got 1.0"):
         StragglerPolicy("report", 1.0)
-    with pytest.raises(ValueError, match="window must be an integer >= 3 .* got 2"):
+    with pytest.raises(ValueError, match=r"window must be an integer >= 3 .* got 2"):
         StragglerPolicy("report", 2.0, 2)
     assert StragglerPolicy().args() == [] and StragglerPolicy("evict", 3.0, 5).args() == [
         "--straggler-policy", "evict", "--straggler-factor", "3", "--straggler-window", "5"]

@@ -195,7 +195,7 @@ class Soak:
         cfg = self.config
         try:
             if cfg.network:
-                self.cluster = self.job.hosts = Cluster(["lighthouse", *cfg.replica_ids], prefix="fthsdp-soak")
+                self.cluster = self.job.hosts = Cluster(["lighthouse", *cfg.replica_ids])
             self.job.start_lighthouse()
             self.t0, self.wall0 = time.monotonic(), time.time()
             for group in self.groups.values():
@@ -268,7 +268,7 @@ class Soak:
             if fault.ended is None and (now >= fault.heal_at or (isinstance(fault.handle, Flap) and fault.handle.done)):
                 fault.handle.heal()
                 fault.ended = now - self.t0
-                self._event("healed", fault.who, kind=fault.kind)
+                self._event("healed", fault.who, fault=fault.kind)
 
     def _read(self, group: _Group) -> None:
         for row in group.tail.read():
@@ -356,7 +356,7 @@ class Soak:
         who = ",".join(g.replica_id for g in groups)
         heal_at = now + (3600.0 if isinstance(handle, Flap) else self.rng.uniform(*self.config.network_fault_s))
         self.network_faults.append(_NetworkFault(kind, who, handle, now - self.t0, heal_at))
-        self._event("network", who, kind=kind, detail=handle.detail)
+        self._event("network", who, fault=kind, detail=handle.detail)
 
     def _inject_phase(self) -> bool:
         candidates = [g for g in self._holders() if self._safe_without(g)]
@@ -580,7 +580,7 @@ class Soak:
             elif e["event"] == "lighthouse killed":
                 by_kind[f"lighthouse killed ({e['during']})"] = by_kind.get(f"lighthouse killed ({e['during']})", 0) + 1
             elif e["event"] == "network":
-                by_kind[f"network {e['kind']}"] = by_kind.get(f"network {e['kind']}", 0) + 1
+                by_kind[f"network {e['fault']}"] = by_kind.get(f"network {e['fault']}", 0) + 1
         stalls = self._stalls()
         recoveries = self._recoveries()
         commits = max((step for g in self.groups.values() for inc in g.incarnations for _, step in inc.commits),

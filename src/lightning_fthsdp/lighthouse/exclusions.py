@@ -29,7 +29,8 @@ class Exclusion:
     """Why and since when one group is kept out of the quorum."""
 
     reason: str
-    """``partition``: it could not reach ``peers`` (or they it)."""
+    """``partition``: it could not reach ``peers`` (or they it); ``straggler``: its compute or link dragged every step
+    (``lighthouse.stragglers``; ``peers`` is empty, it is admitted once it keeps pace)."""
     detail: str
     """What was reported, for people: the event log and ``/status``."""
     since_s: float

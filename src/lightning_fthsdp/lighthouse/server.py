@@ -428,14 +428,15 @@ class Lighthouse:
 
     def _note_timing(self, asked: QuorumRequest, timing: StepTiming) -> None:
         """Record the times of the requester's last step; a step of the current quorum whose every member has
-        reported closes a round, after which the policy reviews the groups. Only an exchange that succeeded in the
-        quorum the lighthouse holds counts towards a round (a failed one's wait is its failure, not a straggler)."""
+        reported closes a round, after which (every few rounds) the policy reviews the groups. Only an exchange that
+        succeeded in the quorum the lighthouse holds counts towards a round (a failed one's wait is its failure, not
+        a straggler)."""
         previous = self._previous
         in_round = (timing.wait_s is not None and not asked.commit_failed and previous is not None
                     and asked.quorum_id == previous.quorum_id and asked.replica_id in previous)
-        closed = self._stragglers.record(asked.replica_id, timing.compute_s, timing.wait_s if in_round else None,
-                                         (asked.quorum_id, asked.step), previous.member_ids if in_round else ())
-        if closed and self._stragglers.policy.acts:
+        due = self._stragglers.record(asked.replica_id, timing.compute_s, timing.wait_s if in_round else None,
+                                      (asked.quorum_id, asked.step), previous.member_set if in_round else ())
+        if due and self._stragglers.policy.acts:
             self._review_stragglers()
 
     def _review_stragglers(self) -> None:

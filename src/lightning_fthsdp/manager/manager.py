@@ -405,7 +405,8 @@ class FTManager:
             self._commit_failed = True
             self._comm.invalidate()
             if state.quorum is None and self._agreement.excluded:
-                # Kept out while it cannot reach some members: it waits (its requests probe them) and is no failure.
+                # Kept out while it cannot reach some members (its requests probe them) or while it is a straggler
+                # (its requests report its step times): it waits, retraining the same batch, and that is no failure.
                 self._log.debug("excluded from the quorum: %s", failure)
             elif not state.resumed:
                 self.discarded_steps += 1

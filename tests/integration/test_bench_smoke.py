@@ -1,0 +1,39 @@
+"""The benchmarks' ``--smoke`` modes: each runs end to end on real processes, prints its table and writes its JSON
+(to the test's tmp folder, never over bench/results/). Their numbers are checked only where a smoke run's are clear
+beyond noise on 2 shared cores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.paths import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def smoke(bench: str, out: Path) -> str:
+    """Run ``bench/BENCH --smoke --out OUT``; its stdout (a failure shows its output)."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / bench), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
+    assert done.returncode == 0, f"{bench} --smoke exited {done.returncode}:\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
+    print(done.stdout)
+    return done.stdout
+
+
+def test_bench_straggler_smoke_evicting_the_slow_group_speeds_the_job_up(tmp_path: Path) -> None:
+    out = tmp_path / "straggler.json"
+    printed = smoke("bench_straggler.py", out)
+    result = json.loads(out.read_text())
+    runs = {(r["scenario"], r["policy"]): r for r in result["runs"]}
+    assert set(runs) == {("compute", "off"), ("compute", "evict")}, runs
+    assert runs["compute", "off"]["slow_excluded"] == 0 and runs["compute", "evict"]["slow_excluded"] >= 1, runs
+    # c at a third of the speed holds every step of the job with the policy off; evicted, it holds none.
+    (summary,) = result["summary"]
+    assert summary["evict_over_off"] > 1.3, summary
+    assert "evict_over_off" in printed and str(out) in printed
