@@ -27,8 +27,9 @@ def test_defaults_respect_the_hierarchy() -> None:
         ("collective_timeout_ms", 0, "collective_timeout_ms must be a positive integer"),
         ("connect_timeout_ms", 1.5, "connect_timeout_ms must be a positive integer of milliseconds, got 1.5"),
         ("process_group_timeout_ms", 150_000, "process_group_timeout_ms > connect_timeout_ms + quorum_timeout_ms + "
-                                              "10000 .*, got process_group_timeout_ms=150000, "
-                                              "connect_timeout_ms=120000 and quorum_timeout_ms=60000"),
+                                              "heartbeat_timeout_ms + 10000 .*, got process_group_timeout_ms=150000, "
+                                              "connect_timeout_ms=120000, quorum_timeout_ms=60000 and "
+                                              "heartbeat_timeout_ms=2000"),
         ("max_failed_commits", 0, "max_failed_commits must be a positive integer (a count), got 0"),
     ],
 )

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from lightning_fthsdp.lighthouse.exclusions import fewest_to_exclude, unreachable_pairs
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.lighthouse.exclusions import MAX_PROBE_TARGETS, fewest_to_exclude, probe_peers, unreachable_pairs
 from lightning_fthsdp.manager.probe import unreachable
 from tests.unit.test_lighthouse import Client, form, hb, lighthouse, qr
 
@@ -41,6 +42,17 @@ def test_many_groups_fall_back_to_a_greedy_cover_that_still_covers_every_pair() 
     hub_pairs = {pair("hub", f"g{i:02d}") for i in range(40)} | {pair(f"g{i:02d}", f"h{i:02d}") for i in range(5)}
     cover = fewest_to_exclude(hub_pairs, {})
     assert all(p & cover for p in hub_pairs) and "hub" in cover and len(cover) == 6
+
+
+def test_every_member_probes_every_other_in_a_small_quorum_and_its_neighbours_in_a_large_one() -> None:
+    small = [f"g{i}" for i in range(MAX_PROBE_TARGETS + 1)]
+    assert set(probe_peers(small, 3)) == set(small) - {"g3"}
+    large = [f"g{i:05d}" for i in range(12_500)]
+    peers = probe_peers(large, 0)
+    assert 32 <= len(peers) == len(set(peers)) <= MAX_PROBE_TARGETS and "g00000" not in peers
+    assert {"g00001", "g12499", "g00016", "g12484", "g04096"} <= set(peers)
+    # Each pair of neighbours is probed from both sides: a cut between them is reported whichever probes.
+    assert all(large[0] in probe_peers(large, large.index(p)) for p in peers)
 
 
 def test_pairs_only_among_candidates_and_one_way_reports_count() -> None:
@@ -82,7 +94,7 @@ def test_a_cut_between_two_members_keeps_one_out_until_it_reaches_the_other_agai
     # Every member's exchange failed while every member lived: each is asked to probe the others first.
     for rid, client in clients.items():
         code, body = answer(client, qr(rid, step=0, quorum_id=qid, members=tuple("abc"), commit_failed=True,
-                                       probed=False))
+                                       probed=False, exchange_failed=True))
         assert code == 200 and body["probe"] == {o: f"{o}:1" for o in "abc" if o != rid}, body
     # a and b cannot reach each other; c reaches both: b (sorting last, at the same step) is kept out.
     reports = {"a": ("b",), "b": ("a",), "c": ()}
@@ -124,16 +136,36 @@ def test_a_failed_exchange_after_a_death_asks_for_no_probe(lighthouse: Callable[
     qid = form(url, "a", "b", "c")[0]["quorum_id"]
     beats["c"].crash()
     survivors = {rid: Client(url) for rid in "ab"}
+    wait_for(lambda: next(g for g in survivors["a"].status()["groups"] if g["replica_id"] == "c")["dead"], 10,
+             "the lighthouse declaring c dead")
     for rid, client in survivors.items():
         client.send("POST", "/v1/quorum", qr(rid, quorum_id=qid, members=tuple("abc"), commit_failed=True,
-                                             probed=False))
+                                             probed=False, exchange_failed=True))
     got = {rid: client.recv() for rid, client in survivors.items()}
     assert all(code == 200 and "probe" not in body for code, body in got.values()), got
     assert [m["replica_id"] for m in got["a"][1]["members"]] == ["a", "b"]
 
 
-@pytest.mark.parametrize("bad", [["a"] * 1025, "b", [7]])
+@pytest.mark.parametrize("bad", [["a"] * 65, "b", [7]])
 def test_a_bad_unreachable_field_is_refused_naming_it(lighthouse: Callable[..., str], bad: object) -> None:
     url = lighthouse()
     code, body = answer(Client(url), {**qr("a"), "unreachable": bad})
     assert code == 400 and "unreachable" in body["error"], body
+
+
+def test_a_report_counts_only_for_the_members_a_group_was_asked_to_probe(lighthouse: Callable[..., str]) -> None:
+    """A stale or forged report naming a group outside the requester's probe (here: itself and a stranger) excludes
+    nobody; without a failed collective no probe is asked for at all."""
+    url = lighthouse(min_replicas=2)
+    beats = {rid: Client(url) for rid in "abc"}
+    for rid, client in beats.items():
+        client.call("POST", "/v1/heartbeat", hb(rid))
+    qid = form(url, "a", "b", "c")[0]["quorum_id"]
+    clients = {rid: Client(url) for rid in "abc"}
+    reports = {"a": ("a", "zed"), "b": (), "c": ()}
+    for rid, client in clients.items():
+        client.send("POST", "/v1/quorum", qr(rid, step=1, quorum_id=qid, members=tuple("abc"), committed_in=qid,
+                                             unreachable=reports[rid]))
+    got = {rid: client.recv() for rid, client in clients.items()}
+    assert all(code == 200 and len(body["members"]) == 3 for code, body in got.values()), got
+    assert clients["a"].status()["excluded"] == {}

@@ -91,17 +91,19 @@ class Timeouts:
         if self.process_group_timeout_ms <= self.quorum_wait_ms:
             raise ValueError(
                 f"Timeouts need process_group_timeout_ms > connect_timeout_ms + quorum_timeout_ms + "
-                f"{QUORUM_CLIENT_SLACK_MS} (the leader's longest wait for a quorum, which the group's other ranks sit "
-                f"out in a broadcast), got process_group_timeout_ms={self.process_group_timeout_ms}, "
-                f"connect_timeout_ms={self.connect_timeout_ms} and quorum_timeout_ms={self.quorum_timeout_ms}: raise "
+                f"heartbeat_timeout_ms + {QUORUM_CLIENT_SLACK_MS} (the leader's longest wait for a quorum, which the "
+                f"group's other ranks sit out in a broadcast), got process_group_timeout_ms="
+                f"{self.process_group_timeout_ms}, connect_timeout_ms={self.connect_timeout_ms}, quorum_timeout_ms="
+                f"{self.quorum_timeout_ms} and heartbeat_timeout_ms={self.heartbeat_timeout_ms}: raise "
                 f"process_group_timeout_ms above {self.quorum_wait_ms} or lower the others"
             )
 
     @property
     def quorum_wait_ms(self) -> int:
         """The leader's longest wait for one quorum answer: an unreachable lighthouse is retried for
-        connect_timeout_ms, then one request may take quorum_timeout_ms, plus the client's slack."""
-        return self.connect_timeout_ms + self.quorum_timeout_ms + QUORUM_CLIENT_SLACK_MS
+        connect_timeout_ms, then one request may take quorum_timeout_ms (after a probe of the members the lighthouse
+        may ask for, at most heartbeat_timeout_ms), plus the client's slack."""
+        return self.connect_timeout_ms + self.quorum_timeout_ms + self.heartbeat_timeout_ms + QUORUM_CLIENT_SLACK_MS
 
     @staticmethod
     def delta(ms: int) -> timedelta:

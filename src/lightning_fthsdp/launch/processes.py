@@ -199,8 +199,12 @@ class Job:
             group = Group(replica_id, self._spawn(cmd, log), jsonl, log)
         else:
             on = host if host is not None else replica_id
-            group = Group(replica_id, self._spawn([*self.hosts.command_prefix(on), *cmd], log, self.hosts.env(on)),
-                          jsonl, log)
+            env = self.hosts.env(on)
+            if shard_count == 1:
+                # No process group of its own to bind: its cross-group groups take the address it advertises (the
+                # route to the lighthouse), as on a cluster where nobody sets the interface.
+                env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+            group = Group(replica_id, self._spawn([*self.hosts.command_prefix(on), *cmd], log, env), jsonl, log)
         self.groups[replica_id] = group
         return group
 

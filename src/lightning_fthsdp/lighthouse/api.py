@@ -27,7 +27,7 @@ GZIP_OVER_BYTES = 16384
 """Quorum answers larger than this are also sent gzip-compressed to clients that accept it."""
 MAX_DIGEST = 64
 """Longest ``members_digest`` a quorum request may send (``Quorum.members_digest`` is 32 hex digits)."""
-MAX_UNREACHABLE = 1024
+MAX_UNREACHABLE = 64
 """Most groups one request may report unreachable: as many as the probe targets the lighthouse hands out at most."""
 KEPT_BASES = 8
 """Member lists kept as bases of delta answers: the newest answered. A steady group holds the newest one; after a few
@@ -167,8 +167,9 @@ def parse_quorum(request: Request,
     ``compute_s``).
 
     Fields: ``replica_id``, ``incarnation``, ``step``, ``shard_count``, ``address``, ``commit_failed``,
-    ``committed_in``, ``following``, ``timeout_ms``, ``unreachable`` (optional: the probe targets it could not reach,
-    after a ``probe_answer``); of the quorum the requester holds, ``quorum_id`` (-1: none),
+    ``committed_in``, ``following``, ``timeout_ms``, ``exchange_failed`` (optional: its last cross-group collective
+    failed), ``unreachable`` (optional: the probe targets it could not reach, after a ``probe_answer``); of the
+    quorum the requester holds, ``quorum_id`` (-1: none),
     ``members_digest`` (optional, ``Quorum.members_digest``: lets the answer be a delta) and ``members`` (optional,
     its member ids: sent only when the lighthouse answers 428 because it needs them, then at once with the same
     request). The answer (``QuorumAnswers``) is the quorum with ``store``, the rendezvous store's address."""
@@ -195,6 +196,7 @@ def parse_quorum(request: Request,
     if len(digest) > MAX_DIGEST:
         raise HttpError(400, f"field 'members_digest' must be at most {MAX_DIGEST} characters (the digest the client "
                              f"computes), got {len(digest)}")
+    exchange_failed = require(body, "exchange_failed", bool, "true or false") if "exchange_failed" in body else False
     unreachable = None
     if body.get("unreachable") is not None:
         unreachable = require(body, "unreachable", list, "a list of replica ids (or null: not probed)")
@@ -209,7 +211,7 @@ def parse_quorum(request: Request,
         unreachable = tuple(unreachable)
     request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
                             members=tuple(members), members_digest=digest, committed_in=committed_in,
-                            following=following, unreachable=unreachable)
+                            following=following, unreachable=unreachable, exchange_failed=exchange_failed)
     return request, incarnation, timeout_ms, _caught_up(body), _step_timing(body)
 
 

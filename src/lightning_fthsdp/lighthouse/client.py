@@ -408,12 +408,14 @@ class QuorumClient:
         caught_up: dict[str, object] | None = None,
         unreachable: list[str] | None = None,
         timing: Mapping[str, float] | None = None,
+        exchange_failed: bool = False,
     ) -> tuple[Quorum, str]:
         """Return the next quorum and the rendezvous store address ``HOST:PORT``. ``caught_up``: the catch-up this
         group finished since its last request (``source``, ``step``, ``bytes``, ``fetch_s``), for the lighthouse's
-        event log and metrics. ``unreachable``: the groups a probe the lighthouse asked for could not reach (None: no
-        probe was asked for). ``timing``: the times of this group's last step (``compute_s`` and, if it exchanged,
-        ``wait_s``), for the lighthouse's straggler measurement.
+        event log and metrics. ``exchange_failed``: the last step's cross-group collective failed (the lighthouse may
+        then ask for a probe of the members). ``unreachable``: the groups a probe the lighthouse asked for could not
+        reach (None: no probe was asked for). ``timing``: the times of this group's last step (``compute_s`` and, if
+        it exchanged, ``wait_s``), for the lighthouse's straggler measurement.
 
         The request names ``current`` by its id and members digest; its members go only to a lighthouse that asks for
         them (428: it is new or restarted, or must tell its own quorum of that id from its predecessor's), in the same
@@ -430,6 +432,8 @@ class QuorumClient:
             body["caught_up"] = caught_up
         if unreachable is not None:
             body["unreachable"] = unreachable
+        if exchange_failed:
+            body["exchange_failed"] = True
         if timing is not None:
             body.update(timing)
         with self._asking:

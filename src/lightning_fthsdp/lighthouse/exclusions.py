@@ -13,12 +13,15 @@ Synchronous and clock-free (``now`` is an argument), like the quorum rules, so i
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-MAX_PROBE_TARGETS = 1024
-"""Most peers one group is asked to probe (``api.MAX_UNREACHABLE`` bounds what it may report)."""
+MAX_PROBE_TARGETS = 64
+"""Most peers one group is asked to probe after a failed exchange (``api.MAX_UNREACHABLE`` bounds what it may
+report): in a larger quorum, its neighbours in member order (``probe_peers``). Probing every member from every member
+would be O(members^2) connects and lighthouse work after each failed exchange of a 100,000-GPU job."""
 EXACT_LIMIT = 16
 """Groups named in unreachable pairs up to which the fewest to exclude are found exactly (2^n subsets are tried);
 above it a greedy choice (the group in the most pairs first) stands in."""
@@ -37,7 +40,7 @@ class Exclusion:
     peers: frozenset[str]
     """The groups it must reach again (probed by it before each request) to be admitted."""
     times: int = 1
-    """Exclusions of this replica id so far."""
+    """Exclusions of this replica id for this reason so far."""
 
     def to_json(self, now: float) -> dict[str, object]:
         return {"reason": self.reason, "detail": self.detail, "for_s": round(now - self.since_s, 3),
@@ -50,20 +53,17 @@ class Exclusions:
 
     def __init__(self) -> None:
         self._excluded: dict[str, Exclusion] = {}
-        self._times: dict[str, int] = {}
+        self._times: dict[tuple[str, str], int] = {}
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._excluded
-
-    def __len__(self) -> int:
-        return len(self._excluded)
 
     def get(self, replica_id: str) -> Exclusion | None:
         return self._excluded.get(replica_id)
 
     def exclude(self, replica_id: str, reason: str, detail: str, now: float, peers: Iterable[str] = ()) -> Exclusion:
-        times = self._times.get(replica_id, 0) + 1
-        self._times[replica_id] = times
+        times = self._times.get((replica_id, reason), 0) + 1
+        self._times[replica_id, reason] = times
         exclusion = self._excluded[replica_id] = Exclusion(reason, detail, now, frozenset(peers), times)
         return exclusion
 
@@ -74,10 +74,27 @@ class Exclusions:
     def forget(self, replica_id: str) -> None:
         """The group left the job: no exclusion and no history of it is kept."""
         self._excluded.pop(replica_id, None)
-        self._times.pop(replica_id, None)
+        for key in [key for key in self._times if key[0] == replica_id]:
+            del self._times[key]
 
     def to_json(self, now: float) -> dict[str, dict[str, object]]:
         return {rid: e.to_json(now) for rid, e in sorted(self._excluded.items())}
+
+
+def probe_peers(member_ids: Sequence[str], index: int) -> list[str]:
+    """The members the member at ``index`` is asked to probe: every other one in a quorum of up to
+    ``MAX_PROBE_TARGETS + 1``; in a larger one its neighbours in member order (the nearest on either side, then at
+    power-of-two distances), where a ring exchange's traffic goes. A cut between two members further apart goes
+    unreported there: their exchange fails again each time (see docs/failure-modes.md)."""
+    n = len(member_ids)
+    if n - 1 <= MAX_PROBE_TARGETS:
+        offsets: list[int] = list(range(1, n))
+    else:
+        near = MAX_PROBE_TARGETS // 4
+        far = [d for k in range(n.bit_length()) if near < (d := 1 << k) < n - near]
+        chosen = {*range(1, near + 1), *range(n - near, n), *far, *(n - d for d in far)}
+        offsets = sorted(chosen, key=lambda o: min(o, n - o))[:MAX_PROBE_TARGETS]
+    return [member_ids[(index + offset) % n] for offset in offsets]
 
 
 def unreachable_pairs(reports: Mapping[str, Iterable[str]], candidates: Iterable[str]) -> set[frozenset[str]]:
@@ -109,14 +126,37 @@ def fewest_to_exclude(pairs: set[frozenset[str]], prefer_kept: Mapping[str, int]
     raise AssertionError("the set of every group named covers every pair")
 
 
+def peers_of(pairs: set[frozenset[str]]) -> dict[str, set[str]]:
+    """Each group named in ``pairs`` -> the groups it is paired with."""
+    peers: dict[str, set[str]] = {}
+    for a, b in (tuple(pair) for pair in pairs):
+        peers.setdefault(a, set()).add(b)
+        peers.setdefault(b, set()).add(a)
+    return peers
+
+
 def _greedy(pairs: set[frozenset[str]], prefer_kept: Mapping[str, int]) -> frozenset[str]:
-    left, cover = set(pairs), set()
-    while left:
-        degree: dict[str, int] = {}
-        for pair in left:
-            for rid in pair:
-                degree[rid] = degree.get(rid, 0) + 1
-        chosen = max(degree, key=lambda rid: (degree[rid], -prefer_kept.get(rid, 0), rid))
-        cover.add(chosen)
-        left = {pair for pair in left if chosen not in pair}
+    """The group in the most uncovered pairs first (ties: the one behind, then the id sorting last), in
+    O(pairs log groups): a heap of degrees, each entry checked against the live degree when popped."""
+    peers = peers_of(pairs)
+    degree = {rid: len(others) for rid, others in peers.items()}
+    heap = [(-d, prefer_kept.get(rid, 0), _descending(rid), rid) for rid, d in degree.items()]
+    heapq.heapify(heap)
+    cover: set[str] = set()
+    while heap:
+        d, _, _, rid = heapq.heappop(heap)
+        if rid in cover or -d != degree[rid] or degree[rid] == 0:
+            if rid not in cover and degree[rid] > 0:
+                heapq.heappush(heap, (-degree[rid], prefer_kept.get(rid, 0), _descending(rid), rid))
+            continue
+        cover.add(rid)
+        for other in peers[rid]:
+            if other not in cover:
+                degree[other] -= 1
+        degree[rid] = 0
     return frozenset(cover)
+
+
+def _descending(text: str) -> tuple[int, ...]:
+    """A key that sorts strings last-first (a heap pops the smallest)."""
+    return (*(-ord(c) for c in text), 1)

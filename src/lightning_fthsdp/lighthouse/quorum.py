@@ -59,6 +59,9 @@ class QuorumRequest:
     members_digest: str = ""
     """``Quorum.members_digest`` of the quorum the requester holds ("": none): the lighthouse answers with a delta
     against it when it still knows those members."""
+    exchange_failed: bool = False
+    """The requester's last step failed in its cross-group collective (not only its commit): with every member alive, a
+    cut between members may be why (``lighthouse.exclusions``)."""
     unreachable: tuple[str, ...] | None = None
     """The groups the requester could not reach when it probed them, as the lighthouse asked it to (after a failed
     exchange, or while it is excluded for a partition: ``lighthouse.exclusions``); None: it did not probe."""

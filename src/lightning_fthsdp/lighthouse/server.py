@@ -44,7 +44,14 @@ from lightning_fthsdp.lighthouse.api import (
     probe_answer,
 )
 from lightning_fthsdp.lighthouse.deadlines import Deadline, Deadlines
-from lightning_fthsdp.lighthouse.exclusions import MAX_PROBE_TARGETS, Exclusions, fewest_to_exclude, unreachable_pairs
+from lightning_fthsdp.lighthouse.exclusions import (
+    MAX_PROBE_TARGETS,
+    Exclusions,
+    fewest_to_exclude,
+    peers_of,
+    probe_peers,
+    unreachable_pairs,
+)
 from lightning_fthsdp.lighthouse.http import (
     IDLE_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
@@ -78,6 +85,8 @@ if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (
 log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_LONG_POLL_MS = 5_000
+MAX_PARTITION_STAY_S = 300.0
+"""Longest a group excluded for a partition stays out once it reaches its peers again (see ``_excluded_request``)."""
 MIN_STRAGGLER_HOLD_S = 0.01
 """Shortest hold of an excluded straggler's request: one whose steps take no time must not spin on the lighthouse."""
 
@@ -149,6 +158,7 @@ class Lighthouse:
         self._deadline_of: dict[Pending, tuple[str, Deadline]] = {}  # each held quorum request's group, deadline
         self._exclusions = Exclusions()
         self._reports: dict[str, tuple[str, ...]] = {}  # pending requests that report groups they could not reach
+        self._probe_key: tuple[int, int, bool] = (-1, -1, False)  # (quorum id, epoch, every member alive)
         self._excluded_held: dict[Pending, tuple[str, Deadline]] = {}  # excluded groups' requests: a probe interval
         # Each group's step times, always measured (O(1) a request) and shown; the policy flags or evicts only when
         # it is report or evict.
@@ -364,9 +374,13 @@ class Lighthouse:
                 return held
         elif self._probe_wanted(asked):
             assert self._previous is not None
-            targets = self._probe_targets(replica_id, self._previous.member_ids)
+            targets = self._probe_targets(replica_id, self._exchange_peers(replica_id))
             return probe_answer(targets, f"the exchange of quorum {self._previous.quorum_id} failed while every member "
                                          f"lived: report the members you cannot reach")
+        elif asked.unreachable:
+            # Only what it was asked to probe counts (a stale or forged report must not exclude a healthy group).
+            asked = dataclasses.replace(asked, unreachable=tuple(
+                set(asked.unreachable) & set(self._exchange_peers(replica_id))))
         if self._previous is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
@@ -379,20 +393,33 @@ class Lighthouse:
         return waiter
 
     def _probe_wanted(self, asked: QuorumRequest) -> bool:
-        """Whether ``asked`` must first probe the members of its quorum: its exchange failed while every member lived
-        (no death explains it: a cut between members may)."""
+        """Whether ``asked`` must first probe the members of its quorum: its cross-group collective failed while every
+        member lived (no death explains it: a cut between members may). Whether every member lives is worked out once
+        per quorum and epoch (every death and revival changes the epoch), not per request."""
         previous = self._previous
-        if not asked.commit_failed or asked.unreachable is not None or previous is None or len(previous.members) < 2 \
-                or asked.replica_id not in previous or asked.quorum_id != previous.quorum_id:
+        if not asked.exchange_failed or asked.unreachable is not None or previous is None \
+                or len(previous.members) < 2 or asked.replica_id not in previous \
+                or asked.quorum_id != previous.quorum_id:
             return False
-        records = [self._registry.get(rid) for rid in previous.member_ids]
-        return all(record is not None and not record.dead for record in records)
+        if self._probe_key[:2] != (previous.quorum_id, self._epoch):
+            records = [self._registry.get(rid) for rid in previous.member_ids]
+            self._probe_key = (previous.quorum_id, self._epoch,
+                               all(record is not None and not record.dead for record in records))
+        return self._probe_key[2]
+
+    def _exchange_peers(self, replica_id: str) -> list[str]:
+        """The members of the current quorum ``replica_id`` is asked to probe (``exclusions.probe_peers``); none when
+        it is no member."""
+        previous = self._previous
+        if previous is None or replica_id not in previous:
+            return []
+        return probe_peers(previous.member_ids, previous.rank_of(replica_id))
 
     def _probe_targets(self, replica_id: str, peers: Collection[str]) -> dict[str, str]:
         """``peers`` but ``replica_id`` that live, each with the address its leader serves state on (at most
         ``MAX_PROBE_TARGETS``)."""
         targets: dict[str, str] = {}
-        for rid in sorted(peers):
+        for rid in peers:
             record = self._registry.get(rid)
             if rid != replica_id and record is not None and not record.dead and record.address:
                 targets[rid] = record.address
@@ -408,12 +435,20 @@ class Lighthouse:
         assert exclusion is not None
         if exclusion.reason == "straggler":
             return self._straggler_request(request, replica_id, exclusion.times, timeout_ms)
-        targets = self._probe_targets(replica_id, exclusion.peers)
-        if not targets or (asked.unreachable is not None and not set(asked.unreachable) & set(targets)):
+        targets = self._probe_targets(replica_id, sorted(exclusion.peers))
+        # A cut that keeps coming back (or lets new connections through one way only) would cost every member a failed
+        # exchange, a collective timeout, each time the group is admitted: from its second exclusion on, it stays out
+        # at least a heartbeat timeout, doubled with each one.
+        least_s = 0.0 if exclusion.times == 1 else min(
+            MAX_PARTITION_STAY_S, self.heartbeat_timeout_ms / 1000 * 2 ** (exclusion.times - 2))
+        reached = asked.unreachable is not None and not set(asked.unreachable) & set(targets)
+        if not targets or (reached and time.monotonic() - exclusion.since_s >= least_s):
             self._exclusions.admit(replica_id)
             log.info("replica %s reaches %s again: admitted", replica_id, ",".join(sorted(targets)) or "its peers")
             self._watch.readmitted(replica_id, exclusion.reason)
             return None
+        if asked.unreachable is None:  # it has not probed yet (a restart, say): tell it whom at once
+            return excluded_answer(replica_id, exclusion, targets, time.monotonic())
         return self._hold_excluded(request, replica_id, min(timeout_ms, self.heartbeat_timeout_ms) / 1000)
 
     def _hold_excluded(self, request: Request, replica_id: str, interval_s: float) -> Pending:
@@ -487,9 +522,9 @@ class Lighthouse:
         replica_id = self._settle(self._excluded_held, waiter)
         exclusion = self._exclusions.get(replica_id) if replica_id is not None else None
         if replica_id is not None:
-            targets = self._probe_targets(replica_id, exclusion.peers) if exclusion is not None else {}
-            if exclusion is None:
-                waiter.fail(HttpError(409, f"replica {replica_id!r} is no longer excluded: ask again"))
+            targets = self._probe_targets(replica_id, sorted(exclusion.peers)) if exclusion is not None else {}
+            if exclusion is None:  # 503: the client asks again
+                waiter.fail(HttpError(503, f"replica {replica_id!r} is no longer excluded: ask again"))
             else:
                 waiter.answer(excluded_answer(replica_id, exclusion, targets, time.monotonic()))
 
@@ -502,8 +537,9 @@ class Lighthouse:
             return
         steps = {rid: request.step for rid, request in self._readiness.pending.items()}
         now = time.monotonic()
+        paired = peers_of(pairs)
         for replica_id in sorted(fewest_to_exclude(pairs, steps)):
-            peers = {other for pair in pairs if replica_id in pair for other in pair if other != replica_id}
+            peers = paired[replica_id]
             detail = f"cannot exchange with {','.join(sorted(peers))} (probed after a failed exchange)"
             exclusion = self._exclusions.exclude(replica_id, "partition", detail, now, peers)
             log.warning("replica %s excluded from the quorum: it %s", replica_id, detail)
@@ -512,7 +548,8 @@ class Lighthouse:
             self._drop_pending(replica_id)
             if waiter is not None:
                 self._end_wait(waiter)
-                waiter.answer(excluded_answer(replica_id, exclusion, self._probe_targets(replica_id, peers), now))
+                waiter.answer(excluded_answer(replica_id, exclusion, self._probe_targets(replica_id, sorted(peers)),
+                                              now))
 
     def _end_wait(self, waiter: Pending) -> str | None:
         """A held quorum request is answered or gone (see ``_settle``)."""
@@ -944,6 +981,7 @@ class Lighthouse:
             if strays:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
+                    self._exclusions.forget(replica_id)
                     self._heartbeat_connections.release_group(replica_id)
                     self._watch.forget(replica_id)
                     self._stragglers.forget(replica_id)

@@ -183,7 +183,12 @@ class Stragglers:
             del group.ranked[bisect.bisect_left(group.ranked, group.compute[0])]
         group.compute.append(compute_s)
         bisect.insort(group.ranked, compute_s)
-        if wait_s is None or round_key is None or replica_id not in members or len(members) < 2:
+        if wait_s is None or round_key is None or replica_id not in members:
+            return False
+        if len(members) < 2:
+            # A lone member's steps are no round (nobody waits for anybody) but time passes: a straggler evicted from
+            # a job of two must come back once its time out is over.
+            self.rounds += 1
             return False
         open_round = self._open.get(round_key)
         if open_round is None:
@@ -204,7 +209,8 @@ class Stragglers:
         return max(1, self.policy.window // 10)
 
     def excluded(self, replica_id: str) -> None:
-        """The server took ``replica_id`` out (for this policy or any other reason)."""
+        """The server took ``replica_id`` out under this policy (an eviction or a trial; a partition exclusion is not
+        reported here: while one lasts, the rounds close without that group)."""
         self._group(replica_id).out_since = self.rounds
         self._floors.clear()  # the membership changed: the exchange is measured afresh
 

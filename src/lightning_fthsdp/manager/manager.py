@@ -153,6 +153,7 @@ class FTManager:
         self._store_address = ""
         self._deaths_at_quorum = 0
         self._commit_failed = False
+        self._exchange_failed = False  # the last step's cross-group collective failed on a rank of this group
         self._failed_commits = 0  # in a row
         self._failure = ""  # why the step under way failed so far (empty: it has not)
         self._step_done_s: float | None = None  # when the last commit() ended: the next step's own work starts
@@ -315,7 +316,8 @@ class FTManager:
                 caught_up = {key: catch_ups[-1][key] for key in ("source", "step", "bytes", "fetch_s")}
             # The last step's times too (lighthouse.stragglers: who the others wait for), sent once.
             if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
-                                     self._progress.committed_in, self._follower.active, caught_up, self._timing):
+                                     self._progress.committed_in, self._follower.active, caught_up, self._timing,
+                                     exchange_failed=self._exchange_failed):
                 self._catch_ups_reported = len(catch_ups)
                 self._timing = None
 
@@ -358,6 +360,7 @@ class FTManager:
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
             self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
+            state.collective_failed = True
             return False
         state.exchanged = True
         state.wait_s = time.monotonic() - exchange_from
@@ -377,8 +380,10 @@ class FTManager:
         if not lease_ok and not failure:
             failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
                        f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
-        ok, exchanged, fetch_ok = self._agreement.vote(state.ready and lease_ok, state.exchanged and lease_ok,
-                                                       not self._follower.failed)
+        ok, exchanged, fetch_ok, collective_ok = self._agreement.vote(
+            state.ready and lease_ok, state.exchanged and lease_ok, not self._follower.failed,
+            not state.collective_failed)
+        self._exchange_failed = not collective_ok  # the lighthouse may ask the leader to probe the members
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if self._checkpoints is not None:

@@ -56,6 +56,8 @@ class StepState:
     state); the optimizer may step if every rank of the group is ready."""
     resumed: bool = False
     """The step's quorum resumed from a durable checkpoint: nobody exchanged, and that is no failure."""
+    collective_failed: bool = False
+    """The cross-group collective failed on this rank (not merely the commit: a lease, a follower's fetch)."""
     started_s: float = 0.0
     """When the group's own work on the step began (monotonic): the end of its previous commit, else its opening."""
     agree_s: float = 0.0

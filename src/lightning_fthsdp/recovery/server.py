@@ -212,7 +212,13 @@ def _client_gone(conn: socket.socket) -> bool:
         return True
 
 
-class _ServerV6(ThreadingHTTPServer):
+class _Server(ThreadingHTTPServer):
+    # After a failed exchange every member probes this address at once (manager.probe): a connect the default
+    # backlog of 5 leaves unanswered would report a healthy group unreachable.
+    request_queue_size = 1024
+
+
+class _ServerV6(_Server):
     address_family = socket.AF_INET6
 
 
@@ -220,7 +226,7 @@ def _server_class(host: str) -> type[ThreadingHTTPServer]:
     """The server class for ``host``'s address family (ThreadingHTTPServer binds IPv4 only): an IPv6 advertised
     address, e.g. ``fd00::2``, must get an IPv6 socket."""
     family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    return _ServerV6 if family == socket.AF_INET6 else ThreadingHTTPServer
+    return _ServerV6 if family == socket.AF_INET6 else _Server
 
 
 class _Handler(BaseHTTPRequestHandler):
