@@ -597,7 +597,8 @@ class Soak:
                                 "for_s": None if f.ended is None else round(f.ended - f.started, 3)}
                                for f in self.network_faults],
             "recovery_s": {kind: _stats([r[kind] for r in recoveries if r[kind] is not None])
-                           for kind in ("kill_to_commit", "spawn_to_commit", "imports", "build", "join_to_commit")},
+                           for kind in ("kill_to_commit", "spawn_to_commit", "imports", "build", "join_to_commit")}
+                          | {f"{kind} heal_to_commit": _stats(values) for kind, values in self._healed().items()},
             "recoveries": recoveries,
             "lost_steps": self.lost_steps,
             "settled": settled,
@@ -613,23 +614,26 @@ class Soak:
         not its own catch-up, not under a network fault of its own), by what else happened meanwhile: ``all``;
         ``quiet`` (nothing); ``failure`` (another group died or stopped); ``recovering`` (another group was
         restarting, no failure); ``lighthouse`` (it was down); ``network`` (another group was under a network
-        fault)."""
+        fault), and ``network KIND`` by the fault's kind."""
         deaths = [e["t"] for e in self.events if e["event"] in ("died", "stopped", "stop")]
         recovering = [(inc.spawned, inc.commits[0][0] if inc.commits else inc.ended or 1e18, g.replica_id)
                       for g in self.groups.values() for inc in g.incarnations[1:]]
         out: dict[str, list[float]] = {"all": [], "quiet": [], "failure": [], "recovering": [], "lighthouse": [],
                                        "network": []}
-        network = [(f.started, f.ended if f.ended is not None else 1e18, f.who.split(",")) for f in self.network_faults]
+        network = [(f.started, f.ended if f.ended is not None else 1e18, f.who.split(","), f.kind)
+                   for f in self.network_faults]
         for group in self.groups.values():
             for inc in group.incarnations:
                 for (t1, _), (t2, _) in zip(inc.commits, inc.commits[1:], strict=False):
                     if any(a < t2 and t1 < b for a, b in inc.stopped) or t2 in inc.catch_up_at or any(
-                            a < t2 and t1 < b and group.replica_id in who for a, b, who in network):
+                            a < t2 and t1 < b and group.replica_id in who for a, b, who, _ in network):
                         continue
                     gap = t2 - t1
                     out["all"].append(gap)
-                    if any(a < t2 and t1 < b for a, b, _ in network):
+                    kinds = [kind for a, b, _, kind in network if a < t2 and t1 < b]
+                    if kinds:
                         out["network"].append(gap)
+                        out.setdefault(f"network {kinds[0]}", []).append(gap)
                     elif any(a < t2 and t1 < b for a, b in self.lighthouse_down):
                         out["lighthouse"].append(gap)
                     elif any(t1 - 0.05 <= t <= t2 for t in deaths):
@@ -638,6 +642,19 @@ class Soak:
                         out["recovering"].append(gap)
                     else:
                         out["quiet"].append(gap)
+        return out
+
+    def _healed(self) -> dict[str, list[float]]:
+        """Network fault kind -> for each healed one, seconds from its heal to the next commit of every group it struck
+        (the slowest of them): how long the job took to have them back."""
+        out: dict[str, list[float]] = {}
+        for fault in self.network_faults:
+            if fault.ended is None:
+                continue
+            after = [min((t for inc in self.groups[rid].incarnations for t, _ in inc.commits if t >= fault.ended),
+                         default=None) for rid in fault.who.split(",")]
+            if all(t is not None for t in after):
+                out.setdefault(fault.kind, []).append(max(after) - fault.ended)  # type: ignore[type-var,operator]
         return out
 
     def _recoveries(self) -> list[dict[str, Any]]:
