@@ -813,7 +813,9 @@ class Lighthouse:
         self._sync_alive(replica_id)
         if old is not None:
             self._end_wait(old)
-            old.fail(HttpError(409, f"superseded by a newer quorum request from {replica_id!r}"))
+            # 503, which the group's requester retries: an answer it still reads is a request it sent before a
+            # connection it thought lost (a cut), and the newer one is its own.
+            old.fail(HttpError(503, f"superseded by a newer quorum request from {replica_id!r}"))
         if self._join_timer is None:
             self._arm_join_timer()
         # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once. Only a request
