@@ -21,8 +21,8 @@ from tests.netcluster.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-STEPS = 200
-PACED_MS = 250
+STEPS = 130
+PACED_MS = 300
 """Each step's length while the scenario runs (the pace file exists): the groups must not finish before it ends. Once
 it is over the test removes the file and they train the rest at full speed."""
 HEARTBEAT_MS = 1_000
