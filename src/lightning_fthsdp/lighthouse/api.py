@@ -184,12 +184,7 @@ def parse_quorum(request: Request,
     if timeout_ms > MAX_QUORUM_TIMEOUT_MS:
         raise HttpError(400, f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got "
                              f"{timeout_ms}: a quorum request is bounded")
-    members = require(body, "members", list, "a list of replica ids") if "members" in body else []
-    for member in members:
-        try:
-            check_replica_id(member)
-        except ValueError as e:
-            raise HttpError(400, f"field 'members' has an invalid entry: {e}") from None
+    members = _replica_ids(body, "members", "a list of replica ids") if "members" in body else ()
     digest = ""
     if "members_digest" in body:
         digest = require(body, "members_digest", str, 'a string: the members digest of the quorum held ("": none)')
@@ -199,18 +194,12 @@ def parse_quorum(request: Request,
     exchange_failed = require(body, "exchange_failed", bool, "true or false") if "exchange_failed" in body else False
     unreachable = None
     if body.get("unreachable") is not None:
-        unreachable = require(body, "unreachable", list, "a list of replica ids (or null: not probed)")
+        unreachable = _replica_ids(body, "unreachable", "a list of replica ids (or null: not probed)")
         if len(unreachable) > MAX_UNREACHABLE:
             raise HttpError(400, f"field 'unreachable' names {len(unreachable)} groups, more than {MAX_UNREACHABLE}: a "
                                  f"group reports only the probe targets the lighthouse gave it")
-        for target in unreachable:
-            try:
-                check_replica_id(target)
-            except ValueError as e:
-                raise HttpError(400, f"field 'unreachable' has an invalid entry: {e}") from None
-        unreachable = tuple(unreachable)
     request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
-                            members=tuple(members), members_digest=digest, committed_in=committed_in,
+                            members=members, members_digest=digest, committed_in=committed_in,
                             following=following, unreachable=unreachable, exchange_failed=exchange_failed)
     return request, incarnation, timeout_ms, _caught_up(body), _step_timing(body)
 
@@ -338,6 +327,17 @@ def excluded_answer(replica_id: str, exclusion: Exclusion, targets: dict[str, st
     """The answer to a quorum request of an excluded group: no quorum (it is no candidate), why, and the peers to probe
     before it asks again (it is admitted once it reaches them all)."""
     return json_response({"excluded": {**exclusion.to_json(now), "replica_id": replica_id}, "probe": targets})
+
+
+def _replica_ids(body: dict[str, object], name: str, what: str) -> tuple[str, ...]:
+    """Field ``name``: a list of valid replica ids (HttpError 400 naming the field and the first invalid entry)."""
+    ids = require(body, name, list, what)
+    for rid in ids:
+        try:
+            check_replica_id(rid)
+        except ValueError as e:
+            raise HttpError(400, f"field {name!r} has an invalid entry: {e}") from None
+    return tuple(ids)
 
 
 def _replica_id(body: dict[str, object]) -> str:
