@@ -75,3 +75,14 @@ def test_the_schedule_hands_network_faults_over_with_their_options() -> None:
     assert flap.spec == "flap:at=1s:down=0.2s:up=0.3s:cycles=4"
     [slow] = ChaosSchedule(parse("slowlink:at=1s:rate=2mbps")).due(2.0, 0, ["a"])
     assert slow.spec == "slowlink:at=1s:for=5s:rate=2mbps" and slow.fault is not None and slow.fault.rate == "2mbps"
+
+
+def test_the_lighthouse_is_cut_from_every_group_whatever_is_training() -> None:
+    [cut] = parse("partition:at=step5:group=lighthouse:for=3s", ["a", "b"])
+    assert (cut.group, cut.peer) == ("lighthouse", "all")
+    [due] = ChaosSchedule([cut]).due(0.0, 5, [])  # its target is a host, not a group that must be training
+    assert (due.kind, due.group, due.duration_s) == ("partition", "lighthouse", 3.0)
+    with pytest.raises(ValueError, match="group=lighthouse only goes with partition"):
+        parse("slowlink:at=1s:group=lighthouse", ["a"])
+    with pytest.raises(ValueError, match="from=all"):
+        parse("partition:at=1s:group=lighthouse:from=lighthouse", ["a"])

@@ -20,7 +20,7 @@ from tests.netcluster.support import require_netns
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
-STEPS, CUT_AT, CUT_S = 200, 30, 2.0
+STEPS, CUT_AT, LIGHTHOUSE_CUT_AT, CUT_S = 200, 30, 100, 2.0
 
 
 def _launch(out: Path, *flags: str) -> list[str]:
@@ -37,15 +37,20 @@ def _namespaces_of(pid: int) -> list[str]:
 def test_a_partition_on_hosts_is_injected_healed_and_reported(tmp_path: Path) -> None:
     require_netns()
     out = tmp_path / "run"
-    code, output = run_launcher(_launch(out, "--hosts", "--chaos",
-                                        f"partition:at=step{CUT_AT}:group=b:for={CUT_S:g}s"), timeout_s=150)
+    chaos = (f"partition:at=step{CUT_AT}:group=b:for={CUT_S:g}s,"
+             f"partition:at=step{LIGHTHOUSE_CUT_AT}:group=lighthouse:for={CUT_S:g}s")
+    code, output = run_launcher(_launch(out, "--hosts", "--chaos", chaos), timeout_s=150)
     assert code == 0, output[-4000:]
     assert "hosts: lighthouse 10." in output and "lighthouse http://10." in output  # not loopback
     report = json.loads((out / "report.json").read_text())
     assert report["job_completed"] and report["final_params_identical"], output[-3000:]
-    assert report["failures_injected"] == report["failures_planned"] == 1
-    [cut] = [e for e in report["timeline"] if e["event"] == "partition"]
-    [heal] = [e for e in report["timeline"] if e["event"] == "heal"]
+    assert report["failures_injected"] == report["failures_planned"] == 2
+    cut, lighthouse_cut = [e for e in report["timeline"] if e["event"] == "partition"]
+    heal, lighthouse_heal = [e for e in report["timeline"] if e["event"] == "heal"]
+    # The lighthouse's host cut off from every group: training pauses and goes on once it heals.
+    assert lighthouse_cut["replica_id"] == lighthouse_heal["replica_id"] == "lighthouse"
+    assert set(lighthouse_cut["from"]) == {"a", "b"} and lighthouse_heal["t"] - lighthouse_cut["t"] >= CUT_S
+    assert report["committed_steps"] == STEPS
     assert cut["replica_id"] == heal["replica_id"] == "b" and cut["from"] == ["lighthouse"] and cut["dir"] == "both"
     assert cut["address"].startswith("10.") and cut["step"] >= CUT_AT
     assert heal["kind"] == "partition" and heal["t"] - cut["t"] >= CUT_S

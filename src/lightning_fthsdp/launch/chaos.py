@@ -16,7 +16,9 @@ Grammar::
               | count=N                   with every: at most N injections (default: until the run ends)
               | for=DURATION              with hang, partition, slowlink: how long it lasts (default 5s)
               | group=ID                  the target replica group (default: one chosen at random, seeded,
-                                          among the groups training at that moment)
+                                          among the groups training at that moment); with partition also
+                                          group=lighthouse: the lighthouse's host, cut from every group (or
+                                          from=ID: from that one)
               | from=PEER                 with partition: what the group is cut from (default lighthouse)
               | dir=out|in                with partition: only what the group sends (out) or only what it
                                           receives (in) vanishes (default: both)
@@ -35,8 +37,8 @@ Exactly one of ``at`` and ``every``. A fault only strikes a group that is traini
 its last start, not stopped); while none is, a due fault waits. A network fault on a group that is already under
 one of the same kind replaces it. Examples: ``kill:every=20s``, ``kill:at=step40:group=b``,
 ``hang:at=45s:for=10s``, ``kill:every=step50:count=2,hang:at=30s``, ``partition:at=step30:group=b:for=3s``,
-``partition:every=20s:from=all:oneway``, ``slowlink:at=10s:rate=500kbit:for=10s``,
-``flap:at=step50:group=a:down=500ms:up=2s:cycles=2``.
+``partition:every=20s:from=all:oneway``, ``partition:at=30s:group=lighthouse:for=4s``,
+``slowlink:at=10s:rate=500kbit:for=10s``, ``flap:at=step50:group=a:down=500ms:up=2s:cycles=2``.
 
 A flap's cycles are ``cycles=`` (``count=`` already counts a fault's injections). Dropped packets vanish (no reset,
 no ICMP answer): see ``lightning_fthsdp.netcluster.faults`` for how each fault is made and what was measured.
@@ -60,6 +62,8 @@ _OPTIONS = ("at", "every", "count", "for", "group", "from", "dir", "rate", "down
 _KIND_OPTIONS = {"for": ("hang", "partition", "slowlink"), "from": ("partition",), "dir": ("partition",),
                  "rate": ("slowlink",), "down": ("flap",), "up": ("flap",), "cycles": ("flap",)}
 _PEERS = ("lighthouse", "all")
+LIGHTHOUSE_TARGET = "lighthouse"
+"""``group=lighthouse``: a partition of the lighthouse's host (no replica group may take that id on ``--hosts``)."""
 _RATE = re.compile(r"^\d+(?:\.\d+)?[kmgt]?(?:bit|bps)$", re.IGNORECASE)  # tc's (netcluster.faults checks it too)
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m)$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0}
@@ -155,7 +159,15 @@ def _parse_fault(text: str, groups: Sequence[str], hosts: bool | None) -> Fault:
             raise ValueError(f"--chaos fault {text!r}: count must be a positive integer, got {values['count']!r}")
         count = int(values["count"])
     group = values.get("group")
-    if group is not None and groups and group not in groups:
+    if group == LIGHTHOUSE_TARGET:
+        if kind != "partition":
+            raise ValueError(f"--chaos fault {text!r}: group=lighthouse only goes with partition (the lighthouse's "
+                             f"host cut off from the groups); a {kind} strikes a replica group")
+        if values.get("from", "all") in (LIGHTHOUSE_TARGET,):
+            raise ValueError(f"--chaos fault {text!r}: group=lighthouse is cut from the groups: from=all (the "
+                             "default) or from=ID")
+        values.setdefault("from", "all")
+    elif group is not None and groups and group not in groups:
         raise ValueError(f"--chaos fault {text!r}: group={group!r} is not one of this job's groups: "
                          f"{', '.join(groups)}")
     every = _when(text, "every", values["every"]) if "every" in values else None
@@ -175,7 +187,7 @@ def _network_options(text: str, values: dict[str, str], groups: Sequence[str]) -
             if groups and peer not in groups:
                 raise ValueError(f"--chaos fault {text!r}: from={peer!r} is none of lighthouse, all and this job's "
                                  f"groups: {', '.join(groups)}")
-            if values.get("group") in (None, peer):
+            if values.get("group") in (None, peer) and values.get("group") != LIGHTHOUSE_TARGET:
                 raise ValueError(f"--chaos fault {text!r}: from={peer} needs group=ID of another group (the target "
                                  "cut off from it)")
         options["peer"] = peer
@@ -259,6 +271,10 @@ class ChaosSchedule:
             when, fault = pending.next, pending.fault
             if when is None or (elapsed_s if when.unit == "s" else step) < when.value:
                 continue
+            if fault.group == LIGHTHOUSE_TARGET:
+                injections.append(Injection(fault.kind, LIGHTHOUSE_TARGET, fault.duration_s, pending.spec, fault))
+                self._advance(pending, elapsed_s, step)
+                continue
             if fault.group is not None:
                 target = fault.group if fault.group in available else None
             else:
@@ -267,13 +283,19 @@ class ChaosSchedule:
                 continue
             available.remove(target)
             injections.append(Injection(fault.kind, target, fault.duration_s, pending.spec, fault))
-            pending.injected += 1
-            if fault.every is None or (fault.count is not None and pending.injected >= fault.count):
-                pending.next = None
-            else:
-                now = elapsed_s if fault.every.unit == "s" else step
-                pending.next = When(now + fault.every.value, fault.every.unit)
+            self._advance(pending, elapsed_s, step)
         return injections
+
+    @staticmethod
+    def _advance(pending: _Pending, elapsed_s: float, step: int) -> None:
+        """One more injection of ``pending`` made: when its next is due, if ever."""
+        fault = pending.fault
+        pending.injected += 1
+        if fault.every is None or (fault.count is not None and pending.injected >= fault.count):
+            pending.next = None
+        else:
+            now = elapsed_s if fault.every.unit == "s" else step
+            pending.next = When(now + fault.every.value, fault.every.unit)
 
 
 def _describe(fault: Fault) -> str:

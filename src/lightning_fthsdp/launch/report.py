@@ -67,8 +67,9 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         others = [r["t"] for r in steps if r["t"] > event["t"] and r["replica_id"] != event["replica_id"]]
         if others:
             stalls.append(round(min(others) - event["t"], 3))
-        mine = [r for r in groups[event["replica_id"]].records if r["event"] == "commit" and r["t"] > event["t"]
-                and (event["event"] != "kill" or r["incarnation"] > event["incarnation"])]
+        struck = groups.get(event["replica_id"])  # None: the lighthouse's host (a partition of it)
+        mine = [r for r in (struck.records if struck is not None else []) if r["event"] == "commit"
+                and r["t"] > event["t"] and (event["event"] != "kill" or r["incarnation"] > event["incarnation"])]
         if mine:
             recoveries.append({"replica_id": event["replica_id"], "kind": event["event"],
                                "injected_at_s": round(event["t"] - t0, 3),

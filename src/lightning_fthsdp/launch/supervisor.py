@@ -169,18 +169,18 @@ class Supervisor:
 
     def inject(self, injection: Injection) -> None:
         """SIGKILL or SIGSTOP the whole process group of the target (every rank of the replica group); a network
-        fault is put in place on its host, healed by ``poll()`` when due."""
-        state = self.groups[injection.group]
+        fault is put in place on its host (the lighthouse's, for ``group=lighthouse``), healed by ``poll()`` when
+        due."""
         if injection.kind in NETWORK_KINDS:
             if self.network is None:
                 raise ValueError(f"Supervisor cannot inject a {injection.kind} ({injection.spec}): its groups run on "
                                  "this machine's loopback (Job.hosts is None); launch with --hosts")
             detail = self.network.inject(injection)
             # Timed once the fault is in place, as a signal's injection is timed after the signal.
-            self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
-                                     "spec": injection.spec, "step": state.step, "incarnation": state.incarnation,
-                                     **detail})
+            self.transitions.append({"t": time.time(), "replica_id": injection.group, "event": injection.kind,
+                                     "spec": injection.spec, **self._where(injection.group), **detail})
             return
+        state = self.groups[injection.group]
         self._signal(state, signal.SIGKILL if injection.kind == "kill" else signal.SIGSTOP)
         # Timed after the signal: a record the target wrote before it has an earlier t, none can come after it.
         self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
@@ -331,9 +331,15 @@ class Supervisor:
                 os.killpg(state.process.proc.pid, sig)
 
     def _record_heal(self, replica_id: str, healed: dict[str, Any]) -> None:
-        state = self.groups[replica_id]
         self.transitions.append({"t": time.time(), "replica_id": replica_id, "event": "heal", **healed,
-                                 "step": state.step, "incarnation": state.incarnation})
+                                 **self._where(replica_id)})
+
+    def _where(self, target: str) -> dict[str, int]:
+        """The step and incarnation a timeline entry about ``target`` records (for the lighthouse: the job's step)."""
+        state = self.groups.get(target)
+        if state is None:
+            return {"step": max((g.step for g in self.groups.values()), default=0), "incarnation": 0}
+        return {"step": state.step, "incarnation": state.incarnation}
 
     def _set(self, state: GroupState, status: str) -> None:
         if state.status != status or not self.transitions or status == STARTING:
