@@ -7,6 +7,7 @@ See docs/failure-modes.md for what each fault does to the job."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,9 @@ PACED_MS = 300
 it is over the test removes the file and they train the rest at full speed."""
 HEARTBEAT_MS = 1_000
 COLLECTIVE_MS = 5_000
+STALL_BOUND_S = (COLLECTIVE_MS + 3 * HEARTBEAT_MS + 2_000) / 1000
+"""The longest gap between two commits of a group no fault struck: one failed exchange (the collective timeout), a
+probe and a quorum (each within a heartbeat timeout), and the join timeout."""
 
 
 class Net:
@@ -50,12 +54,18 @@ class Net:
         whichever host it runs."""
         self.fault_file(replica_id).write_text(spec)
 
-    def finish(self, *groups: Group) -> set[int]:
-        """The scenario is over: every group trains to STEPS at full speed and exits cleanly; the invariants hold.
-        Returns the steps all committed in the kept quorum."""
+    def finish(self, *groups: Group, struck: tuple[Group, ...] = ()) -> set[int]:
+        """The scenario is over: every group trains to STEPS at full speed and exits cleanly; the invariants hold,
+        and the groups the fault did not strike never stalled beyond ``STALL_BOUND_S``. Returns the steps all
+        committed in the kept quorum."""
         self.pace.unlink()
         for group in groups:
             assert self.job.wait_exit(group, 180) == 0, group.log.read_text()[-3000:]
+        for group in groups:
+            if group not in struck:
+                times = [r["t"] for r in group.records()]
+                longest = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+                assert longest < STALL_BOUND_S, f"{group.replica_id} stalled {longest:.2f} s"
         common = assert_consistent(*groups)
         for group in groups:
             assert_no_step_lost(group, STEPS)
@@ -106,7 +116,7 @@ def test_a_late_group_and_a_restarted_group_catch_up_from_peers_on_other_hosts(n
     rejoined = wait_for(lambda: [r for r in b.records() if r["step"] > killed_at and r.get("catch_up")], 120,
                         "the restarted b's catch-up")
     assert rejoined[0]["catch_up"]["source"] in {"a", "c"}, rejoined[0]
-    net.finish(a, b, c)
+    net.finish(a, b, c, struck=(b,))
 
 
 def test_a_group_cut_off_from_the_lighthouse_is_declared_dead_and_rejoins_on_heal(net: Net) -> None:
@@ -123,7 +133,7 @@ def test_a_group_cut_off_from_the_lighthouse_is_declared_dead_and_rejoins_on_hea
         wait_for(lambda: committed(a, cut_at + 5) and committed(b, cut_at + 5), 60, "a and b going on without c")
         assert c.last_step() <= cut_at + 1, "c committed steps of a quorum it was no longer in"
     wait_for(lambda: [r for r in c.records() if r["step"] > cut_at and r.get("catch_up")], 60, "c's catch-up")
-    net.finish(a, b, c)
+    net.finish(a, b, c, struck=(c,))
 
 
 def test_two_groups_cut_off_from_each_other_leave_one_out_until_the_cut_heals(net: Net) -> None:
@@ -147,7 +157,7 @@ def test_two_groups_cut_off_from_each_other_leave_one_out_until_the_cut_heals(ne
     out_group = b if kept is a else a
     wait_for(lambda: [r for r in out_group.records() if r["step"] > at and r.get("catch_up")], 60,
              "the readmitted group's catch-up")
-    net.finish(a, b, c)
+    net.finish(a, b, c, struck=(out_group,))
 
 
 def test_the_lighthouse_cut_off_from_every_group_pauses_training_which_resumes_on_heal(
@@ -181,5 +191,5 @@ def test_a_flapping_link_loses_no_step_and_restarts_nobody(net: Net) -> None:
         flapping.heal()
     after = a.last_step()
     wait_for(lambda: all(committed(g, after + 3) for g in (a, b, c)), 60, "every group training together again")
-    net.finish(a, b, c)
+    net.finish(a, b, c, struck=(c,))
     assert c.proc.returncode == 0  # the same process from start to end: restarted by nobody
