@@ -311,12 +311,7 @@ class Soak:
         return any(getattr(self, f"_inject_{scenario}")() for scenario in order)
 
     def _inject_cut_lighthouse(self) -> bool:
-        group = self._network_victim()
-        if group is None:
-            return False
-        assert self.cluster is not None
-        self._network_fault("cut_lighthouse", (group,), cut(self.cluster, group.replica_id, ["lighthouse"]))
-        return True
+        return self._strike("cut_lighthouse", lambda cluster, rid: cut(cluster, rid, ["lighthouse"]))
 
     def _inject_cut_peers(self) -> bool:
         # The lighthouse keeps one of the two out and the other trains on: both holding the committed state is enough
@@ -331,27 +326,23 @@ class Soak:
         return True
 
     def _inject_slowlink(self) -> bool:
-        group = self._network_victim()
-        if group is None:
-            return False
-        assert self.cluster is not None
-        self._network_fault("slowlink", (group,), slowlink(self.cluster, group.replica_id, self.config.slow_rate))
-        return True
+        return self._strike("slowlink", lambda cluster, rid: slowlink(cluster, rid, self.config.slow_rate))
 
     def _inject_flap(self) -> bool:
-        group = self._network_victim()
-        if group is None:
+        low, high = (t / 3 for t in self.config.network_fault_s)
+        return self._strike("flap", lambda cluster, rid: flap(cluster, rid, down_s=self.rng.uniform(low, high),
+                                                             up_s=self.rng.uniform(low, high),
+                                                             count=self.rng.randint(2, 3)))
+
+    def _strike(self, kind: str, make: Callable[[Cluster, str], NetworkFault]) -> bool:
+        """Put a network fault made by ``make`` on a holder whose loss leaves another; False if none may take it."""
+        candidates = [g for g in self._holders() if self._safe_without(g)]
+        if not candidates:
             return False
         assert self.cluster is not None
-        low, high = (t / 3 for t in self.config.network_fault_s)
-        handle = flap(self.cluster, group.replica_id, down_s=self.rng.uniform(low, high),
-                      up_s=self.rng.uniform(low, high), count=self.rng.randint(2, 3))
-        self._network_fault("flap", (group,), handle)
+        group = self.rng.choice(candidates)
+        self._network_fault(kind, (group,), make(self.cluster, group.replica_id))
         return True
-
-    def _network_victim(self) -> _Group | None:
-        candidates = [g for g in self._holders() if self._safe_without(g) and not self._faulted(g)]
-        return self.rng.choice(candidates) if candidates else None
 
     def _faulted(self, group: _Group) -> bool:
         return any(f.ended is None and group.replica_id in f.who.split(",") for f in self.network_faults)

@@ -33,6 +33,7 @@ idempotent and does nothing once the cluster is closed (its namespaces, and the 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import re
 import shutil
@@ -48,7 +49,7 @@ _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}  # tc's units are de
 _table_counter = iter(range(1, 1 << 62))
 
 
-class NetworkFault:
+class NetworkFault(abc.ABC):
     """A fault in place until ``heal()``."""
 
     kind = "fault"
@@ -80,8 +81,9 @@ class NetworkFault:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail}{', healed' if self._healed else ''})"
 
+    @abc.abstractmethod
     def _undo(self) -> None:
-        raise NotImplementedError
+        """Take the fault out of the network (``heal`` calls it once, while the cluster stands)."""
 
 
 class Partition(NetworkFault):
