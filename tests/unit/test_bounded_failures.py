@@ -95,7 +95,7 @@ def test_the_lease_follows_the_lighthouses_heartbeat_timeout(lighthouse: Callabl
     ours = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=2_000, collective_timeout_ms=3_000,
                     quorum_timeout_ms=4_000, connect_timeout_ms=5_000, join_timeout_ms=200)
     heartbeat = Heartbeat(url, TOKEN, "a", "inc-1", 0, 1, ours, step=lambda: 0, on_dead=lambda dead: None,
-                          on_lost=lambda: None, on_quorum=lambda *args: None)
+                          on_lost=lambda _: None, on_quorum=lambda *args: None)
     heartbeat.start()
     try:
         wait_for(lambda: heartbeat.lease_ms == 300, 10, "the lease to adopt the lighthouse's 300 ms")

@@ -163,9 +163,11 @@ def test_a_rendezvous_on_a_store_that_went_away_is_abandoned_when_the_lighthouse
     comm = CrossGroupComm("gloo", torch.device("cpu"), timeouts, shard_rank=0)
     errors: list[BaseException] = []
 
+    gone = gone_address()
+
     def configure() -> None:
         try:
-            comm.configure(1, 0, 2, gone_address())
+            comm.configure(1, 0, 2, gone)
         except BaseException as exc:  # re-raised in the test thread
             errors.append(exc)
 
@@ -173,14 +175,14 @@ def test_a_rendezvous_on_a_store_that_went_away_is_abandoned_when_the_lighthouse
         waiter = threading.Thread(target=configure, daemon=True)
         waiter.start()
         wait_for(lambda: comm._awaiting_build, 10, "configure() to wait for the rendezvous")
-        comm.abort_rendezvous("the lighthouse went away")
+        comm.abort_rendezvous("the lighthouse went away", gone)
         waiter.join(timeouts.connect_timeout_ms / 2000)
         assert not waiter.is_alive(), "configure() still waits for a store that is gone"
         [error] = errors
         assert isinstance(error, CollectiveAborted) and "the lighthouse went away" in str(error)
         prepared_at = gone_address()
         comm.prepare(2, 0, 2, prepared_at)
-        comm.abort_rendezvous("the lighthouse went away")
+        comm.abort_rendezvous("the lighthouse went away", prepared_at)
         with pytest.raises(CollectiveAborted, match="quorum 2 began before the lighthouse went away"):
             comm.configure(2, 0, 2, prepared_at)
     finally:
@@ -188,6 +190,34 @@ def test_a_rendezvous_on_a_store_that_went_away_is_abandoned_when_the_lighthouse
         # The two rendezvous threads end at their connect_timeout: not inside the next test.
         wait_for(lambda: not [t for t in threading.enumerate() if t.name == "fthsdp-rendezvous"], 10,
                  "the rendezvous threads to end")
+
+
+def test_the_loss_of_a_store_spares_a_rendezvous_on_its_successors_store(store: dist.TCPStore) -> None:
+    """A restarted lighthouse's quorum can be news before the heartbeat learns that the old one went away: the loss
+    of the old store abandons nothing begun on the new one, and both members build the group and reduce over it."""
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
+    successor = f"127.0.0.1:{store.port}"
+    sums: list[float] = []
+    try:
+        for rank, comm in enumerate(comms):
+            comm.prepare(7, rank, 2, successor)
+            comm.abort_rendezvous("the lighthouse went away", gone_address())
+
+        def member(rank: int) -> None:
+            comms[rank].configure(7, rank, 2, successor)
+            buffer = torch.ones(3) * (rank + 1)
+            comms[rank].allreduce_sum(buffer)
+            sums.append(float(buffer[0]))
+
+        threads = [threading.Thread(target=member, args=(rank,), daemon=True) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sums == [3.0, 3.0]
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 def test_bad_backend_is_refused_at_once() -> None:

@@ -452,7 +452,7 @@ def test_the_heartbeat_reports_once_that_the_lighthouse_went_away() -> None:
     losses: list[float] = []
     with LighthouseThread(rules=QuorumRules(min_replicas=1), heartbeat_timeout_ms=1_000, startup_grace_ms=0) as url:
         beat = Heartbeat(url, None, "a", inc("a"), 0, 1, timeouts, step=lambda: 0, on_dead=lambda dead: None,
-                         on_lost=lambda: losses.append(time.monotonic()), on_quorum=lambda *_: None)
+                         on_lost=lambda store: losses.append(time.monotonic()), on_quorum=lambda *_: None)
         beat.start()
         assert beat.lease_valid(0), "the lighthouse never acknowledged a heartbeat"
     try:
@@ -473,7 +473,7 @@ def test_every_rank_learns_each_new_quorum_once_from_its_heartbeat(lighthouse: C
                         quorum_timeout_ms=50_000, connect_timeout_ms=60_000, join_timeout_ms=1_000)
     seen: list[tuple[str, int, int, int]] = []
     beats = [Heartbeat(url, None, rid, inc(rid), 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
-                       on_lost=lambda: None,
+                       on_lost=lambda _: None,
                        on_quorum=lambda q, rank, size, store, rid=rid: seen.append((rid, q, rank, size)))
              for rid in "abc"]
     try:
@@ -510,9 +510,9 @@ def test_a_leader_relays_its_quorum_answer_to_its_ranks_at_once(lighthouse: Call
     seen: dict[int, list[tuple[int, int, int, str]]] = {0: [], 1: []}
     relay = GroupRelay("127.0.0.1", None, inc("a"), timeouts)
     leader = Heartbeat(url, None, "a", inc("a"), 0, 2, timeouts, step=lambda: 0, on_dead=lambda dead: None,
-                       on_lost=lambda: None, on_quorum=lambda *news: seen[0].append(news), relay=relay)
+                       on_lost=lambda _: None, on_quorum=lambda *news: seen[0].append(news), relay=relay)
     member = MemberHeartbeat(relay.address, None, "a", inc("a"), 1, timeouts, on_dead=lambda dead: None,
-                             on_lost=lambda: None, on_quorum=lambda *news: seen[1].append(news))
+                             on_lost=lambda _: None, on_quorum=lambda *news: seen[1].append(news))
     try:
         leader.start()
         member.start()

@@ -263,7 +263,7 @@ def test_a_quorum_request_held_past_the_heartbeat_timeout_never_lets_the_lease_l
     for replica_id in ("a", "b"):
         connection = LighthouseConnection(url, None)
         heartbeat = Heartbeat(url, None, replica_id, f"inc-{replica_id}", 0, 1, timeouts, step=lambda: 0,
-                              on_dead=lambda dead: None, on_quorum=lambda *args: None, on_lost=lambda: None,
+                              on_dead=lambda dead: None, on_quorum=lambda *args: None, on_lost=lambda _: None,
                               connection=connection)
         leaders[replica_id] = (heartbeat, QuorumClient(url, None, timeouts, f"inc-{replica_id}", connection))
         heartbeat.start()

@@ -189,7 +189,7 @@ def test_held_long_polls_are_not_idle_and_heartbeats_keep_a_group_alive(lighthou
                         quorum_timeout_ms=20_000, connect_timeout_ms=30_000, join_timeout_ms=1_000)
     deaths: list[frozenset[str]] = []
     beat = Heartbeat(url, TOKEN, "a", inc("a"), 0, 1, timeouts, step=lambda: 0, on_dead=deaths.append,
-                     on_lost=lambda: None, on_quorum=lambda *_: None)
+                     on_lost=lambda _: None, on_quorum=lambda *_: None)
     try:
         beat.start()
         # A fresh connection per look: the test's own idle connections are closed like anyone's.

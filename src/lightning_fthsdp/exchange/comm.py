@@ -89,8 +89,8 @@ class _Parked:
 class _Prepared:
     key: tuple[int, int, int, str]
     """quorum_id, rank, size, store address"""
-    store_losses: int
-    """``CrossGroupComm.store_losses`` when the build began: a build begun before the store went away never ends."""
+    begun: int
+    """How many builds began before this one: one begun before its store went away never ends."""
     build: Future[dist.ProcessGroup] = field(default_factory=Future)
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Nobody will use the group: its rendezvous gives up if it is still waiting for a member."""
@@ -326,8 +326,9 @@ class CrossGroupComm:
         self._stores = _StorePool(timeouts.connect_timeout_ms)
         self._newest = -1  # the newest quorum configured or prepared: an older one is never built again
         self._target: int | None = None  # the quorum being configured or in use (for abort)
-        self._store_losses = 0  # how often the lighthouse, whose store every rendezvous meets on, went away
-        self._awaiting_build = False  # configure() waits for a rendezvous (what abort_rendezvous ends)
+        self._builds = 0  # builds begun so far
+        self._lost_stores: dict[str, int] = {}  # a store that went away -> builds begun before it did
+        self._awaiting_build: str | None = None  # the store of the rendezvous configure() waits for (abort_rendezvous)
         self._aborted_rendezvous = False  # the abort pending is abort_rendezvous's
         self._wake = threading.Event()
         self._aborted = False
@@ -356,14 +357,15 @@ class CrossGroupComm:
             self._abort_reason = reason
         self._wake.set()
 
-    def abort_rendezvous(self, reason: str) -> None:
-        """The lighthouse, and with it the store every rendezvous meets on, went away (callable from any thread, e.g.
-        the heartbeat's): a rendezvous begun before can never complete (connecting to a store that is gone retries
-        until connect_timeout). Abandon the one ``configure`` waits for, and refuse those begun before; a collective
-        on a built group goes on (it needs no store)."""
+    def abort_rendezvous(self, reason: str, store_address: str) -> None:
+        """The lighthouse, and with it the store at ``store_address`` (as advertised) that rendezvous meet on, went
+        away (callable from any thread, e.g. the heartbeat's): a rendezvous begun on it before can never complete
+        (connecting to a store that is gone retries until connect_timeout). Abandon the one ``configure`` waits for,
+        and refuse those begun before; one on another store (its successor's) and a collective on a built group go
+        on."""
         with self._lock:
-            self._store_losses += 1
-            if not self._awaiting_build:
+            self._lost_stores[store_address] = self._builds
+            if self._awaiting_build != store_address:
                 return
             self._aborted = self._aborted_rendezvous = True
             self._abort_reason = reason
@@ -385,7 +387,7 @@ class CrossGroupComm:
                 return
             self._newest = quorum_id
             superseded = self._prepared
-            self._prepared = pending = _Prepared((quorum_id, rank, size, store_address), self._store_losses)
+            self._prepared = pending = self._begin((quorum_id, rank, size, store_address))
         self._discard(superseded)
         self._build_in_thread(pending)  # outside the lock: a thread start waits
 
@@ -411,13 +413,14 @@ class CrossGroupComm:
             pending: _Prepared | None = prepared
         else:
             self._discard(prepared)
-            pending = _Prepared(key, self._store_losses) if size > 1 else None
+            with self._lock:
+                pending = self._begin(key) if size > 1 else None
             if pending is not None:
                 self._build_in_thread(pending)
         if pending is not None:
             with self._lock:
-                stale = pending.store_losses != self._store_losses
-                self._awaiting_build = not stale
+                stale = pending.begun < self._lost_stores.get(store_address, -1)
+                self._awaiting_build = None if stale else store_address
             if stale:
                 self._discard(pending)
                 raise CollectiveAborted(f"the rendezvous of quorum {quorum_id} began before the lighthouse went away")
@@ -430,7 +433,7 @@ class CrossGroupComm:
                 with self._lock:
                     if self._aborted_rendezvous:  # it came after the wait ended: the built group is good
                         self._aborted = self._aborted_rendezvous = False
-                    self._awaiting_build = False
+                    self._awaiting_build = None
         self._quorum_id = quorum_id
         self._size = size
 
@@ -503,6 +506,11 @@ class CrossGroupComm:
         self._graveyard.clear()
 
     # ----------------------------------------------------------------------------------------------------
+
+    def _begin(self, key: tuple[int, int, int, str]) -> _Prepared:
+        """A build of ``key``'s group, numbered (under ``_lock``)."""
+        self._builds += 1
+        return _Prepared(key, self._builds - 1)
 
     def _build_in_thread(self, pending: _Prepared) -> None:
         quorum_id, rank, size, advertised = pending.key

@@ -296,7 +296,7 @@ class Heartbeat(MembershipView):
         step: Callable[[], int],
         on_dead: Callable[[frozenset[str]], None],
         on_quorum: Callable[[int, int, int, str], None],
-        on_lost: Callable[[], None],
+        on_lost: Callable[[str], None],
         relay: GroupRelay | None = None,
         connection: LighthouseConnection | None = None,
     ) -> None:

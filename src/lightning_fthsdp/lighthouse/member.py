@@ -32,7 +32,7 @@ class MemberHeartbeat(MembershipView):
         timeouts: Timeouts,
         on_dead: Callable[[frozenset[str]], None],
         on_quorum: Callable[[int, int, int, str], None],
-        on_lost: Callable[[], None],
+        on_lost: Callable[[str], None],
     ) -> None:
         host, _, port = leader.rpartition(":")
         if not host or not port.isdigit():

@@ -21,8 +21,11 @@ _qlog = logging.getLogger(log.QUORUM)
 
 class Membership:
     """``on_dead(dead_ids)`` runs whenever the set of dead groups changes; ``on_quorum(quorum_id, rank, size,
-    store_address)`` when a new quorum with this group in it is decided; ``on_lost()`` when an answering lighthouse
-    stops answering (it died or restarts, and its store with it). All run on the thread that feeds the answers.
+    store_address)`` when a new quorum with this group in it is decided; ``on_lost(store_address)`` when an answering
+    lighthouse stops answering (it died or restarts, and its store at ``store_address`` with it), once per loss and
+    always before the first news of its successor, whichever thread brings that news: a rendezvous on the successor's
+    store, begun from that news, must never be taken for one on the lost store. All run on the thread that feeds the
+    answers.
 
     The lease lasts the lighthouse's heartbeat timeout (``lease_ms``, from every answer), not
     ``timeouts.heartbeat_timeout_ms``: the lighthouse is the one that declares a silent group dead, so only its
@@ -37,13 +40,15 @@ class Membership:
         timeouts: Timeouts,
         on_dead: Callable[[frozenset[str]], None],
         on_quorum: Callable[[int, int, int, str], None],
-        on_lost: Callable[[], None],
+        on_lost: Callable[[str], None],
     ) -> None:
         self._replica_id = replica_id
         self._timeouts = timeouts
         self._on_dead, self._on_quorum, self._on_lost = on_dead, on_quorum, on_lost
         self._quorum_id = -1
         self._quorum_lock = threading.Lock()
+        self._store = ""  # the store of the lighthouse answering (from its answers and quorum news)
+        self._lost_told = False  # on_lost ran for it since its last news
         self.epoch = -1
         """The lighthouse's epoch in the newest answer (-1: none yet)."""
         self.dead: frozenset[str] = frozenset()
@@ -81,10 +86,7 @@ class Membership:
         self._acknowledged = sent
         self.state = "ok"
         self._settled.set()
-        epoch = _int(answer.get("epoch"), -1)
-        if epoch < self.epoch:
-            self._on_lost()  # a new lighthouse (epochs only grow within one) answered our resent request
-        self.epoch = epoch
+        self._heard_from(str(answer.get("store", "")), _int(answer.get("epoch"), -1))
         dead_ids = answer.get("dead", ())
         dead = frozenset(str(d) for d in dead_ids) if isinstance(dead_ids, list | tuple) else frozenset()
         if dead != self.dead:
@@ -98,6 +100,7 @@ class Membership:
         answers). ``on_quorum`` runs for a quorum newer than any seen: news from the two sources may arrive in either
         order, and quorum ids only grow (a restarted lighthouse continues them). Returns whether it was news."""
         quorum_id = _int(news.get("quorum_id"), -1)
+        self._heard_from(str(news.get("store", "")), None)
         with self._quorum_lock:  # the leader's two sources are two threads: the heartbeat's and the quorum request's
             if "quorum_rank" not in news or quorum_id <= self._quorum_id:
                 return False
@@ -114,7 +117,8 @@ class Membership:
         Returns whether to retry at once (a commit may be waiting for the reconnect that tells) rather than after
         an interval."""
         if self.state == "ok" and not timed_out:  # refused or broken: the process (and store) is gone
-            self._on_lost()
+            with self._quorum_lock:
+                self._tell_lost()
         if refused:
             self.state = "away"
             self._settled.set()
@@ -124,6 +128,27 @@ class Membership:
             self._settled.clear()
             return True
         return False
+
+    def _heard_from(self, store: str, epoch: int | None) -> None:
+        """News from the lighthouse that advertises ``store`` (a heartbeat answer's with its ``epoch``): if that is
+        not the lighthouse heard before (another store, or a lower epoch: epochs only grow within one lighthouse, so
+        a new one answered a resent request), the one before is lost, which is told first unless it was already (the
+        heartbeat saw it go)."""
+        with self._quorum_lock:
+            if store:
+                if self._store and (store != self._store or (epoch is not None and epoch < self.epoch)):
+                    self._tell_lost()
+                if store != self._store:
+                    self.epoch = -1  # epochs compare within one lighthouse only
+                self._store, self._lost_told = store, False
+            if epoch is not None:
+                self.epoch = epoch
+
+    def _tell_lost(self) -> None:
+        """Under ``_quorum_lock``."""
+        if self._store and not self._lost_told:
+            self._lost_told = True
+            self._on_lost(self._store)
 
     def _adopt_lease(self, lighthouse_ms: object) -> None:
         if not isinstance(lighthouse_ms, int) or lighthouse_ms <= 0 or lighthouse_ms == self.lease_ms:

@@ -469,10 +469,10 @@ class FTManager:
                          step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare,
                          on_lost=self._lighthouse_lost, relay=relay, connection=lighthouse)
 
-    def _lighthouse_lost(self) -> None:
+    def _lighthouse_lost(self, store_address: str) -> None:
         """The lighthouse (or, for a rank other than the leader, the leader relaying it) went away, and with it the
-        store hosting the cross-group rendezvous: a rendezvous under way would wait for nothing."""
-        self._comm.abort_rendezvous("the lighthouse went away")
+        store hosting the cross-group rendezvous: a rendezvous under way on it would wait for nothing."""
+        self._comm.abort_rendezvous("the lighthouse went away", store_address)
 
     def _count_failure(self, cause: str) -> None:
         self._failed_commits += 1
@@ -516,6 +516,22 @@ class FTManager:
         self._comm.expect(quorum.quorum_id)
         self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
         return quorum
+
+    def resume_from_checkpoint(self, step: int) -> None:
+        """Before the first step: load this rank's shard of the durable checkpoint of ``step`` (a relaunched job
+        resumes from it), so the first quorum request claims that step. Raises ValueError without a
+        ``checkpoint_dir``, RuntimeError once a step began, CheckpointError when the checkpoint is missing, partial or
+        unlike this rank's state."""
+        if self._checkpoints is None:
+            raise ValueError(f"FTManager (group {self.replica_id}): resuming from the checkpoint of step {step} needs "
+                             f"checkpoint_dir: give every group the folder the job's checkpoints are in")
+        if self._heartbeat.started:
+            raise RuntimeError(f"FTManager (group {self.replica_id}): resume_from_checkpoint({step}) after the first "
+                               f"step began: call it before training")
+        self._rlog.warning("the job resumes from the durable checkpoint of step %d in %s", step,
+                           self._checkpoints.root)
+        self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
+        self._progress.committed_in = -1
 
     def _resume(self, quorum: Quorum) -> None:
         """The quorum resumes from the durable checkpoint of ``quorum.resume_step`` (no live group held the job's

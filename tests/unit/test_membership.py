@@ -1,0 +1,46 @@
+"""``Membership``: what a rank concludes from the lighthouse's answers and quorum news, fed by hand."""
+
+from __future__ import annotations
+
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.lighthouse.membership import Membership
+
+TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=1_000, collective_timeout_ms=2_000,
+                    quorum_timeout_ms=3_000, connect_timeout_ms=4_000, join_timeout_ms=1_000)
+OLD, NEW = "10.0.0.1:4000", "10.0.0.1:4001"
+
+
+def membership(calls: list[tuple[str, object]]) -> Membership:
+    return Membership("a", TIMEOUTS, on_dead=lambda dead: None,
+                      on_quorum=lambda quorum_id, rank, size, store: calls.append(("quorum", (quorum_id, store))),
+                      on_lost=lambda store: calls.append(("lost", store)))
+
+
+def answer(store: str, epoch: int, quorum_id: int) -> dict[str, object]:
+    return {"epoch": epoch, "store": store, "quorum_id": quorum_id, "quorum_rank": 0, "quorum_size": 2, "dead": []}
+
+
+def test_the_old_store_is_lost_before_the_first_quorum_of_its_successor_whichever_thread_brings_it() -> None:
+    """The leader's quorum request reaches a restarted lighthouse before its heartbeat does: the old store is told
+    lost before that quorum's rendezvous begins, and the heartbeat's first answer from the new lighthouse (a lower
+    epoch) loses nothing more, so the rendezvous on the new store is never abandoned."""
+    calls: list[tuple[str, object]] = []
+    member = membership(calls)
+    member.answered(answer(OLD, 9, 5), sent=0.0)
+    member.quorum({"quorum_id": 6, "quorum_rank": 0, "quorum_size": 2, "store": NEW})
+    member.answered(answer(NEW, 0, 6), sent=0.0)
+    assert calls == [("quorum", (5, OLD)), ("lost", OLD), ("quorum", (6, NEW))]
+
+
+def test_a_loss_the_heartbeat_saw_is_told_once_also_when_the_successor_has_the_same_store_address() -> None:
+    """A broken heartbeat told the loss; the restarted lighthouse (a fixed store port: the same address, a lower
+    epoch) answers next: nothing more is lost. A later restart seen only through its lower epoch is told."""
+    calls: list[tuple[str, object]] = []
+    member = membership(calls)
+    member.answered(answer(OLD, 9, 5), sent=0.0)
+    member.unavailable(refused=False, timed_out=False)
+    member.unavailable(refused=True, timed_out=False)
+    member.answered(answer(OLD, 0, 6), sent=0.0)
+    member.answered(answer(OLD, 3, 6), sent=0.0)
+    member.answered(answer(OLD, 1, 7), sent=0.0)
+    assert calls == [("quorum", (5, OLD)), ("lost", OLD), ("quorum", (6, OLD)), ("lost", OLD), ("quorum", (7, OLD))]
