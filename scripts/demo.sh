@@ -6,4 +6,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec fthsdp launch recipes/tiny_gpt.yaml --out runs/demo "$@"
+# --fresh: each run of the demo starts at step 0 (the last run's checkpoints are moved aside, never deleted).
+exec fthsdp launch recipes/tiny_gpt.yaml --out runs/demo --fresh "$@"

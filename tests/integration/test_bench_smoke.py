@@ -37,3 +37,15 @@ def test_bench_straggler_smoke_evicting_the_slow_group_speeds_the_job_up(tmp_pat
     (summary,) = result["summary"]
     assert summary["evict_over_off"] > 1.3, summary
     assert "evict_over_off" in printed and str(out) in printed
+
+
+def test_bench_outsider_smoke_floods_without_the_token_kill_no_group(tmp_path: Path) -> None:
+    out = tmp_path / "outsider.json"
+    printed = smoke("bench_outsider.py", out)
+    result = json.loads(out.read_text())
+    summary = {row["scenario"]: row for row in result["summary"]}
+    assert set(summary) == {"none", "pipeline", "idle"}, summary
+    # Rates in a 3 s span on 2 shared cores are noise beyond a factor: the ratio is the full run's (bench/results).
+    assert all(row["deaths"] == 0 and row["discards"] == 0 for row in summary.values()), summary
+    assert all(row["steps_per_s"] > 0 for row in summary.values()), summary
+    assert "over_none" in printed and str(out) in printed

@@ -63,3 +63,27 @@ def test_a_group_on_a_downed_node_moves_to_a_spare(cluster: Cluster, tmp_path: P
     assert groups["b"]["exit_codes"][0] == 0 and groups["b"]["restarts"] == 1, groups["b"]
     assert all(g["status"] == "done" and g["final_step"] == STEPS for g in groups.values()), groups
     assert report["final_params_identical"] is True
+
+
+@pytest.mark.timeout(300)
+def test_a_requeued_job_resumes_from_its_newest_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    """``scontrol requeue`` (what a preemption or a node failure with ``--requeue`` does) ends every step and runs the
+    batch script again: the supervisor resumes from the newest complete checkpoint, says so, and no group trains a
+    step at or before it again."""
+    from lightning_fthsdp.recovery.checkpoint import complete_checkpoints
+
+    out = tmp_path / "run"
+    with submitted(cluster, out, "--replicas", "2", "--sbatch=--requeue", "ft.checkpoint_dir=ckpt",
+                   "ft.checkpoint_every_n_steps=5", "ft.min_replicas=2", *PACE) as run:
+        run.wait_step("a.0", 12)
+        newest = complete_checkpoints(out / "ckpt")[-1].step
+        assert newest >= 5
+        cluster.run("scontrol", "requeue", run.job_id())
+        code, output, report = run.finish(280)
+    assert code == 0, f"{output[-3000:]}\n{run.job_output()}"
+    resumed = report["resumed_from_checkpoint"]["step"]
+    assert resumed >= newest and "resuming from the durable checkpoint" in run.job_output(), run.job_output()
+    assert report["final_params_identical"] is True and report["committed_steps"] == STEPS
+    for replica_id in "ab":
+        steps = [r["step"] for r in run.records(f"{replica_id}.0") if r["event"] == "commit"]
+        assert steps == list(range(resumed + 1, STEPS + 1)), (replica_id, steps[:5])

@@ -54,7 +54,7 @@ def test_a_lighthouse_believes_commits_in_quorums_before_it_until_it_settles() -
 def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: int, lost_contact_in: int,
                                                       refused: str | None) -> None:
     ledger = ledger_of((0, 0), (0, 2), (1, 3), (1, 4), (2, 5))
-    reason = ledger.refusal(step, committed_in, lost_contact_in, now=0.0)
+    reason = ledger.refusal(step, committed_in, lost_contact_in, now=0.0, answered_in=2)  # a member of quorum 2
     assert (reason is None) == (refused is None) and (refused is None or refused in str(reason)), reason
 
 

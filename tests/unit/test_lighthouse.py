@@ -82,7 +82,7 @@ def hb(rid: str, epoch: int = -1, wait_ms: int = 0, step: int = 0, shard_count: 
 def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = (), commit_failed: bool = False,
        timeout_ms: int = 10_000, shard_count: int = 2, committed_in: int = -1,
        incarnation: str | None = None, unreachable: tuple[str, ...] | None = None,
-       probed: bool = True, exchange_failed: bool = False) -> dict[str, Any]:
+       probed: bool = True, exchange_failed: bool = False, rendezvous_failed: bool = False) -> dict[str, Any]:
     """A quorum request. One reporting a failed commit says it probed the members and reached them all (unless
     ``unreachable`` says otherwise, or ``probed`` is False): the lighthouse asks for that probe first (see
     test_partition_probe)."""
@@ -92,7 +92,8 @@ def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = 
             "address": f"{rid}:1", "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
             "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms,
             "unreachable": None if unreachable is None else list(unreachable)} | (
-                {"exchange_failed": True} if exchange_failed else {})
+                {"exchange_failed": True} if exchange_failed else {}) | (
+                {"rendezvous_failed": True} if rendezvous_failed else {})
 
 
 def inc(rid: str) -> str:

@@ -142,7 +142,7 @@ def test_the_client_takes_a_large_full_answer_gzip_compressed(lighthouse: Callab
     monkeypatch.setattr(gzip, "decompress", lambda data: unpacked.append(len(data)) or decompress(data))
     url = lighthouse(min_replicas=2)
     client = QuorumClient(url, None, TIMEOUTS, inc("solo"))
-    address = "h:" + "9" * 2 * GZIP_OVER_BYTES
+    address = "http://" + "h" * 2 * GZIP_OVER_BYTES + ":1"
     source = Client(url)
     try:
         source.send("POST", "/v1/quorum", {**qr("src", step=5, shard_count=1), "address": address})

@@ -33,7 +33,8 @@ class Client:
         self.release = threading.Event()
         self.release.set()
 
-    def request(self, *args: Any, timing: Any = None, exchange_failed: bool = False) -> tuple[Quorum, str]:
+    def request(self, *args: Any, timing: Any = None, exchange_failed: bool = False,
+                rendezvous_failed: bool = False) -> tuple[Quorum, str]:
         self.release.wait(10)
         self.asked.append(args)
         self.timings.append(timing)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_fthsdp.launch.processes import wait_for
-from tests.unit.test_lighthouse import Client, form, hb, inc, lighthouse, qr
+from tests.unit.test_lighthouse import Client, form, hb, inc, lighthouse, qr, replica
 
 __all__ = ["lighthouse"]  # the fixture, shared with test_lighthouse
 
@@ -95,11 +95,21 @@ def test_a_checkpoint_report_is_checked_like_a_claim(lighthouse: Callable[..., s
 
 
 def test_a_checkpoint_no_newer_than_the_live_groups_is_not_used(lighthouse: Callable[..., str]) -> None:
-    """c survives at step 4 (it missed the last steps); the checkpoint is of step 3: c's state is newer, the quorum
-    goes on from it (the steps above it are lost) and nobody loads the checkpoint."""
+    """c survives at step 4 (it trained with a and b in quorum 0, then was lost while they trained on in quorum 1);
+    the checkpoint is of step 3: c's state is newer, the quorum goes on from it (the steps above it are lost) and
+    nobody loads the checkpoint."""
     url = lighthouse(lost_state_wait_s=0.3, replica_ids="abc")
     obs = Client(url)
-    beats = train(url, 6)
+    beats = {rid: Client(url) for rid in "abc"}
+    for rid, client in beats.items():
+        client.call("POST", "/v1/heartbeat", hb(rid))
+    form(url, "a", "b", "c", step=0)
+    for step in range(1, 5):
+        form(url, "a", "b", "c", step=step, quorum_id=0, members=("a", "b", "c"), committed_in=0)
+    beats.pop("c").crash()
+    wait_for(lambda: replica(obs.status(), "c")["dead"], 5, "c declared dead", interval_s=0.005)
+    assert form(url, "a", "b", step=5, quorum_id=0, members=("a", "b", "c"), committed_in=0)[0]["quorum_id"] == 1
+    form(url, "a", "b", step=6, quorum_id=1, members=("a", "b"), committed_in=1)
     assert Client(url).call("POST", "/v1/checkpoint", checkpoint("a", 3))[0] == 200
     crash_all(url, beats)
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 4, committed_in=0))

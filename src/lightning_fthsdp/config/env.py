@@ -35,6 +35,12 @@ relay, the cross-group gloo device), e.g. ``10.0.0.5``; an explicit ``advertise_
 ``ft.advertise_host``) wins over it. Unset: this host's local address on the route to the lighthouse (see
 ``lightning_fthsdp.config.addresses``). Kubernetes sets it from the pod IP."""
 
+ENV_RESUME_STEP = "FTHSDP_RESUME_STEP"
+"""A committed step: before its first step the group loads the durable checkpoint of that step from its
+``checkpoint_dir`` and claims it (how a relaunched job resumes; ``fthsdp launch`` and ``fthsdp slurm`` set it for each
+group's first incarnation only: a restarted group catches up from a peer). Unset: the group starts from its own
+state."""
+
 RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
 """Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
 

@@ -95,7 +95,7 @@ def lighthouse(spec: JobSpec) -> list[dict[str, Any]]:
                "--port", str(LIGHTHOUSE_PORT), "--store-port", str(STORE_PORT),
                "--min-replicas", str(spec.min_replicas), "--join-timeout-ms", str(spec.join_timeout_ms),
                "--heartbeat-timeout-ms", str(spec.heartbeat_timeout_ms), "--replica-ids", ",".join(spec.replica_ids),
-               *spec.lighthouse_args]
+               "--shard-count", str(spec.nodes_per_replica * spec.ranks_per_node), *spec.lighthouse_args]
     container = {"name": "lighthouse", "image": spec.image, "command": command,
                  "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, _token(spec)],
                  "ports": [{"name": "http", "containerPort": LIGHTHOUSE_PORT},

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import signal
 import string
 import sys
@@ -29,7 +28,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_fthsdp.config.env import ENV_RESUME_STEP
 from lightning_fthsdp.config.renamed import deprecation
+from lightning_fthsdp.launch.run_folder import checkpoint_folder, prepare, resume_point, usable
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from lightning_fthsdp.launch.view import ConsoleView
     from lightning_fthsdp.netcluster.cluster import Cluster
     from lightning_fthsdp.recipes.schema import RecipeConfig
+    from lightning_fthsdp.recovery.checkpoint import CheckpointInfo
 
 
 #: What a job needs beyond the base install: the recipe (omegaconf), the groups (``fthsdp fit``: Lightning) and
@@ -94,7 +96,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="run the lighthouse and each replica group on a host of its own: a network namespace with "
                              "its own address, made for the run (needs root); required by the network faults of "
                              "--chaos (default: launch.hosts)")
-    parser.add_argument("--out", type=Path, default=Path("runs/launch"), help="report and logs (default: runs/launch)")
+    parser.add_argument("--out", type=Path, default=Path("runs/launch"),
+                        help="report and logs (default: runs/launch); a start replaces the records of the launcher's "
+                             "previous run there, and refuses a folder holding files no launcher wrote")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start at step 0 although ft.checkpoint_dir holds checkpoints: they are moved aside "
+                             "(CHECKPOINT_DIR/previous-TIME/), not deleted (default: resume from the newest complete "
+                             "one)")
     parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                         help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
     parser.set_defaults(func=run, extras=EXTRAS)
@@ -131,12 +139,17 @@ def run(args: argparse.Namespace) -> int:
         print(to_yaml(recipe), end="")
         return 0
     hosts_available(recipe)
-    out = fresh_out(args.out)
-    checkpoints_under(recipe, out)
+    out = usable(args.out, "fthsdp launch")
+    try:  # every refusal before the run's folder is touched
+        checkpoint_folder(recipe, out)
+        resume = resume_point(recipe, args.fresh)
+    except ValueError as err:
+        raise SystemExit(f"fthsdp launch: error: {err}") from None
+    prepare(out, "fthsdp launch")
     (out / "recipe.yaml").write_text(to_yaml(recipe))
     command = FitCommand(out / "recipe.yaml", out, recipe.launch.standby)
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
-                      command, recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")})
+                      command, recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")}, resume=resume)
     return write_report(report, out)
 
 
@@ -164,8 +177,11 @@ def _run_script(args: argparse.Namespace) -> int:
         faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
     except ValueError as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
+    if args.fresh:
+        raise SystemExit("fthsdp launch: error: --fresh is for a recipe's ft.checkpoint_dir; a script's checkpoints "
+                         "are its own")
     hosts_available(recipe)
-    out = fresh_out(args.out)
+    out = prepare(usable(args.out, "fthsdp launch"), "fthsdp launch")
     meta = {"script": str(command.script), "script_args": list(command.args)}
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, args.target_steps, meta)
@@ -194,13 +210,15 @@ def write_report(report: dict[str, Any], out: Path) -> int:
 
 def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedule, out: Path, live: bool | None,
             command: GroupCommand, target_steps: int | None, meta: dict[str, Any],
-            placement: Placement | None = None, restart_lighthouse: bool = False) -> dict[str, Any]:
+            placement: Placement | None = None, restart_lighthouse: bool = False,
+            resume: CheckpointInfo | None = None) -> dict[str, Any]:
     """Run the job to its end and return its report; ``target_steps``: the step every group trains to (None: unknown
     until the groups end, then the highest step one ended at); ``placement``: where the lighthouse and the groups
     run (None: on this machine, on hosts of their own with ``launch.hosts``; ``fthsdp slurm`` passes its own);
     ``restart_lighthouse``: a lighthouse that exits is started again at the same address (up to
     ``launch.max_restarts`` times; it rebuilds its state from what the groups hold), else the job goes on without
-    one."""
+    one; ``resume``: the durable checkpoint every group's first incarnation loads before its first step (a relaunch,
+    see ``run_folder.resume_point``)."""
     from lightning_fthsdp.launch.chaos import KINDS
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
@@ -215,6 +233,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     cluster = _make_hosts(replica_ids) if recipe.launch.hosts else None
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
+              shard_count=recipe.launch.shard_count,
               lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)), lighthouse_host=host,
               lighthouse_prefix=prefix, hosts=cluster, straggler_policy=recipe.ft.stragglers)
     if placement is not None:  # a step the scheduler starts: as long as the groups wait to reach it
@@ -222,7 +241,8 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     try:
         supervisor = Supervisor(job, command, out, replica_ids, recipe.launch.max_restarts,
                                 recipe.launch.restart_delay_s, restart_window_s=recipe.launch.restart_window_s,
-                                standby=recipe.launch.standby, placement=placement)
+                                standby=recipe.launch.standby, placement=placement,
+                                first_env={ENV_RESUME_STEP: str(resume.step)} if resume is not None else {})
     except BaseException:
         if cluster is not None:
             cluster.close()
@@ -241,6 +261,9 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
         if cluster is not None:
             view.event(f"hosts: {', '.join(f'{h} {cluster.address(h)}' for h in cluster.hosts)} "
                        f"(network namespaces {cluster.name}-*)")
+        if resume is not None:
+            view.event(f"resuming from the durable checkpoint of step {resume.step} in {resume.path.parent} (its "
+                       f"newest complete one; --fresh starts at step 0)")
         view.event(f"lighthouse {job.start_lighthouse()}; {len(replica_ids)} groups x "
                    f"{recipe.launch.shard_count} ranks; logs in {out / 'logs'}")
         supervisor.start_all()
@@ -299,7 +322,8 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     meta = {**meta, "chaos": recipe.launch.chaos, "outcome": outcome,
             "shard_count": recipe.launch.shard_count, "wall_s": round(time.time() - started, 3),
             "failures_planned": schedule.planned, "lost_steps": lost_steps, "checkpoint": checkpoint,
-            "quorum_waits": waits.episodes, "lighthouse_restarts": len(lighthouse_restarts)}
+            "quorum_waits": waits.episodes, "lighthouse_restarts": len(lighthouse_restarts),
+            "resumed_from_checkpoint": {"step": resume.step, "path": str(resume.path)} if resume is not None else None}
     return build_report(supervisor.groups, supervisor.transitions, replicas=len(replica_ids),
                         max_steps=target_steps, meta=meta)
 
@@ -361,18 +385,6 @@ class _Waits:
         return [f"lighthouse waits: {waiting['detail']}"]
 
 
-def fresh_out(given: Path) -> Path:
-    """The run's folder, absolute (every group is handed paths under it, whatever its working directory), without a
-    previous run's records (they would mix with this run's)."""
-    out = given.resolve()
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"fthsdp launch: error: --out {given} is a file: name a folder (it is created if missing)")
-    for owned in ("groups", "logs", "lightning", "standby"):
-        shutil.rmtree(out / owned, ignore_errors=True)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    return out
-
-
 class _Terminated(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -381,15 +393,6 @@ class _Terminated(Exception):
 
 def _terminate(signum: int, frame: object) -> None:
     raise _Terminated(signum)
-
-
-def checkpoints_under(recipe: RecipeConfig, out: Path) -> None:
-    """A relative ``ft.checkpoint_dir`` goes under the run's folder, like every other output of the run (and every
-    group, wherever its working directory, is handed the same absolute path); a previous run's checkpoints there are
-    not this job's: they are removed."""
-    if recipe.ft.checkpoint_dir and not Path(recipe.ft.checkpoint_dir).is_absolute():
-        recipe.ft.checkpoint_dir = str(out / recipe.ft.checkpoint_dir)
-        shutil.rmtree(recipe.ft.checkpoint_dir, ignore_errors=True)
 
 
 def summary(report: dict[str, Any], out: Path) -> bool:

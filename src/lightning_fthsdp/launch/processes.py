@@ -94,6 +94,9 @@ class Job:
     default)."""
     replica_ids: tuple[str, ...] = ()
     """The job's replica ids, declared to the lighthouse (it refuses any other); empty: any id may join."""
+    shard_count: int | None = None
+    """Every group's shard ranks, declared to the lighthouse (it refuses a group with another count); None: the live
+    groups agree among themselves."""
     token: str | None = field(default_factory=lambda: os.environ.get(ENV_TOKEN) or secrets.token_urlsafe(32),
                               repr=False)
     """The job's shared secret (None: a job without one, whose lighthouse anyone on the host may call)."""
@@ -130,6 +133,8 @@ class Job:
                "--join-timeout-ms", str(self.join_timeout_ms), "--heartbeat-timeout-ms", str(self.heartbeat_timeout_ms)]
         if self.replica_ids:
             cmd += ["--replica-ids", ",".join(self.replica_ids)]
+        if self.shard_count is not None:
+            cmd += ["--shard-count", str(self.shard_count)]
         if self.lost_state_wait_ms is not None:
             cmd += ["--lost-state-wait-ms", str(self.lost_state_wait_ms)]
         if self.straggler_policy is not None:

@@ -119,6 +119,9 @@ class Supervisor:
     """Keep each training group's next incarnation started ahead (see ``launch.standby``; a ``FitCommand`` only)."""
     placement: Placement | None = None
     """Where the groups run (None: this machine, or the hosts of ``job.hosts``)."""
+    first_env: dict[str, str] = field(default_factory=dict)
+    """Environment only each group's first incarnation gets (a relaunch's ``FTHSDP_RESUME_STEP``: a restarted group
+    catches up from a peer instead)."""
     network: NetworkChaos | None = field(default=None, init=False)
     """The network faults in place (with ``job.hosts``: each group on a host of its own)."""
 
@@ -278,6 +281,8 @@ class Supervisor:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         if go is not None:
             env[ENV_STANDBY] = str(go)
+        if incarnation == 0:
+            env.update(self.first_env)
         argv = self.command.argv(jsonl)
         if self.placement is not None:
             argv, env = self.placement.place(state.replica_id, incarnation, argv, env)

@@ -13,8 +13,9 @@ import gzip
 import hmac
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from lightning_fthsdp.lighthouse.exclusions import Exclusion
 from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, json_response, require, require_int
@@ -168,15 +169,16 @@ def parse_quorum(request: Request,
 
     Fields: ``replica_id``, ``incarnation``, ``step``, ``shard_count``, ``address``, ``commit_failed``,
     ``committed_in``, ``following``, ``timeout_ms``, ``exchange_failed`` (optional: its last cross-group collective
-    failed), ``unreachable`` (optional: the probe targets it could not reach, after a ``probe_answer``); of the
-    quorum the requester holds, ``quorum_id`` (-1: none),
-    ``members_digest`` (optional, ``Quorum.members_digest``: lets the answer be a delta) and ``members`` (optional,
-    its member ids: sent only when the lighthouse answers 428 because it needs them, then at once with the same
+    failed), ``rendezvous_failed`` (optional: it could not build its quorum's cross-group group), ``unreachable``
+    (optional: the probe targets it could not reach, after a ``probe_answer``); of the quorum the requester holds,
+    ``quorum_id`` (-1: none), ``members_digest`` (optional, ``Quorum.members_digest``: lets the answer be a delta) and
+    ``members`` (optional, its member ids: sent only when the lighthouse answers 428 because it needs them, then at
+    once with the same
     request). The answer (``QuorumAnswers``) is the quorum with ``store``, the rendezvous store's address."""
     body = request.json_object()
     replica_id, incarnation = _replica_id(body), _incarnation(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
-    address = require(body, "address", str, "a string (may be empty)")
+    address = _state_addresses(require(body, "address", str, "a string (may be empty)"))
     commit_failed = require(body, "commit_failed", bool, "true or false")
     quorum_id, timeout_ms = require_int(body, "quorum_id", -1), require_int(body, "timeout_ms", 1)
     committed_in = require_int(body, "committed_in", -1)
@@ -192,6 +194,8 @@ def parse_quorum(request: Request,
         raise HttpError(400, f"field 'members_digest' must be at most {MAX_DIGEST} characters (the digest the client "
                              f"computes), got {len(digest)}")
     exchange_failed = require(body, "exchange_failed", bool, "true or false") if "exchange_failed" in body else False
+    rendezvous_failed = require(body, "rendezvous_failed", bool, "true or false") \
+        if "rendezvous_failed" in body else False
     unreachable = None
     if body.get("unreachable") is not None:
         unreachable = _replica_ids(body, "unreachable", "a list of replica ids (or null: not probed)")
@@ -200,8 +204,27 @@ def parse_quorum(request: Request,
                                  f"group reports only the probe targets the lighthouse gave it")
     request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
                             members=members, members_digest=digest, committed_in=committed_in,
-                            following=following, unreachable=unreachable, exchange_failed=exchange_failed)
+                            following=following, unreachable=unreachable, exchange_failed=exchange_failed,
+                            rendezvous_failed=rendezvous_failed)
     return request, incarnation, timeout_ms, _caught_up(body), _step_timing(body)
+
+
+def _state_addresses(addresses: str) -> str:
+    """Field ``address``: every rank's state-server address, comma separated ("": it serves none). Each must be
+    ``http://HOST:PORT`` or ``HOST:PORT``: a catching-up group fetches from it, and an address that is none would
+    only fail there, after the quorum named the group its source."""
+    for entry in addresses.split(",") if addresses else ():
+        try:
+            parts = urlsplit(entry if "//" in entry else f"//{entry}")
+            valid = (parts.scheme in ("", "http") and bool(parts.hostname) and parts.port is not None
+                     and not (parts.path or parts.query or parts.fragment or parts.username))
+        except ValueError:  # urlsplit's own refusals (an unclosed '['), and a port out of range
+            valid = False
+        if not valid:
+            raise HttpError(400, f"field 'address' must list each rank's state server as http://HOST:PORT (comma "
+                                 f"separated, or empty when the group serves none), got {entry!r} in "
+                                 f"{addresses[:200]!r}")
+    return addresses
 
 
 def _step_timing(body: dict[str, object]) -> StepTiming | None:
@@ -258,11 +281,15 @@ def parse_leave(request: Request) -> tuple[str, int, str]:
     return _replica_id(body), _rank(body), _incarnation(body)
 
 
-def check_shard_count(replica_id: str, shard_count: int, previous: Quorum | None,
-                      pending: Mapping[str, QuorumRequest]) -> None:
-    """Refuse (409) a group whose shard count differs from the current quorum's, or before one is formed, from a
-    pending request's: the cross-group process groups pair shard rank s of every group."""
-    if previous is not None:
+def check_shard_count(replica_id: str, shard_count: int, configured: int | None, previous: Quorum | None,
+                      pending: Mapping[str, QuorumRequest], lives: Callable[[str], bool]) -> None:
+    """Refuse (409) a group whose shard count is not the job's: the cross-group process groups pair shard rank s of
+    every group. The job's is ``configured`` (``fthsdp lighthouse --shard-count``) when given; else the current
+    quorum's while another of its members ``lives``, or else another pending request's: a value only a departed
+    group held binds nobody (one forged request must not lock out every group to come)."""
+    if configured is not None:
+        expected, source = configured, "the job's shard_count (fthsdp lighthouse --shard-count)"
+    elif previous is not None and any(rid != replica_id and lives(rid) for rid in previous.member_ids):
         expected, source = previous.shard_count, f"the current quorum {previous.quorum_id}"
     else:
         other = next((r for rid, r in pending.items() if rid != replica_id), None)
@@ -271,7 +298,8 @@ def check_shard_count(replica_id: str, shard_count: int, previous: Quorum | None
         expected, source = other.shard_count, f"the pending request of {other.replica_id!r}"
     if shard_count != expected:
         raise HttpError(409, f"shard_count {shard_count} of {replica_id!r} differs from shard_count {expected} of "
-                             f"{source}: every replica group must use the same number of shard ranks")
+                             f"{source}: every replica group must use the same number of shard ranks (start it with "
+                             f"{expected})")
 
 
 class QuorumAnswers:

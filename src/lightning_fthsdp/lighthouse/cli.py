@@ -16,7 +16,6 @@ import asyncio
 import gc
 import ipaddress
 import logging
-import resource
 import signal
 import socket
 import sys
@@ -51,6 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--replica-ids", type=_replica_ids, default=None,
                         help="the job's replica ids, comma-separated: any other id is refused, and a group that only "
                              "heartbeats still counts towards the majority (default: admit any id)")
+    parser.add_argument("--shard-count", type=_positive, default=None,
+                        help="the job's shard ranks per replica group: a group with another count is refused (default: "
+                             "the live groups' count, as the first of them to ask sets it)")
     parser.add_argument("--lost-state-wait-ms", type=_non_negative, default=int(QuorumRules.lost_state_wait_s * 1000),
                         help="when no live group holds the committed step, wait this long for one before restarting "
                              "from an older step and reporting the steps lost (default %(default)s)")
@@ -108,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
         replica_ids=args.replica_ids,
         token=token,
         straggler_policy=stragglers,
+        shard_count=args.shard_count,
     )
 
     async def main() -> None:
         stop = asyncio.Event()
-        await lighthouse.start()
-        _raise_open_files_limit()  # once started: a refusal to start stays one line
+        await lighthouse.start()  # raises the open-files limit, and logs it
         # Only now: until here SIGTERM keeps its default action and ends the process wherever startup is.
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -135,21 +137,6 @@ def run(args: argparse.Namespace) -> int:
         return _fail(1, f"cannot listen on --host {args.host} (port {args.port}, store port {args.store_port}): {e}; "
                         f"give an address of this machine (0.0.0.0: all of them) and free ports")
     return 0
-
-
-def _raise_open_files_limit() -> None:
-    """Raise this process's soft limit on open descriptors to its hard limit: the lighthouse holds a connection per
-    group (12,500 at 100,000 ranks in groups of 8), and many systems start a process at a soft limit of 1,024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as e:  # an unlimited hard limit above the kernel's nr_open
-            logging.getLogger("fthsdp.lighthouse").warning("could not raise the open-files limit from %d to %s: %s",
-                                                           soft, hard, e)
-    logging.getLogger("fthsdp.lighthouse").info(
-        "open-files limit %d: about as many replica groups at most (raise the hard limit, ulimit -Hn, for more)", soft)
 
 
 def _fail(code: int, message: str) -> int:

@@ -77,6 +77,15 @@ class Excluded(RuntimeError):
         self.detail, self.targets = detail, targets
 
 
+class _TokenRefused(ConnectionResetError):
+    """The lighthouse answered a request on the connection 401 and closed it (it reads nothing more from a connection
+    that has not authenticated): ``answer`` is every other request's in flight on it too."""
+
+    def __init__(self, answer: tuple[int, dict[str, str], bytes]) -> None:
+        super().__init__("the lighthouse refused the token and closed the connection")
+        self.answer = answer
+
+
 class LighthouseConnection:
     """One keep-alive HTTP/1.1 connection to the lighthouse, shared by threads, each request answered as it is ready.
 
@@ -184,7 +193,7 @@ class LighthouseConnection:
             try:
                 while request_id not in self._answers:
                     if self._generation != generation:
-                        raise ConnectionResetError(f"the connection broke under another request: {self._failure}")
+                        return self._after_drop("the connection broke under another request")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError(f"no answer within {timeout_s:g} s")
@@ -207,14 +216,15 @@ class LighthouseConnection:
                         self._waiting.discard(answered)
                         self._answers[answered] = answer
                     if answer[1].get("connection", "").lower() == "close":  # the lighthouse ends it after this
-                        self._drop(generation, ConnectionResetError("the lighthouse closed the connection"))
+                        self._drop(generation, _TokenRefused(answer) if answer[0] == HTTPStatus.UNAUTHORIZED else
+                                   ConnectionResetError("the lighthouse closed the connection"))
                     if request_id in self._answers or self._generation != generation:
                         if self._generation == generation:
                             self._reading = False
                         self._lock.notify_all()
                         if request_id in self._answers:
                             return self._answers.pop(request_id)
-                        raise ConnectionResetError(f"the connection was dropped: {self._failure}")
+                        return self._after_drop("the connection was dropped")
                     self._lock.notify_all()
         except BaseException as exc:
             with self._lock:
@@ -224,10 +234,18 @@ class LighthouseConnection:
             if not isinstance(exc, OSError | ValueError | http.client.HTTPException):
                 raise
             if dropped:
-                raise ConnectionResetError(f"the connection was dropped: {self._failure}") from exc
+                with self._lock:
+                    return self._after_drop("the connection was dropped")
             if isinstance(exc, ValueError):
                 raise http.client.HTTPException(f"malformed answer: {exc}") from exc
             raise
+
+    def _after_drop(self, what: str) -> tuple[int, dict[str, str], bytes]:
+        """For a request in flight on a connection another request dropped: the 401 that closed it (the token is
+        refused for every request), else ConnectionResetError. Holds the lock."""
+        if isinstance(self._failure, _TokenRefused):
+            return self._failure.answer
+        raise ConnectionResetError(f"{what}: {self._failure}")
 
     def _drop(self, generation: int, failure: BaseException) -> None:
         """Drop connection number ``generation`` (if not done yet); every request waiting on it fails with
@@ -409,13 +427,15 @@ class QuorumClient:
         unreachable: list[str] | None = None,
         timing: Mapping[str, float] | None = None,
         exchange_failed: bool = False,
+        rendezvous_failed: bool = False,
     ) -> tuple[Quorum, str]:
         """Return the next quorum and the rendezvous store address ``HOST:PORT``. ``caught_up``: the catch-up this
         group finished since its last request (``source``, ``step``, ``bytes``, ``fetch_s``), for the lighthouse's
         event log and metrics. ``exchange_failed``: the last step's cross-group collective failed (the lighthouse may
-        then ask for a probe of the members). ``unreachable``: the groups a probe the lighthouse asked for could not
-        reach (None: no probe was asked for). ``timing``: the times of this group's last step (``compute_s`` and, if
-        it exchanged, ``wait_s``), for the lighthouse's straggler measurement.
+        then ask for a probe of the members); ``rendezvous_failed``: it could not even build the quorum's cross-group
+        group (proof that no member committed that step). ``unreachable``: the groups a probe the lighthouse asked for
+        could not reach (None: no probe was asked for). ``timing``: the times of this group's last step
+        (``compute_s`` and, if it exchanged, ``wait_s``), for the lighthouse's straggler measurement.
 
         The request names ``current`` by its id and members digest; its members go only to a lighthouse that asks for
         them (428: it is new or restarted, or must tell its own quorum of that id from its predecessor's), in the same
@@ -434,6 +454,8 @@ class QuorumClient:
             body["unreachable"] = unreachable
         if exchange_failed:
             body["exchange_failed"] = True
+        if rendezvous_failed:
+            body["rendezvous_failed"] = True
         if timing is not None:
             body.update(timing)
         with self._asking:

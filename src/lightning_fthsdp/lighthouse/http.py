@@ -10,7 +10,15 @@ answered as each is ready (see ``Connection``: a held long-poll and the requests
 the connection stays usable). Refused: chunked request bodies (411), request heads over ``MAX_HEAD`` bytes (431),
 and heads a proxy or another parser could read differently (400): a control character anywhere in the head, a
 repeated Content-Length; after those, after an unparsable request line (400) and after a malformed request id (400),
-the connection is closed because its framing is lost.
+the connection is closed because its framing is lost. Strict RFC 9112 framing: the version must be HTTP/1.0 or
+HTTP/1.1 (another ``HTTP/x.y`` is answered 505), a header name is a token with no whitespace before its colon, and
+``Content-Length`` is digits only (no sign, no underscore, no list).
+
+Outsiders cannot make it work for them (see ``lighthouse.admission``): the ``gate`` (the lighthouse's token check)
+runs on every request head before its body is waited for; a refused request is the connection's last (its answer
+is written, nothing after it is read, the connection is closed), so a connection that never passed the gate gets at
+most one answer. A connection starts at most ``MAX_PER_TURN`` requests per event-loop turn and reads nothing more
+while its client does not read its answers (``pause_writing``): no connection holds the loop, whatever it pipelines.
 
 Bounded in time, so slow or silent clients cannot hold connections (slowloris): a request must arrive whole, head
 and body, within ``request_timeout_s`` of its first byte (else 408 and the connection is closed), and a keep-alive
@@ -35,6 +43,9 @@ MAX_BODY = 1 << 20
 MAX_HEAD = 64 << 10
 MAX_IN_FLIGHT = 8
 """Requests with ids one connection may have in flight at once: more wait in its buffer (a leader has two)."""
+MAX_PER_TURN = 8
+"""Requests one connection starts per event-loop turn: the rest wait for a later turn, so every other connection's
+data is read in between."""
 REQUEST_ID = "x-request-id"
 REQUEST_TIMEOUT_S = 10.0
 """Default bound on receiving one request, from its first byte to its last: generous for a 1 MiB body on a slow
@@ -140,6 +151,9 @@ class Pending:
 Handler = Callable[[Request], Response | Pending]
 """Answers a request at once (a ``Response``), or later (``request.defer()``). Raises ``HttpError`` for an error
 answer at once."""
+Gate = Callable[[Request], None]
+"""Raises ``HttpError`` for a request the connection may not make (no token): that answer is its last. Sees the head
+only (``Request.body`` is empty): a refused request's body is never waited for."""
 
 
 class Connection(asyncio.Protocol):
@@ -153,20 +167,28 @@ class Connection(asyncio.Protocol):
 
     When the peer closes (EOF or reset) every request in flight is cancelled (``Pending.on_cancel``) and
     ``on_close(self)`` is called exactly once; also when the connection is closed for a timeout (see the module
-    docstring).
+    docstring). ``gate`` checks every request head (see ``Gate``); ``on_authenticated(self)`` runs when the first
+    request passes it.
     """
 
     def __init__(self, handler: Handler, on_close: Callable[[Connection], None],
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 gate: Gate | None = None, on_authenticated: Callable[[Connection], None] | None = None) -> None:
         self._handler = handler
         self._on_close = on_close
+        self._gate, self._on_authenticated = gate, on_authenticated
+        self.authenticated = False
+        """Whether a request of this connection passed the gate: until then it is an outsider's."""
         self._request_timeout_s, self._idle_timeout_s = request_timeout_s, idle_timeout_s
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
         self._in_flight: set[Pending] = set()  # the answers still to come
         self._ordered = False  # the one in flight is a plain request: nothing starts beside it
-        self._parsed: tuple[int, tuple[str, str, bool, dict[str, str], int]] | None = None  # see _head
+        self._parsed: tuple[int, _Head] | None = None  # see _head
+        self._yielded = False  # MAX_PER_TURN requests started this turn: the rest wait for the next
+        self._write_paused = False  # the client does not read its answers: start nothing more
+        self._close_when_made = False  # closed (evicted) before the transport was made
         # The bound of the connection's state (see _arm): "idle" while nothing is in flight or arriving, "request" from
         # a request's first byte until it is complete, none ("") while a handler runs; since when it is in that state.
         self._timer: asyncio.TimerHandle | None = None
@@ -176,6 +198,9 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        if self._close_when_made:
+            transport.close()
+            return
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -206,12 +231,47 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+        else:
+            self._close_when_made = True
+
+    def pause_writing(self) -> None:
+        # The client pipelines without reading our answers: stop reading it until it does, so what it sends is not
+        # answered into an ever-growing write buffer.
+        self._write_paused = True
+        self._reading(False)
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if not self._yielded:
+            self._reading(True)
+            self._pump()
 
     def _pump(self) -> None:
-        """Start every complete request that may start now; keep the timer that fits what is left waiting."""
-        while self._start_next():
-            pass
+        """Start the complete requests that may start now, at most ``MAX_PER_TURN`` (the rest on the next turn); keep
+        the timer that fits what is left waiting."""
+        if self._yielded or self._write_paused:
+            return
+        started = 0
+        while started < MAX_PER_TURN and not self._write_paused and self._start_next():  # an answer may pause it
+            started += 1
+        if started == MAX_PER_TURN and self._buffer and not self.closed:
+            self._yielded = True
+            self._reading(False)
+            asyncio.get_running_loop().call_soon(self._next_turn)
         self._arm()
+
+    def _next_turn(self) -> None:
+        self._yielded = False
+        if not self._write_paused:
+            self._reading(True)
+        self._pump()
+
+    def _reading(self, on: bool) -> None:
+        if self._transport is not None and not self.closed and not self._transport.is_closing():
+            if on:
+                self._transport.resume_reading()
+            else:
+                self._transport.pause_reading()
 
     def _start_next(self) -> bool:
         """Start the request at the start of the buffer if it is whole and may start now; whether one started."""
@@ -225,9 +285,9 @@ class Connection(asyncio.Protocol):
         if head_end < 0:
             return False
         try:
-            method, target, keep_alive, headers, length = self._head(head_end)
+            method, path, query, keep_alive, headers, length = self._head(head_end)
         except HttpError as e:
-            self._fail(e.status, e.message)
+            self._fail(e.status, e.message, e.headers)
             return False
         request_id = headers.get(REQUEST_ID)
         if request_id is None and self._in_flight:
@@ -246,11 +306,6 @@ class Connection(asyncio.Protocol):
         body = bytes(self._buffer[body_start : body_start + length])
         del self._buffer[: body_start + length]
         self._parsed = None
-        if "?" in target:
-            parts = urlsplit(target)
-            path, query = parts.path, dict(parse_qsl(parts.query))
-        else:  # every request of the protocol: no query to split
-            path, query = target, {}
         request = Request(method, path, query, headers, body, self, request_id, keep_alive)
         answer = self._handle(request)
         return self._answer(request, answer) if isinstance(answer, Response) else True
@@ -272,11 +327,20 @@ class Connection(asyncio.Protocol):
         else:
             self._arm()
 
-    def _head(self, head_end: int) -> tuple[str, str, bool, dict[str, str], int]:
-        """The parsed head of the request at the start of the buffer, which ends at ``head_end``: parsed once, though
-        a request is looked at again when the rest of its body arrives, or when the request ahead of it is answered."""
+    def _head(self, head_end: int) -> _Head:
+        """The parsed head of the request at the start of the buffer, which ends at ``head_end``, once it passed the
+        gate: parsed and checked once, though a request is looked at again when the rest of its body arrives, or when
+        the request ahead of it is answered."""
         if self._parsed is None or self._parsed[0] != head_end:
-            self._parsed = (head_end, _parse_head(bytes(self._buffer[:head_end])))
+            head = _parse_head(bytes(self._buffer[:head_end]))
+            if self._gate is not None:
+                method, path, query, keep_alive, headers, _ = head
+                self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
+            if not self.authenticated:
+                self.authenticated = True
+                if self._on_authenticated is not None:
+                    self._on_authenticated(self)
+            self._parsed = (head_end, head)
         return self._parsed[1]
 
     def _handle(self, request: Request) -> Response | Pending:
@@ -359,8 +423,9 @@ class Connection(asyncio.Protocol):
         # less than a second call.
         self._transport.write(head + body)
 
-    def _fail(self, status: int, message: str) -> None:
-        self._write(_error(status, message), False)
+    def _fail(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        """Answer ``status`` and close: nothing after this request is read."""
+        self._write(_error(status, message, headers), False)
         self._buffer.clear()
         self.close()
 
@@ -390,6 +455,15 @@ def _status_line(status: int) -> str:
 
 
 _REQUEST_ID = re.compile(r"[0-9]{1,20}")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A header name (RFC 9110 ``token``): no whitespace, so none between a name and its colon (RFC 9112 5.1)."""
+_DIGITS = re.compile(r"[0-9]{1,18}")
+"""A Content-Length (RFC 9112 ``1*DIGIT``); 18 digits hold any length a client may mean, and fit an int64."""
+_VERSION = re.compile(r"HTTP/[0-9]\.[0-9]")
+_OWS = " \t"
+"""The optional whitespace around a header value (RFC 9110 5.6.3); ``str.strip()`` would strip more (NEL, NBSP)."""
+_Head = tuple[str, str, dict[str, str], bool, dict[str, str], int]
+"""(method, path, query, keep_alive, headers, content_length)."""
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 """A control character other than tab, CR and LF ending a line excepted: a proxy or another parser could split or join
 the head there."""
@@ -399,8 +473,8 @@ def _error(status: int, message: str, headers: tuple[tuple[str, str], ...] = ())
     return Response(status, json.dumps({"error": message}, separators=(",", ":")).encode(), headers=headers)
 
 
-def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
-    """(method, target, keep_alive, headers, content_length) of one request head, or HttpError."""
+def _parse_head(head: bytes) -> _Head:
+    """(method, path, query, keep_alive, headers, content_length) of one request head, or HttpError."""
     lines = head.decode("latin-1").split("\r\n")
     bad = _CONTROL.search(head.replace(b"\r\n", b"\t"))  # every request pays for this scan: one regex, in C
     if bad is not None:
@@ -408,28 +482,34 @@ def _parse_head(head: bytes) -> tuple[str, str, bool, dict[str, str], int]:
         raise HttpError(400, f"control character {bad.group().decode('latin-1')!r} in the request head line "
                              f"{line[:100]!r}")
     request_line = lines[0].split(" ")
-    if len(request_line) != 3 or not request_line[2].startswith("HTTP/1."):
+    if len(request_line) != 3 or not _VERSION.fullmatch(request_line[2]):
         raise HttpError(400, f"malformed HTTP request line {lines[0][:100]!r}: expected 'METHOD /path HTTP/1.1'")
     method, target, version = request_line
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise HttpError(505, f"HTTP version {version!r} is not supported: send HTTP/1.1")
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep:
-            raise HttpError(400, f"malformed HTTP header line {line[:100]!r}: expected 'Name: value'")
-        key = name.strip().lower()
+        if not sep or not _TOKEN.fullmatch(name):
+            raise HttpError(400, f"malformed HTTP header line {line[:100]!r}: expected 'Name: value', the name "
+                                 f"without spaces (none before the colon)")
+        key = name.lower()
         if key == "content-length" and key in headers:
             raise HttpError(400, "Content-Length given twice: send it once")
-        headers[key] = value.strip()
+        headers[key] = value.strip(_OWS)
     if REQUEST_ID in headers and not _REQUEST_ID.fullmatch(headers[REQUEST_ID]):
         raise HttpError(400, f"bad X-Request-Id {headers[REQUEST_ID][:40]!r}: send 1 to 20 digits")
     if "transfer-encoding" in headers:
         raise HttpError(411, "chunked request bodies are not supported: send Content-Length")
-    try:
-        length = int(headers.get("content-length", "0"))
-        if length < 0:
-            raise ValueError
-    except ValueError:
-        raise HttpError(400, f"bad Content-Length {headers['content-length']!r}: send a byte count") from None
+    length_text = headers.get("content-length", "0")
+    if not _DIGITS.fullmatch(length_text):
+        raise HttpError(400, f"bad Content-Length {length_text[:40]!r}: send the body's byte count in digits only "
+                             f"(at most 18)")
     connection = headers.get("connection", "").lower()
     keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
-    return method, target, keep_alive, headers, length
+    if "?" in target:
+        parts = urlsplit(target)
+        path, query = parts.path, dict(parse_qsl(parts.query))
+    else:  # every request of the protocol: no query to split
+        path, query = target, {}
+    return method, path, query, keep_alive, headers, int(length_text)

@@ -12,6 +12,11 @@ So until ``settles_at`` it believes a claim of a commit by a group whose quorum 
 lighthouse before it: quorum ids start again with each lighthouse, so a group's quorum is told apart by its members
 too); a claim of no commit at all (a fresh process, or one that loaded a checkpoint) is always held to the committed
 step. Before it has formed a quorum it has nothing to check against.
+
+A claim is also held to who committed: only an incarnation this lighthouse answered a quorum commits in it (a new
+incarnation has committed nothing since its process started), and a quorum one of whose members reported that its
+exchange of the step after the quorum's last one failed committed nothing more (``note_discard``): a forger that
+joins a quorum and never joins its process group cannot then claim the step the others discarded.
 """
 from __future__ import annotations
 
@@ -74,10 +79,17 @@ class CommitLedger:
     _steps: dict[int, tuple[int, int]] = field(default_factory=dict)
     _members: dict[int, int] = field(default_factory=dict)
     """Quorum id -> a hash of its member ids: which quorum a group holds, beyond the id."""
+    _adopted: set[int] = field(default_factory=set)
+    """Quorums first answered as adopted (``quorum.adopt``): formed by a lighthouse before this one, so members it
+    has not answered yet may hold them."""
+    _discarded: dict[int, int] = field(default_factory=dict)
+    """Quorum id -> the step a member of it discarded (its last step + 1): the quorum committed nothing from it on."""
     _newest: int = -1
 
-    def record(self, quorum: Quorum) -> None:
-        """``quorum`` was answered."""
+    def record(self, quorum: Quorum, adopted: bool = False) -> None:
+        """``quorum`` was answered (``adopted``: as the quorum the groups hold, see ``quorum.adopt``)."""
+        if adopted and quorum.quorum_id not in self._steps:
+            self._adopted.add(quorum.quorum_id)
         first, last = self._steps.get(quorum.quorum_id, (quorum.max_step, quorum.max_step))
         self._steps[quorum.quorum_id] = (min(first, quorum.max_step), max(last, quorum.max_step))
         if quorum.quorum_id not in self._members:  # a quorum id names one member set: hash it once, not every step
@@ -87,6 +99,19 @@ class CommitLedger:
         if len(self._steps) > MAX_QUORUMS:
             oldest = min(self._steps)
             del self._steps[oldest], self._members[oldest]
+            self._discarded.pop(oldest, None)
+            self._adopted.discard(oldest)
+
+    def note_discard(self, quorum_id: int, step: int) -> int | None:
+        """A member of the newest quorum ``quorum_id``, answered it at its last step ``step``, reports that its
+        exchange of ``step + 1`` failed. The quorum's members exchange together, so none of them committed that step:
+        returns it when this is news (None: known already, not the newest quorum, or not its last step). A report
+        that comes once the job has moved on (a member stopped and resumed) is no news of the others' commits."""
+        steps = self._steps.get(quorum_id)
+        if quorum_id != self._newest or steps is None or steps[1] != step or quorum_id in self._discarded:
+            return None
+        self._discarded[quorum_id] = step + 1
+        return step + 1
 
     def note_lost(self, quorum: Quorum) -> LostState:
         """``quorum`` is answered below the committed step (after the bounded wait for a holder): the job goes on from
@@ -117,7 +142,7 @@ class CommitLedger:
         return None
 
     def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
-                held: tuple[int, Collection[str] | None] = (-1, ())) -> str | None:
+                held: tuple[int, Collection[str] | None] = (-1, ()), answered_in: int = -1) -> str | None:
         """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: not stated, as in a heartbeat)
         is refused, or None when it is consistent with what this lighthouse answered.
 
@@ -125,13 +150,19 @@ class CommitLedger:
         it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
         trained on: it may hold more steps than the lighthouse answered, committed in that quorum. ``held``: the
         id and members of the quorum the claimer holds (a quorum request says; -1: none; members None: not known,
-        then MembersNeeded is raised where they decide).
+        then MembersNeeded is raised where they decide). ``answered_in``: the newest quorum the claimer's incarnation
+        was answered (-1: none): only the incarnations answered a quorum commit in it.
         """
         if self._newest < 0:
             return None
         if (now < self.settles_at and committed_in is not None and committed_in >= 0
                 and (committed_in not in self._steps or self._foreign(held))):
             return None
+        # Before the lost-contact exemption: a member that trained on without the lighthouse did so with the others,
+        # and one of them discarded the step.
+        reason = self.discard_refusal(step, committed_in)
+        if reason is not None:
+            return reason
         if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
             return None
         if step > self.committed_step + 1:
@@ -150,11 +181,26 @@ class CommitLedger:
         if steps is None:
             return None  # older than the ledger keeps, or from before a restart: behind the job, it will catch up
         first, last = steps
+        # Only the members answered a quorum commit in it (an adopted one's unanswered holders: up to its answers).
+        if answered_in < committed_in and (committed_in not in self._adopted or step > last):
+            return (f"claims a commit in quorum {committed_in} but was not answered quorum {committed_in} (a new "
+                    f"incarnation, or one that never joined it): only its members committed there; restart the group "
+                    f"so it catches up")
         # A quorum's first answer may be an adoption after a restart: its holders committed in it at ``first``.
         if not first <= step <= last + 1:
             return (f"claims step {step} committed in quorum {committed_in}, which committed steps {first}.."
                     f"{last + 1} only: that state was never committed by this job")
         return None
+
+    def discard_refusal(self, step: int, committed_in: int | None) -> str | None:
+        """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: the newest, as a heartbeat's) is
+        one its members discarded (None: it is not)."""
+        in_quorum = self._newest if committed_in is None else committed_in
+        discarded = self._discarded.get(in_quorum)
+        if discarded is None or step < discarded or (committed_in is None and step != discarded):
+            return None
+        return (f"claims step {step} committed in quorum {in_quorum}, whose members discarded step {discarded} (their "
+                f"exchange failed): that state was never committed by this job; restart the group so it catches up")
 
     def _foreign(self, held: tuple[int, Collection[str] | None]) -> bool:
         """Whether the quorum a group holds is not the one this lighthouse formed under that id (a lighthouse before

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -62,6 +62,9 @@ class QuorumRequest:
     exchange_failed: bool = False
     """The requester's last step failed in its cross-group collective (not only its commit): with every member alive, a
     cut between members may be why (``lighthouse.exclusions``)."""
+    rendezvous_failed: bool = False
+    """The requester could not build its quorum's cross-group process group in its last step: no member of that quorum
+    can have completed a collective, so none committed that step (``Ledger.note_discard``)."""
     unreachable: tuple[str, ...] | None = None
     """The groups the requester could not reach when it probed them, as the lighthouse asked it to (after a failed
     exchange, or while it is excluded for a partition: ``lighthouse.exclusions``); None: it did not probe."""
@@ -374,13 +377,17 @@ def decide(
     pending: Mapping[str, QuorumRequest],
     alive: frozenset[str],
     now: float,
+    seen: Collection[str] | None = None,
 ) -> Quorum | None:
     """The next quorum, or None while the rules say wait.
 
     ``pending``: the requests not yet answered; ``alive``: groups heartbeating within the timeout (a group
-    with a pending request counts as alive only if it is in ``alive``). quorum_id changes exactly when the
-    member set changes, a member reports a failed commit, or a member does not hold the previous quorum (a new
-    incarnation of a group: it has none of that quorum's process groups, whose rendezvous keys are spent).
+    with a pending request counts as alive only if it is in ``alive``); ``seen``: the requesters the lighthouse saw
+    commit the state they claim (None: all). Only they are assigned as catch-up sources, unless no up-to-date
+    requester is one (a fresh job, a job resumed from checkpoints, a restarted lighthouse: nothing was seen).
+    quorum_id changes exactly when the member set changes, a member reports a failed commit, or a member does not
+    hold the previous quorum (a new incarnation of a group: it has none of that quorum's process groups, whose
+    rendezvous keys are spent).
     """
     previous_id, previous_members, expected = reference(previous, pending, alive)
     if not is_ready(rules, previous_members, pending, alive, now, expected):
@@ -400,9 +407,11 @@ def decide(
         return r.step == max_step and r.committed_in == branch
 
     up_to_date = [r.replica_id for r in requests if on_track(r) and not r.following]
+    vouched = up_to_date if seen is None else [rid for rid in up_to_date if rid in seen]
     following = frozenset(r.replica_id for r in requests if on_track(r) and r.following)
     behind = [r.replica_id for r in requests if not on_track(r)]
-    catch_up_from = {rid: up_to_date[i % len(up_to_date)] for i, rid in enumerate(behind)}
+    sources = vouched or up_to_date
+    catch_up_from = {rid: sources[i % len(sources)] for i, rid in enumerate(behind)}
     return Quorum(
         quorum_id=quorum_id,
         members=tuple(Member(r.replica_id, r.step, r.address) for r in requests),

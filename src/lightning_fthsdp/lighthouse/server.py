@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
+from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
 from lightning_fthsdp.lighthouse.api import (
     QuorumAnswers,
     StepTiming,
@@ -64,6 +65,7 @@ from lightning_fthsdp.lighthouse.http import (
     json_response,
 )
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
+from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
 from lightning_fthsdp.lighthouse.quorum import (
     Quorum,
@@ -102,6 +104,10 @@ class Lighthouse:
     starts, so every live group has reconnected first; a fresh group asking at once must not start the job over from
     step 0 while a group holding the job's state is still on its way back. ``straggler_policy`` (default: ``off``,
     measure and show only): what it does about groups that drag every step (``lighthouse.stragglers``).
+    ``outsider_limits`` (default: from the open-files limit, raised to its hard limit at ``start()``): the caps on
+    connections that have not passed the token check (``lighthouse.admission``). ``shard_count``: every group's shard
+    ranks, the job's (``fthsdp launch``, ``slurm`` and ``k8s`` pass it): a group with another count is refused (409);
+    None: the live groups' (``api.check_shard_count``).
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
@@ -127,6 +133,8 @@ class Lighthouse:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         startup_grace_ms: int | None = None,
         straggler_policy: StragglerPolicy | None = None,
+        outsider_limits: OutsiderLimits | None = None,
+        shard_count: int | None = None,
     ) -> None:
         if not isinstance(heartbeat_timeout_ms, int) or heartbeat_timeout_ms <= 0:
             raise ValueError(f"Lighthouse heartbeat_timeout_ms must be an integer > 0, got {heartbeat_timeout_ms!r}")
@@ -140,6 +148,11 @@ class Lighthouse:
         self._startup_grace_s = startup_grace_ms / 1000
         self._startup_timer: asyncio.TimerHandle | None = None
         declared = None if replica_ids is None else frozenset(_declared_id(rid) for rid in replica_ids)
+        if shard_count is not None and (not isinstance(shard_count, int) or isinstance(shard_count, bool)
+                                        or shard_count < 1):
+            raise ValueError(f"Lighthouse shard_count must be an integer >= 1 (every group's shard ranks), or None to "
+                             f"take the live groups', got {shard_count!r}")
+        self.shard_count = shard_count
         if declared is not None and not declared:
             raise ValueError("Lighthouse replica_ids is empty: name the job's replica ids, or pass None to admit any")
         self.host, self.port, self.store_port = host, port, store_port
@@ -180,7 +193,9 @@ class Lighthouse:
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
         self._connections: set[Connection] = set()
-        self._server: asyncio.Server | None = None
+        self._outsider_limits = outsider_limits
+        self._admission = Admission(outsider_limits or OutsiderLimits.for_open_files(0))  # its caps set at start
+        self._listener: Listener | None = None
         self._store: Any = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -215,18 +230,22 @@ class Lighthouse:
         store_socket = _listen_socket(self.host, self.store_port)
         loop = asyncio.get_running_loop()
         try:
-            self._server = await loop.create_server(self._connect, self.host, self.port, backlog=1024)
+            http_socket = _listen_socket(self.host, self.port)
         except BaseException:
             store_socket.close()
             raise
-        self.port = self._server.sockets[0].getsockname()[1]
+        open_files = raise_open_files_limit()
+        if self._outsider_limits is None:
+            self._admission.limits = OutsiderLimits.for_open_files(open_files)
+        self._listener = Listener(http_socket, self._connect, self._admission)
+        self.port = http_socket.getsockname()[1]
         store_port = store_socket.getsockname()[1]
         try:
             # The store owns the descriptor from here on and closes it when it stops.
             self._store = TCPStore(self.host, store_port, is_master=True, wait_for_workers=False,
                                    master_listen_fd=store_socket.detach())
         except BaseException:
-            self._server.close()
+            self._listener.close()
             raise
         self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
@@ -234,8 +253,10 @@ class Lighthouse:
         # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
         # (and be believed) as a quorum below the committed step waits for them.
         self._ledger.settles_at = self._started_s + self.rules.lost_state_wait_s
-        log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms",
-                 self.url, self.store_address, self.rules, self.heartbeat_timeout_ms)
+        log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms; open-files limit %d (about as many "
+                 "replica groups at most: raise the hard limit, ulimit -Hn, for more), connections without the token "
+                 "capped at %d (%d per address)", self.url, self.store_address, self.rules, self.heartbeat_timeout_ms,
+                 open_files, self._admission.limits.total, self._admission.limits.per_source)
 
     async def stop(self) -> None:
         """Close the server and every connection (held requests are dropped); declares nobody dead."""
@@ -246,12 +267,11 @@ class Lighthouse:
             if timer is not None:
                 timer.cancel()
         self._deadlines.close()
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self._connections):
             conn.close()
-        if self._server is not None:
-            await self._server.wait_closed()
+        await asyncio.sleep(0)  # the closes complete on the next turn
         self._store = None  # the TCPStore server stops when its last reference goes
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
@@ -265,19 +285,22 @@ class Lighthouse:
     # ---- HTTP plumbing ----
 
     def _connect(self) -> Connection:
-        conn = Connection(self._route, self._connection_closed, self._request_timeout_s, self._idle_timeout_s)
+        conn = Connection(self._route, self._connection_closed, self._request_timeout_s, self._idle_timeout_s,
+                          gate=functools.partial(authorize, token=self._token),
+                          on_authenticated=self._admission.authenticated)
         self._connections.add(conn)
         return conn
 
     def _connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
+        self._admission.closed(conn)
         self._group_connections.closed(conn)
         key = self._heartbeat_connections.closed(conn)
         if key is not None and not self._stopping:
             self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
     def _route(self, request: Request) -> Response | Pending:
-        authorize(request, self._token)
+        # The token was checked on the request's head (the connection's gate, see _connect).
         if request.path not in self._routes:
             raise HttpError(404, f"unknown path {request.path!r}: use one of {', '.join(sorted(self._routes))}")
         method, handler = self._routes[request.path]
@@ -290,7 +313,7 @@ class Lighthouse:
     def _heartbeat(self, request: Request) -> Response | Pending:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
-        check_shard_count(replica_id, beat.shard_count, self._previous, self._readiness.pending)
+        self._check_shard_count(replica_id, beat.shard_count)
         # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
@@ -352,7 +375,7 @@ class Lighthouse:
     def _quorum(self, request: Request) -> Response | Pending:
         asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
-        check_shard_count(replica_id, asked.shard_count, self._previous, self._readiness.pending)
+        self._check_shard_count(replica_id, asked.shard_count)
         self._registry.check(replica_id, incarnation, 0)
         try:
             self._check_claim(replica_id, incarnation, asked.step, asked.committed_in,
@@ -364,6 +387,7 @@ class Lighthouse:
         self._registry.addressed(replica_id, asked.address)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
+            self._note_discard(replica_id, asked)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
         if timing is not None:
@@ -738,10 +762,45 @@ class Lighthouse:
         record = self._registry.get(replica_id)
         own = record if record is not None and record.incarnation == incarnation else None
         lost_contact_in = own.answered if own is not None and own.lost_contact else -1
-        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic(), held)
+        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic(), held,
+                                      own.answered if own is not None else -1)
         if reason is not None:
             log.warning("refused replica %s: it %s", replica_id, reason)
             raise HttpError(409, f"replica {replica_id!r} {reason}")
+
+    def _check_shard_count(self, replica_id: str, shard_count: int) -> None:
+        """Refuse (409) a group whose shard count is not the job's (``api.check_shard_count``)."""
+        def lives(rid: str) -> bool:
+            record = self._registry.get(rid)
+            return record is not None and not record.dead
+
+        check_shard_count(replica_id, shard_count, self.shard_count, self._previous, self._readiness.pending, lives)
+
+    def _seen_committed(self) -> frozenset[str]:
+        """The requesters whose incarnation this lighthouse answered the quorum they claim to have committed in (or a
+        later one): the only catch-up sources ``decide`` assigns while one of them is up to date."""
+        seen = []
+        for replica_id, request in self._readiness.pending.items():
+            record = self._registry.get(replica_id)
+            if record is not None and 0 <= request.committed_in <= record.answered:
+                seen.append(replica_id)
+        return frozenset(seen)
+
+    def _note_discard(self, replica_id: str, asked: QuorumRequest) -> None:
+        """A group reports that its commit failed because it could not build its quorum's cross-group group (not
+        only a collective or its lease: another member may have completed a collective this one saw fail, and
+        committed), in the quorum it was answered, at that quorum's last step: no member can have committed that step,
+        so the ledger learns that the quorum committed nothing more, and the held requests claiming a commit there are
+        refused (a claim that arrived first must not become the others' catch-up source)."""
+        record = self._registry.get(replica_id)
+        if not asked.rendezvous_failed or record is None or record.answered != asked.quorum_id or \
+                self._ledger.note_discard(asked.quorum_id, asked.step) is None:
+            return
+        for rid, request in list(self._readiness.pending.items()):
+            reason = self._ledger.discard_refusal(request.step, request.committed_in)
+            if reason is not None:
+                log.warning("refused the held request of replica %s: it %s", rid, reason)
+                self._fail_pending(rid, HttpError(409, f"replica {rid!r} {reason}"))
 
     def _admit(self, replica_id: str, incarnation: str, step: int) -> GroupRecord:
         """The group's record, spoken for by ``incarnation`` (checked already) which claims ``step``. A new
@@ -864,7 +923,7 @@ class Lighthouse:
             if self._reports:
                 self._exclude_partitioned()
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
-                            time.monotonic())
+                            time.monotonic(), self._seen_committed())
         if quorum is not None and quorum.max_step >= self._ledger.committed_step:
             self._end_lost_wait()
         elif quorum is not None and not self._lost_wait_over(quorum):
@@ -885,7 +944,7 @@ class Lighthouse:
                               "steps are lost", quorum.quorum_id, quorum.max_step, lost.committed_step,
                               self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
             self._end_lost_wait()
-            self._ledger.record(quorum)
+            self._ledger.record(quorum, adopted=receivers is not None)
             self._watch.decided(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum

@@ -10,6 +10,7 @@ is reached through ``private``. See docs/lightning.md for usage and semantics.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fthsdp.config import addresses
-from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, resolve
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_RESUME_STEP, resolve
 from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
@@ -239,6 +240,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self.validate_every_n_steps is not None:
             loops.validate_at_job_steps(trainer, self.validate_every_n_steps)
         assert self._module_state is not None
+        if os.environ.get(ENV_RESUME_STEP):  # a relaunched job (its first step loads the checkpoint)
+            self.manager.resume_from_checkpoint(int(os.environ[ENV_RESUME_STEP]))
         self._module_state.hold_buffers()  # as restored from a checkpoint, before the first forward
         if self.lightning_module.automatic_optimization:  # with manual optimization the user steps them
             self._schedulers.take_over(trainer)

@@ -154,6 +154,7 @@ class FTManager:
         self._deaths_at_quorum = 0
         self._commit_failed = False
         self._exchange_failed = False  # the last step's cross-group collective failed on a rank of this group
+        self._rendezvous_failed = False  # ... before it began: the quorum's group was not built on a rank of this group
         self._failed_commits = 0  # in a row
         self._failure = ""  # why the step under way failed so far (empty: it has not)
         self._step_done_s: float | None = None  # when the last commit() ended: the next step's own work starts
@@ -180,6 +181,7 @@ class FTManager:
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
         self._checkpoints: DurableCheckpoints | None = None
+        self._relaunch_step: int | None = None  # resume_from_checkpoint's step, loaded in the first exchange
         if checkpoint_dir:
             self._checkpoints = DurableCheckpoints(
                 checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
@@ -317,7 +319,8 @@ class FTManager:
             # The last step's times too (lighthouse.stragglers: who the others wait for), sent once.
             if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
                                      self._progress.committed_in, self._follower.active, caught_up, self._timing,
-                                     exchange_failed=self._exchange_failed):
+                                     exchange_failed=self._exchange_failed,
+                                     rendezvous_failed=self._rendezvous_failed):
                 self._catch_ups_reported = len(catch_ups)
                 self._timing = None
 
@@ -345,13 +348,21 @@ class FTManager:
             self._resume(quorum)
             state.resumed = True
             return False  # nobody exchanges in the step a quorum resumes: every member retrains it once loaded
+        if self._relaunch_step is not None:
+            step, self._relaunch_step = self._relaunch_step, None
+            if self.replica_id not in quorum.catch_up_from:  # else a peer's newer state replaces ours anyway
+                self._load_checkpoint(step, "the job resumes from")
+                state.resumed = True
+                return False  # as above: this group retrains the step once loaded
         state.tensors = tensors
         source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
             self._follower.start(quorum, source)
+        built = False
         try:
             self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                  self._store_address)
+            built = True
             # Never real gradients while catching up: our weights are not the job's until the state is loaded.
             average_gradients(self._comm, tensors, divisor=sum(self._shares.values()),
                               contribute=self.replica_id in self._shares and not self._follower.active)
@@ -360,7 +371,7 @@ class FTManager:
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
             self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
-            state.collective_failed = True
+            state.collective_failed, state.rendezvous_failed = True, not built
             return False
         state.exchanged = True
         state.wait_s = time.monotonic() - exchange_from
@@ -380,10 +391,11 @@ class FTManager:
         if not lease_ok and not failure:
             failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
                        f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
-        ok, exchanged, fetch_ok, collective_ok = self._agreement.vote(
+        ok, exchanged, fetch_ok, collective_ok, built = self._agreement.vote(
             state.ready and lease_ok, state.exchanged and lease_ok, not self._follower.failed,
-            not state.collective_failed)
+            not state.collective_failed, not state.rendezvous_failed)
         self._exchange_failed = not collective_ok  # the lighthouse may ask the leader to probe the members
+        self._rendezvous_failed = not built
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if self._checkpoints is not None:
@@ -518,20 +530,19 @@ class FTManager:
         return quorum
 
     def resume_from_checkpoint(self, step: int) -> None:
-        """Before the first step: load this rank's shard of the durable checkpoint of ``step`` (a relaunched job
-        resumes from it), so the first quorum request claims that step. Raises ValueError without a
-        ``checkpoint_dir``, RuntimeError once a step began, CheckpointError when the checkpoint is missing, partial or
-        unlike this rank's state."""
+        """Before the first step: resume the job from the durable checkpoint of ``step`` (a relaunched job). The
+        first quorum request claims ``step``, and the first step's exchange loads the checkpoint instead of
+        exchanging, as when a quorum resumes from one: the step is discarded and the front end computes it again from
+        the loaded state (so the state is loaded where every front end already expects a load). Raises ValueError
+        without a ``checkpoint_dir``, RuntimeError once a step began; the load raises CheckpointError when the
+        checkpoint is missing, partial or unlike this rank's state."""
         if self._checkpoints is None:
             raise ValueError(f"FTManager (group {self.replica_id}): resuming from the checkpoint of step {step} needs "
                              f"checkpoint_dir: give every group the folder the job's checkpoints are in")
         if self._heartbeat.started:
             raise RuntimeError(f"FTManager (group {self.replica_id}): resume_from_checkpoint({step}) after the first "
                                f"step began: call it before training")
-        self._rlog.warning("the job resumes from the durable checkpoint of step %d in %s", step,
-                           self._checkpoints.root)
-        self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
-        self._progress.committed_in = -1
+        self.step, self._progress.committed_in, self._relaunch_step = step, -1, step
 
     def _resume(self, quorum: Quorum) -> None:
         """The quorum resumes from the durable checkpoint of ``quorum.resume_step`` (no live group held the job's
@@ -544,9 +555,12 @@ class FTManager:
                 f"{quorum.resume_step} ({quorum.resume_path}), but this group has no checkpoint_dir: give every group "
                 f"the same checkpoint settings")
         self._follower.stop("the quorum resumes from a durable checkpoint")
-        self._rlog.warning("no live group holds the job's committed state: loading the checkpoint of step %d from %s",
-                           quorum.resume_step, self._checkpoints.root)
-        self._checkpoints.load(quorum.resume_step, lambda tree: self._catchup.load(tree, keep_memory=False))
+        self._load_checkpoint(quorum.resume_step, "no live group holds the job's committed state: loading")
+
+    def _load_checkpoint(self, step: int, why: str) -> None:
+        assert self._checkpoints is not None
+        self._rlog.warning("%s the checkpoint of step %d from %s", why, step, self._checkpoints.root)
+        self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
         self._progress.committed_in = -1
 
     def _replay(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -67,16 +67,17 @@ class QuorumRequester:
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
               following: bool, caught_up: dict[str, object] | None = None,
-              timing: Mapping[str, float] | None = None, exchange_failed: bool = False) -> bool:
+              timing: Mapping[str, float] | None = None, exchange_failed: bool = False,
+              rendezvous_failed: bool = False) -> bool:
         """Ask for the quorum of ``step`` in the background, unless a request is in flight already (then False).
         ``current`` (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it
         may be. ``caught_up``: a finished catch-up to report; ``timing``: the times of the last step;
-        ``exchange_failed``: the last step's cross-group collective failed on a rank of this group (see
-        ``QuorumClient.request``)."""
+        ``exchange_failed``: the last step's cross-group collective failed on a rank of this group, and
+        ``rendezvous_failed``: its cross-group group could not even be built there (see ``QuorumClient.request``)."""
         if self._pending is not None:
             return False
         self._pending = self._executor.submit(self._request, step, commit_failed, current, store, committed_in,
-                                              following, caught_up, timing, exchange_failed)
+                                              following, caught_up, timing, exchange_failed, rendezvous_failed)
         self._pending.add_done_callback(lambda future: self._serve_early(future, step))
         return True
 
@@ -104,7 +105,8 @@ class QuorumRequester:
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
                  following: bool, caught_up: dict[str, object] | None,
-                 timing: Mapping[str, float] | None, exchange_failed: bool) -> tuple[Quorum, str]:
+                 timing: Mapping[str, float] | None, exchange_failed: bool,
+                 rendezvous_failed: bool) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000
         backoff_s = self._timeouts.heartbeat_interval_ms / 1000
@@ -113,7 +115,8 @@ class QuorumRequester:
             try:
                 answer = self._client.request(self._replica_id, step, self._shard_count, self._addresses,
                                               commit_failed, current, committed_in, following, caught_up, probed,
-                                              timing=timing, exchange_failed=exchange_failed)
+                                              timing=timing, exchange_failed=exchange_failed,
+                                              rendezvous_failed=rendezvous_failed)
             except ProbeRequested as exc:
                 probed = self._probe(exc.targets)
                 continue

@@ -58,6 +58,9 @@ class StepState:
     """The step's quorum resumed from a durable checkpoint: nobody exchanged, and that is no failure."""
     collective_failed: bool = False
     """The cross-group collective failed on this rank (not merely the commit: a lease, a follower's fetch)."""
+    rendezvous_failed: bool = False
+    """Before any collective: this rank could not build the quorum's cross-group group, so no member of the quorum
+    can have completed this step's collective (what makes the lighthouse refuse any claim of it)."""
     started_s: float = 0.0
     """When the group's own work on the step began (monotonic): the end of its previous commit, else its opening."""
     agree_s: float = 0.0

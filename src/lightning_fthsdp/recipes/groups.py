@@ -12,6 +12,7 @@ package (the top-level ``configs/`` of the source tree, installed as package dat
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 #: Group name -> the top-level recipe keys its options may set.
@@ -25,6 +26,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 #: The configs shipped with the package (a link to the source tree's top-level ``configs/`` in a checkout).
 PACKAGED = Path(__file__).resolve().parents[1] / "configs"
+
+
+#: What an option may be called: a file name in its group's folder (no separator, no leading dot: no ``..``).
+_OPTION_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
 
 
 class GroupError(ValueError):
@@ -52,9 +57,15 @@ def options(group: str, folders: list[Path]) -> list[str]:
 
 
 def option_file(group: str, option: str, folders: list[Path]) -> Path:
-    """The file of ``group=option``: the first one on the search path."""
+    """The file of ``group=option``: the first one on the search path. An option is a name, never a path: a choice
+    reaches only the files of its group's folders."""
     check_group(group)
     name = option.removesuffix(".yaml")
+    if not _OPTION_NAME.fullmatch(name):
+        known = ", ".join(options(group, folders)) or "(none)"
+        raise GroupError(f"config group {group!r}: option {option!r} is not a name (letters, digits, '_', '-', '.', "
+                         f"not starting with '.'): an option is a file GROUP/OPTION.yaml of a configs/ folder; "
+                         f"options: {known}")
     for folder in folders:
         candidate = folder / group / f"{name}.yaml"
         if candidate.is_file():

@@ -7,7 +7,9 @@ own keys on top. The command line's list mixes group choices and key overrides: 
 ``groups.GROUPS``) replaces that group's option wherever the defaults tree names the group (or, where it names none,
 is merged after the recipe's defaults, still under its own keys); ``key.path=value`` overrides are applied last, in
 order. Every key must exist in ``lightning_fthsdp.recipes.schema``; every value must have the field's type, be one of
-its ``choices`` and at least its ``min``; then each section's ``check()`` and the ``Timeouts`` hierarchy run. Any
+its ``choices``, and a number finite and within its ``min`` and ``max``; then each section's ``check()`` and the
+``Timeouts`` hierarchy run. A ``defaults`` entry resolves only inside the recipe's folder and the config folders, and a
+group's option is a name, never a path. No value may read or hold the job's token (``$FTHSDP_TOKEN``). Any
 violation raises ``RecipeError`` naming the source (file or override), the key, the value and what is allowed; an
 unknown group, option or key lists the ones that exist.
 """
@@ -15,18 +17,21 @@ unknown group, option or key lists the ones that exist.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import typing
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.config.renamed import deprecation
 from lightning_fthsdp.recipes import groups
-from lightning_fthsdp.recipes.schema import RecipeConfig
+from lightning_fthsdp.recipes.schema import MAGNITUDE, RecipeConfig
 
 
 class RecipeError(ValueError):
@@ -39,11 +44,22 @@ RENAMED_KEYS: dict[str, str] = {"launch.devices_per_replica": "launch.shard_coun
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose ``path`` with the group choices among ``overrides`` (``group=option``), apply the key overrides
-    (``key=value``, YAML values), validate; return the typed recipe."""
-    path = Path(path)
+    (``key=value``, YAML values), validate; return the typed recipe.
+
+    A value that reads or holds the job's token (``$FTHSDP_TOKEN``) is refused: a recipe is written to the run's
+    ``recipe.yaml`` and report, shown by ``--print-config`` and may name folders, and the token must reach none of
+    them. No error message carries the token."""
+    try:
+        return _load(Path(path), overrides)
+    except RecipeError as err:
+        raise RecipeError(_redact(str(err))) from None
+
+
+def _load(path: Path, overrides: Sequence[str]) -> RecipeConfig:
     choices, key_overrides = split_overrides(overrides)
     merged = OmegaConf.structured(RecipeConfig)
-    merged = _merge(merged, _Composer(groups.search_path(path), choices).compose(path, top=True), f"recipe {path}")
+    composed = _Composer(groups.search_path(path), choices, path).compose(path, top=True)
+    merged = _merge(merged, composed, f"recipe {path}")
     _refuse_both_names(key_overrides)
     for override in key_overrides:
         key, _, value = override.partition("=")
@@ -51,6 +67,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
             _warn_renamed(f"override {override!r}", key)
             key = RENAMED_KEYS[key]
         merged = _merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]), f"override {override!r}")
+    _refuse_token_interpolation(merged, f"recipe {path}{_with(overrides)}")
     try:
         recipe = OmegaConf.to_object(merged)
     except ValueError as err:  # Timeouts.__post_init__: the hierarchy, with every value in the message
@@ -59,6 +76,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig
         raise RecipeError(f"recipe {path}: {_first_line(err)}") from None
     assert isinstance(recipe, RecipeConfig)
     try:
+        _refuse_token_value(recipe, "")
         _check_fields(recipe, "")
     except ValueError as err:
         raise RecipeError(f"recipe {path}{_with(overrides)}: {err}") from None
@@ -96,8 +114,10 @@ def to_yaml(recipe: RecipeConfig) -> str:
 class _Composer:
     """Composes one recipe's defaults tree; ``choices`` (from the command line) replace the options it names."""
 
-    def __init__(self, folders: list[Path], choices: dict[str, str]) -> None:
+    def __init__(self, folders: list[Path], choices: dict[str, str], recipe: Path) -> None:
         self.folders = folders
+        # A defaults entry names a recipe in the top recipe's folder or a config folder, never a file elsewhere.
+        self.roots = [recipe.parent.resolve(), *(f.resolve() for f in folders)]
         self.choices = choices
         self.named: set[str] = set()  # groups the defaults tree names: a choice of any other is merged at the end
 
@@ -113,7 +133,7 @@ class _Composer:
         parts = []
         for entry in defaults:
             if isinstance(entry, str):
-                default = path.parent / (entry if entry.endswith(".yaml") else f"{entry}.yaml")
+                default = self._inside(path, entry)
                 parts.append(self.compose(default, (*stack, path.resolve())))
             elif isinstance(entry, DictConfig) and len(entry) == 1:
                 group, option = str(next(iter(entry))), next(iter(entry.values()))
@@ -127,6 +147,16 @@ class _Composer:
             parts.extend(self._option(group, option, f"override '{group}={option}'")
                          for group, option in self.choices.items() if group not in self.named)
         return typing.cast(DictConfig, OmegaConf.merge(*parts, raw)) if parts else raw
+
+    def _inside(self, path: Path, entry: str) -> Path:
+        """The recipe a defaults entry of ``path`` names, refused unless it is inside the recipe's folder or a config
+        folder (a recipe must not pull in, nor report the contents of, a file elsewhere)."""
+        default = path.parent / (entry if entry.endswith(".yaml") else f"{entry}.yaml")
+        if not any(default.resolve().is_relative_to(root) for root in self.roots):
+            raise RecipeError(f"recipe {path}: defaults entry {entry!r} is {default.resolve()}, outside the recipe's "
+                              f"folder and the config folders ({', '.join(map(str, self.roots))}): copy it into "
+                              "one of them")
+        return default
 
     def _option(self, group: str, option: Any, source: str) -> DictConfig:
         try:
@@ -207,7 +237,9 @@ def _explain(err: OmegaConfBaseException) -> str:
             return f"unknown key {key!r}; allowed keys here: {', '.join(allowed)}"
         expected = typing.get_type_hints(owner)[name]
         value = getattr(err, "value", None)
-        return f"{key}={value!r} is not valid: expected {_type_name(expected)}"
+        metadata = next(f.metadata for f in dataclasses.fields(owner) if f.name == name)
+        bounds = _bounds(metadata) if expected in (int, float) else ""
+        return f"{key}={value!r} is not valid: expected {_type_name(expected)}{bounds}"
     return _first_line(err)
 
 
@@ -228,13 +260,67 @@ def _check_fields(section: Any, prefix: str) -> None:
         choices: Iterable[str] | None = f.metadata.get("choices")
         if choices is not None and value not in choices:
             raise ValueError(f"{key}={value!r} is not allowed; allowed values: {', '.join(choices)}")
-        minimum = f.metadata.get("min")
-        if minimum is not None and value < minimum:
-            raise ValueError(f"{key}={value!r} is too small; allowed values: >= {minimum}")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            _check_number(key, value, f.metadata)
         if dataclasses.is_dataclass(value):
             _check_fields(value, f"{key}.")
     if hasattr(section, "check"):
         section.check(prefix.rstrip(".") or "recipe")
+
+
+def _refuse_token_interpolation(merged: DictConfig, source: str) -> None:
+    """An interpolation naming ``$FTHSDP_TOKEN`` (``${oc.env:FTHSDP_TOKEN}``), refused before anything resolves it,
+    whether or not the variable is set here (the groups and a relaunch have it)."""
+    for key, text in _strings(OmegaConf.to_container(merged, resolve=False), ""):
+        if "${" in text and ENV_TOKEN in text:
+            raise RecipeError(f"{source}: {key}={text!r} reads ${ENV_TOKEN}, the job's secret: a recipe is written "
+                              f"to the run's folder and report, so no value may hold it; give {key} a value of its "
+                              "own")
+
+
+def _refuse_token_value(recipe: Any, prefix: str) -> None:
+    """A resolved value holding the token, by whatever route it came (a nested interpolation that assembles the
+    variable's name, a pasted copy)."""
+    token = os.environ.get(ENV_TOKEN)
+    if not token:
+        return
+    for key, text in _strings(dataclasses.asdict(recipe), prefix):
+        if token in text:
+            raise ValueError(f"{key} holds the value of ${ENV_TOKEN}, the job's secret: a recipe is written to the "
+                             f"run's folder and report, so no value may hold it; give {key} a value of its own")
+
+
+def _strings(tree: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, text) of every string in a nested mapping (lists by index)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for name, value in items:
+        key = f"{prefix}{name}"
+        if isinstance(value, str):
+            yield key, value
+        else:
+            yield from _strings(value, f"{key}.")
+
+
+def _redact(message: str) -> str:
+    token = os.environ.get(ENV_TOKEN)
+    return message.replace(token, f"<${ENV_TOKEN}>") if token else message
+
+
+def _check_number(key: str, value: float, metadata: Mapping[str, Any]) -> None:
+    """Finite, at least the field's ``min``, at most its ``max`` (else ``schema.MAGNITUDE``): NaN would pass every
+    comparison, and a magnitude no job has is a typo that would surface hours later."""
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} is not allowed; allowed values: a finite number{_bounds(metadata)}")
+    minimum, maximum = metadata.get("min"), metadata.get("max", MAGNITUDE)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{key}={value!r} is too small; allowed values:{_bounds(metadata)}")
+    if abs(value) > maximum:
+        raise ValueError(f"{key}={value!r} is too large; allowed values:{_bounds(metadata)}")
+
+
+def _bounds(metadata: Mapping[str, Any]) -> str:
+    minimum, maximum = metadata.get("min"), metadata.get("max", MAGNITUDE)
+    return (f" >= {minimum} and" if minimum is not None else f" >= {-maximum} and") + f" <= {maximum}"
 
 
 def _first_line(err: Exception) -> str:

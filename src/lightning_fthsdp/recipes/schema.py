@@ -1,9 +1,10 @@
 """The structured configs every recipe is validated against: one dataclass per section, a docstring per field.
 
 A recipe (``recipes/*.yaml``) sets any subset of these fields; everything it leaves out keeps the default here.
-Fields with a fixed set of values declare it as ``metadata={"choices": ...}`` and numeric fields their lower
-bound as ``metadata={"min": ...}``; ``lightning_fthsdp.recipes.loader`` enforces both and names the key, the value
-and what is allowed. Cross-field rules live in each section's ``check()``.
+Fields with a fixed set of values declare it as ``metadata={"choices": ...}`` and numeric fields their bounds as
+``metadata={"min": ..., "max": ...}``; every number must be finite and, where its field names no ``max``, at most
+``MAGNITUDE`` (a value beyond it is a typo, never a plan). ``lightning_fthsdp.recipes.loader`` enforces all of it and
+names the key, the value and what is allowed. Cross-field rules live in each section's ``check()``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,15 @@ def _choice(default: str, *choices: str) -> Any:
     return field(default=default, metadata={"choices": choices})
 
 
-def _at_least(default: float, minimum: float) -> Any:
-    return field(default=default, metadata={"min": minimum})
+#: The bound of a number whose field names none.
+MAGNITUDE = 10**9
+
+#: The largest step a durable checkpoint's folder name holds (``recovery.checkpoint.checkpoint_path``).
+MAX_STEP = 10**9 - 1
+
+
+def _at_least(default: float, minimum: float, maximum: float | None = None) -> Any:
+    return field(default=default, metadata={"min": minimum} | ({"max": maximum} if maximum is not None else {}))
 
 
 @dataclass
@@ -91,7 +99,7 @@ class TrainerConfig:
     """Where each rank runs. "cpu" uses gloo inside and across groups; "gpu"/"cuda" uses NCCL."""
     precision: str = _choice("32-true", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
     """Lightning precision plugin. bf16 needs a GPU that supports it."""
-    max_steps: int = _at_least(200, 1)
+    max_steps: int = _at_least(200, 1, MAX_STEP)
     """Committed optimizer steps every group trains to (the job ends when all reach it)."""
     gradient_clip_val: float | None = None
     """Clip the global gradient norm (after the cross-group average) to this; null: no clipping."""
@@ -100,9 +108,9 @@ class TrainerConfig:
     val_every_n_steps: int = _at_least(100, 0)
     """Evaluate the held-out validation loss after every committed step that is a multiple of this, and after the
     last one (0: only after the last); every group evaluates the same steps. The launch report and plot carry it."""
-    seed: int = 0
-    """Seed of every process: all groups start from the same initial weights."""
-    min_step_time_s: float = _at_least(0.0, 0.0)
+    seed: int = _at_least(0, 0, 2**32 - 1)
+    """Seed of every process: all groups start from the same initial weights (0 to 2**32 - 1, Lightning's range)."""
+    min_step_time_s: float = _at_least(0.0, 0.0, 3600.0)
     """Pad each step to at least this many seconds. For demos and tests of tiny models, so that a killed
     group restarts before the survivors finish; 0 in real training."""
 
@@ -175,9 +183,9 @@ class FTConfig:
 class LaunchConfig:
     """How ``fthsdp launch`` runs the job on this machine."""
 
-    replicas: int = _at_least(2, 1)
+    replicas: int = _at_least(2, 1, 1024)
     """Replica groups (--replicas wins). Each holds a full copy of the model and optimizer state."""
-    shard_count: int = _at_least(1, 1)
+    shard_count: int = _at_least(1, 1, 16384)
     """Shard ranks per replica group, one device each (--shard-count wins); every group uses the same."""
     max_restarts: int = _at_least(10, 0)
     """Restarts per group within any launch.restart_window_s before the launcher gives up on it (a crash or an

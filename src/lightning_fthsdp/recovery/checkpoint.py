@@ -84,7 +84,7 @@ def checkpoint_path(root: str | Path, step: int) -> Path:
 def complete_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     """Every complete checkpoint under ``root``, oldest first (a missing root has none)."""
     found = []
-    for path in _step_folders(root):
+    for path in step_folders(root):
         info = _read_complete(path)
         if info is not None:
             found.append(info)
@@ -142,7 +142,7 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     kept = {info.path for info in complete[-keep:]}
     newest = complete[-1].step
     removed = []
-    for path in _step_folders(root):
+    for path in step_folders(root):
         step = int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
         if path not in kept and step <= newest:
             # COMPLETE first: a reader never sees a checkpoint complete whose shards are half deleted.
@@ -276,7 +276,8 @@ class CheckpointWriter:
             self._log.exception("checkpoint of step %d failed (training goes on)", step)
 
 
-def _step_folders(root: str | Path) -> list[Path]:
+def step_folders(root: str | Path) -> list[Path]:
+    """Every checkpoint folder under ``root`` (complete or partial), oldest first."""
     try:
         entries = sorted(Path(root).iterdir())
     except FileNotFoundError:

@@ -44,13 +44,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="an extra #SBATCH option, e.g. --sbatch=--partition=gpu --sbatch=--time=2-00:00:00")
     parser.add_argument("--out", type=Path, default=Path("runs/slurm"),
                         help="the run's folder on a shared file system (default: runs/slurm)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start at step 0 although ft.checkpoint_dir holds checkpoints: they are moved aside "
+                             "(CHECKPOINT_DIR/previous-TIME/), not deleted (default: the job, and every requeue of it, "
+                             "resumes from the newest complete one)")
     parser.add_argument("--dry-run", action="store_true", help="print the script and the group steps; submit nothing")
     parser.add_argument("--wait", action="store_true", help="wait for the job to end and print its summary")
     parser.set_defaults(func=run, extras=EXTRAS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_fthsdp.launch.cli import checkpoints_under, fresh_out, group_ids
+    from lightning_fthsdp.launch.cli import group_ids
+    from lightning_fthsdp.launch.run_folder import checkpoint_folder, prepare, resume_point, usable
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
     from lightning_fthsdp.slurm.script import SbatchScript
 
@@ -76,8 +81,16 @@ def run(args: argparse.Namespace) -> int:
         print(script.text(), end="")
         print(_planned_steps(script, replica_ids), end="")
         return 0
-    out = fresh_out(args.out)
-    checkpoints_under(recipe, out)
+    out = usable(args.out, "fthsdp slurm")
+    try:  # the supervisor resumes from the newest checkpoint when the job starts (and at every requeue)
+        checkpoint_folder(recipe, out)
+        resume = resume_point(recipe, args.fresh)
+    except ValueError as err:
+        raise SystemExit(f"fthsdp slurm: error: {err}") from None
+    if resume is not None:
+        print(f"fthsdp slurm: {recipe.ft.checkpoint_dir} holds the checkpoint of step {resume.step}: the job resumes "
+              f"from its newest complete checkpoint when it starts (--fresh starts at step 0)", flush=True)
+    prepare(out, "fthsdp slurm")
     (out / "recipe.yaml").write_text(to_yaml(recipe))
     (out / "report.json").unlink(missing_ok=True)
     path = out / "job.sbatch"

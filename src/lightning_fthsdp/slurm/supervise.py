@@ -3,7 +3,8 @@
 What the sbatch script of ``fthsdp slurm`` runs on the batch node: the launcher's job loop
 (``lightning_fthsdp.launch.cli.run_job``: lighthouse, supervised groups with a restart budget per group, the report)
 with a ``SlurmPlacement`` (every process a job step). The recipe is ``OUT/recipe.yaml`` as ``fthsdp slurm`` resolved it;
-the report goes to ``OUT/report.json`` with a ``slurm`` field (each incarnation's step id and nodes). Exit code 0 when
+the report goes to ``OUT/report.json`` with a ``slurm`` field (each incarnation's step id and nodes). A start (the
+first, or a requeue) resumes from the newest complete durable checkpoint in ``ft.checkpoint_dir``. Exit code 0 when
 every group reached ``trainer.max_steps`` with identical final parameters.
 """
 
@@ -30,11 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_fthsdp.launch import chaos
     from lightning_fthsdp.launch.cli import group_ids, run_job, write_report
     from lightning_fthsdp.launch.commands import FitCommand
+    from lightning_fthsdp.launch.run_folder import prepare, resume_point
     from lightning_fthsdp.recipes.loader import load_recipe
     from lightning_fthsdp.slurm.placement import SlurmPlacement
 
     out = args.out.resolve()
     recipe = load_recipe(out / "recipe.yaml", [])
+    # Also a requeue (scontrol requeue, --requeue after a node failure or preemption) or a resubmission: the newest
+    # complete checkpoint is the job's state; the previous attempt's records would mix with this one's.
+    try:
+        resume = resume_point(recipe, fresh=False)
+    except ValueError as err:
+        raise SystemExit(f"{parser.prog}: error: {err}") from None
+    prepare(out, "fthsdp slurm")
     replica_ids = group_ids(recipe.launch.replicas)
     placement = SlurmPlacement.from_allocation(
         os.environ[ENV_JOB_ID], os.environ[ENV_BATCH_NODE], os.environ[ENV_NODELIST], replica_ids,
@@ -44,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{placement.pool.spares}", flush=True)
     command = FitCommand(out / "recipe.yaml", out, standby=False)
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule([], 0), out, False, command, recipe.trainer.max_steps,
-                     {"recipe": str(out / "recipe.yaml")}, placement=placement, restart_lighthouse=True)
+                     {"recipe": str(out / "recipe.yaml")}, placement=placement, restart_lighthouse=True,
+                     resume=resume)
     report["slurm"] = placement.summary()
     return write_report(report, out)
 

@@ -1,0 +1,252 @@
+"""The lighthouse's HTTP layer against outsiders (issue 28): RFC 9112 framing refused where another parser could read
+it differently, one answer for a connection without the token, bounded work per connection per event-loop turn, and
+caps on connections without the token with the oldest evicted first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import select
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits
+from lightning_fthsdp.lighthouse.http import MAX_PER_TURN, Connection, Request, Response, json_response
+from lightning_fthsdp.lighthouse.listener import Listener
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from tests.lighthouse_thread import LighthouseThread
+
+TOKEN = "strict-t0ken"
+AUTH = f"Authorization: Bearer {TOKEN}\r\n".encode()
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[Callable[..., str]]:
+    """Start lighthouse threads with the token (port 0); all are stopped after the test. Returns the url."""
+    with contextlib.ExitStack() as stack:
+        def start(**kw: Any) -> str:
+            return stack.enter_context(LighthouseThread(rules=QuorumRules(min_replicas=1), startup_grace_ms=0,
+                                                        token=TOKEN, **kw))
+        yield start
+
+
+def address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or 0
+
+
+def exchange(url: str, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection; everything answered until the lighthouse closes it."""
+    with socket.create_connection(address(url), timeout=10) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(request)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(("head", "status", "needle"), [
+    (b"POST /v1/leave HTTP/1.1\r\n" + AUTH + b"Content-Length : 0\r\n\r\n", b"400", b"none before the colon"),
+    (b"POST /v1/leave HTTP/1.1\r\n" + AUTH + b"Content-Length: 0_2\r\n\r\n", b"400", b"digits only"),
+    (b"POST /v1/leave HTTP/1.1\r\n" + AUTH + b"Content-Length: +2\r\n\r\n{}", b"400", b"digits only"),
+    (b"POST /v1/leave HTTP/1.1\r\n" + AUTH + b"Content-Length: 2, 2\r\n\r\n{}", b"400", b"digits only"),
+    (b"POST /v1/leave HTTP/1.1\r\n" + AUTH + b"Content-Length: " + b"9" * 19 + b"\r\n\r\n", b"400", b"at most 18"),
+    (b"GET /status HTTP/1.1\r\n" + AUTH + b" X-Folded: yes\r\n\r\n", b"400", b"malformed HTTP header line"),
+    (b"GET /status HTTP/1.9\r\n" + AUTH + b"\r\n", b"505", b"HTTP/1.1"),
+    (b"GET /status HTTP/2.0\r\n" + AUTH + b"\r\n", b"505", b"HTTP/1.1"),
+    (b"GET /status HTTP/1.10\r\n" + AUTH + b"\r\n", b"400", b"malformed HTTP request line"),
+], ids=["space before the colon", "underscore", "plus sign", "a list", "19 digits", "obs-fold", "HTTP/1.9",
+        "HTTP/2.0", "HTTP/1.10"])
+def test_framing_another_parser_could_read_differently_is_refused_and_the_connection_closed(
+        lighthouse: Callable[..., str], head: bytes, status: bytes, needle: bytes) -> None:
+    url = lighthouse()
+    answer = exchange(url, head)  # returns only once the lighthouse closed the connection
+    assert answer.startswith(b"HTTP/1.1 " + status) and needle in answer, answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+def test_http_1_0_and_optional_whitespace_around_a_value_are_served(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    answer = exchange(url, b"GET /status HTTP/1.0\r\nAuthorization:\t Bearer " + TOKEN.encode() + b" \t\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+
+
+def test_a_connection_without_the_token_gets_one_answer_however_much_it_pipelines(
+        lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    answer = exchange(url, b"GET / HTTP/1.1\r\n\r\n" * 20_000)  # 360 KiB: many reads' worth
+    assert answer.startswith(b"HTTP/1.1 401") and answer.count(b"HTTP/1.1 ") == 1, answer[:300]
+    # Also after a good request: a refused one is the connection's last.
+    answer = exchange(url, b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n" + b"GET /status HTTP/1.1\r\n\r\n" * 50)
+    assert answer.count(b"HTTP/1.1 200") == 1 and answer.count(b"HTTP/1.1 401") == 1, answer[-300:]
+    assert answer.count(b"HTTP/1.1 ") == 2
+
+
+def test_a_token_holder_pipelining_many_requests_gets_every_answer(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    count = 10 * MAX_PER_TURN + 3
+    one, last = (b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n",
+                 b"GET /status HTTP/1.1\r\nConnection: close\r\n" + AUTH + b"\r\n")
+    answer = exchange(url, one * (count - 1) + last)
+    assert answer.count(b"HTTP/1.1 200") == count, answer[-300:]
+
+
+def is_closed(sock: socket.socket) -> bool:
+    """Whether the lighthouse closed this idle connection (it sends nothing else to it)."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_connections_without_the_token_beyond_the_cap_evict_the_oldest_and_groups_are_served(
+        lighthouse: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
+    url = lighthouse(outsider_limits=OutsiderLimits(total=8, per_source=4))
+    socks = [socket.create_connection(address(url), timeout=10) for _ in range(20)]
+    try:
+        # Each connection was admitted in turn, evicting the oldest of its address beyond 4: the newest 4 are open.
+        wait_for(lambda: all(is_closed(s) for s in socks[:16]), 10, "the 16 oldest idle connections to be closed")
+        assert not any(is_closed(s) for s in socks[16:])
+        answer = exchange(url, b"GET /status HTTP/1.1\r\nConnection: close\r\n" + AUTH + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]  # at the cap, a token holder is let in
+    finally:
+        for sock in socks:
+            sock.close()
+    lines = [r.getMessage() for r in caplog.records if "to make room" in r.getMessage()]
+    assert len(lines) == 1, lines  # 16 evictions, one line (the next would come after LOG_INTERVAL_S)
+
+
+def test_an_authenticated_connection_is_no_longer_counted_against_the_cap(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4))
+    with socket.create_connection(address(url), timeout=10) as group:
+        group.sendall(b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n")
+        assert group.recv(65536).startswith(b"HTTP/1.1 200")
+        idle = [socket.create_connection(address(url), timeout=10) for _ in range(12)]
+        try:
+            wait_for(lambda: all(is_closed(s) for s in idle[:8]), 10, "the 8 oldest idle connections to be closed")
+            group.sendall(b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n")  # never evicted: it is a group's
+            assert group.recv(65536).startswith(b"HTTP/1.1 200")
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+class Transport(asyncio.Transport):
+    """Records what a Connection writes and whether it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.reading = True
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+
+def ok(request: Request) -> Response:
+    return json_response({"path": request.path})
+
+
+def test_a_connection_starts_at_most_max_per_turn_requests_a_turn_and_reads_nothing_meanwhile() -> None:
+    async def run() -> list[int]:
+        transport, connection = Transport(), Connection(ok, lambda _: None)
+        connection.connection_made(transport)
+        connection.data_received(b"GET /x HTTP/1.1\r\n\r\n" * (3 * MAX_PER_TURN))
+        counts = [bytes(transport.written).count(b"HTTP/1.1 200")]
+        assert not transport.reading  # the rest waits: nothing more is read meanwhile
+        for _ in range(3):
+            await asyncio.sleep(0)
+            counts.append(bytes(transport.written).count(b"HTTP/1.1 200"))
+        assert transport.reading
+        return counts
+
+    assert asyncio.run(run()) == [MAX_PER_TURN, 2 * MAX_PER_TURN, 3 * MAX_PER_TURN, 3 * MAX_PER_TURN]
+
+
+def test_a_client_that_does_not_read_its_answers_is_not_read_until_it_does() -> None:
+    async def run() -> None:
+        transport, connection = Transport(), Connection(ok, lambda _: None)
+        connection.connection_made(transport)
+        connection.pause_writing()  # the transport's write buffer is over its high-water mark
+        assert not transport.reading
+        connection.data_received(b"GET /x HTTP/1.1\r\n\r\n" * 2)
+        assert transport.written == b""
+        connection.resume_writing()
+        assert transport.reading and bytes(transport.written).count(b"HTTP/1.1 200") == 2
+
+    asyncio.run(run())
+
+
+class Exhausted(socket.socket):
+    """A listening socket whose accepts fail with EMFILE while ``out`` is set, as a process out of descriptors."""
+
+    out = True
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.out:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_accept_errors_are_one_log_line_with_a_count_and_an_outsider_is_evicted_for_room(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> bytes:
+        sock = Exhausted(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        admission = Admission(OutsiderLimits(8, 8))
+        held = Connection(ok, admission.closed)  # an outsider's connection, there before the descriptors ran out
+        admission.add(held, "127.0.0.1")
+        listener = Listener(sock, lambda: Connection(ok, admission.closed, gate=None,
+                                                     on_authenticated=admission.authenticated), admission)
+        loop = asyncio.get_running_loop()
+        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        client.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            client.connect(sock.getsockname())
+        await asyncio.sleep(0.5)  # about 10 tries, each failed
+        assert admission.outsiders == 0 and admission.evicted == 1
+        sock.out = False
+        await loop.sock_sendall(client, b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(loop.sock_recv(client, 4096), 5)
+        client.close()
+        listener.close()
+        return answer
+
+    with caplog.at_level(logging.ERROR, logger="fthsdp.lighthouse"):
+        assert asyncio.run(run()).startswith(b"HTTP/1.1 200")  # served once descriptors are free again
+    lines = [r.getMessage() for r in caplog.records if "accept() failed" in r.getMessage()]
+    assert len(lines) == 1 and "EMFILE" in lines[0], lines
+
+
+def test_outsider_caps_leave_most_descriptors_to_the_groups_and_bad_caps_are_refused() -> None:
+    assert OutsiderLimits.for_open_files(20_000) == OutsiderLimits(1024, 64)  # the issue's limit: 1,024 at most
+    assert OutsiderLimits.for_open_files(1024) == OutsiderLimits(256, 64)  # a quarter of the limit
+    assert OutsiderLimits.for_open_files(64) == OutsiderLimits(64, 64)  # never below one address's share
+    with pytest.raises(ValueError, match=r"per_source <= total, got total=4, per_source=8"):
+        OutsiderLimits(4, 8)
