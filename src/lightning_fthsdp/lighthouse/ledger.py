@@ -14,9 +14,10 @@ too); a claim of no commit at all (a fresh process, or one that loaded a checkpo
 step. Before it has formed a quorum it has nothing to check against.
 
 A claim is also held to who committed: only an incarnation this lighthouse answered a quorum commits in it (a new
-incarnation has committed nothing since its process started), and a quorum one of whose members reported that its
-exchange of the step after the quorum's last one failed committed nothing more (``note_discard``): a forger that
-joins a quorum and never joins its process group cannot then claim the step the others discarded.
+incarnation has committed nothing since its process started), and a quorum one of whose members reported that it
+could not build the quorum's cross-group process group for the step after the quorum's last one committed nothing
+more (``note_discard``): a forger that joins a quorum and never joins its process group cannot then claim the step
+the others discarded.
 """
 from __future__ import annotations
 
@@ -103,8 +104,9 @@ class CommitLedger:
             self._adopted.discard(oldest)
 
     def note_discard(self, quorum_id: int, step: int) -> int | None:
-        """A member of the newest quorum ``quorum_id``, answered it at its last step ``step``, reports that its
-        exchange of ``step + 1`` failed. The quorum's members exchange together, so none of them committed that step:
+        """A member of the newest quorum ``quorum_id``, answered it at its last step ``step``, reports that it could
+        not build the quorum's cross-group group for ``step + 1``. A collective of the quorum needs every member, so
+        none of them committed that step:
         returns it when this is news (None: known already, not the newest quorum, or not its last step). A report
         that comes once the job has moved on (a member stopped and resumed) is no news of the others' commits."""
         steps = self._steps.get(quorum_id)
@@ -199,8 +201,9 @@ class CommitLedger:
         discarded = self._discarded.get(in_quorum)
         if discarded is None or step < discarded or (committed_in is None and step != discarded):
             return None
-        return (f"claims step {step} committed in quorum {in_quorum}, whose members discarded step {discarded} (their "
-                f"exchange failed): that state was never committed by this job; restart the group so it catches up")
+        return (f"claims step {step} committed in quorum {in_quorum}, whose members discarded step {discarded} (one "
+                f"could not build the quorum's process group): that state was never committed by this job; restart "
+                f"the group so it catches up")
 
     def _foreign(self, held: tuple[int, Collection[str] | None]) -> bool:
         """Whether the quorum a group holds is not the one this lighthouse formed under that id (a lighthouse before
