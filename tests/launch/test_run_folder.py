@@ -21,7 +21,7 @@ SHORT = ["trainer.max_steps=2", "launch.timeout_s=60", "--no-live"]
 
 def _launch(out: Path, *overrides: str) -> tuple[int, str]:
     return run_launcher([sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
-                         *overrides, *SHORT, "--out", str(out)], timeout_s=120)
+                         *SHORT, *overrides, "--out", str(out)], timeout_s=120)
 
 
 def _victim(folder: Path) -> list[Path]:
@@ -59,7 +59,9 @@ def test_an_out_folder_with_files_the_launcher_did_not_write_is_refused(tmp_path
 @pytest.mark.timeout(120)
 def test_a_second_run_replaces_the_launchers_records_and_keeps_the_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    returncode, output = _launch(out, "ft.checkpoint_dir=ckpt", "ft.checkpoint_every_n_steps=1")
+    # Both groups in every quorum: a short job's groups never train apart, whichever starts first.
+    job = ("ft.checkpoint_dir=ckpt", "ft.checkpoint_every_n_steps=1", "ft.min_replicas=2")
+    returncode, output = _launch(out, *job)
     assert returncode == 0, output[-3000:]
     marker = json.loads((out / ".fthsdp-run").read_text())
     assert marker["by"] == "fthsdp launch"
@@ -68,8 +70,7 @@ def test_a_second_run_replaces_the_launchers_records_and_keeps_the_checkpoints(t
     checkpoints = complete_checkpoints(out / "ckpt")
     assert checkpoints, "the first run wrote no checkpoint"
     # The same job again to a later step: it resumes (the checkpoint is not deleted) and replaces the records.
-    returncode, output = _launch(out, "ft.checkpoint_dir=ckpt", "ft.checkpoint_every_n_steps=1",
-                                 "trainer.max_steps=4")
+    returncode, output = _launch(out, *job, "trainer.max_steps=4")
     assert returncode == 0, output[-3000:]
     assert not stale.exists()
     assert f"resuming from the durable checkpoint of step {checkpoints[-1].step}" in output, output[-3000:]

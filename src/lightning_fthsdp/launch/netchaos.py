@@ -25,6 +25,8 @@ class Active:
     kind: str
     spec: str
     handle: net.NetworkFault
+    placed: float
+    """When it was in place (Unix time): what the timeline records, and what its duration counts from."""
     heal_at: float | None
     """When to heal it (Unix time); None: a flap, which ends by itself."""
 
@@ -44,21 +46,23 @@ class NetworkChaos:
             raise ValueError(f"NetworkChaos injects {', '.join(NETWORK_KINDS)}, got {injection.kind!r}")
         host = injection.group
         healed = [self.heal(a)["spec"] for a in list(self.active) if a.replica_id == host and a.kind == injection.kind]
-        now = time.time()
         handle: net.NetworkFault
         if injection.kind == "partition":
             peers = self.peers(host, fault.peer)
             handle = net.cut(self.cluster, host, peers, direction=fault.direction)
             detail: dict[str, Any] = {"from": peers, "dir": fault.direction, "for_s": fault.duration_s}
-            heal_at: float | None = now + fault.duration_s
+            duration: float | None = fault.duration_s
         elif injection.kind == "slowlink":
             handle = net.slowlink(self.cluster, host, fault.rate)
-            detail, heal_at = {"rate": fault.rate, "for_s": fault.duration_s}, now + fault.duration_s
+            detail, duration = {"rate": fault.rate, "for_s": fault.duration_s}, fault.duration_s
         else:
             handle = net.flap(self.cluster, host, fault.down_s, fault.up_s, fault.cycles)
             detail = {"down_s": fault.down_s, "up_s": fault.up_s, "cycles": fault.cycles}
-            heal_at = None
-        self.active.append(Active(host, injection.kind, injection.spec, handle, heal_at))
+            duration = None
+        # Timed once in place (applying it takes a while on a busy machine): it lasts its duration from then.
+        placed = time.time()
+        self.active.append(Active(host, injection.kind, injection.spec, handle, placed,
+                                  None if duration is None else placed + duration))
         return {**detail, "address": self.cluster.address(host), **({"replaced": healed} if healed else {})}
 
     def due(self, now: float | None = None) -> list[tuple[Active, dict[str, Any]]]:

@@ -179,8 +179,9 @@ class Supervisor:
                 raise ValueError(f"Supervisor cannot inject a {injection.kind} ({injection.spec}): its groups run on "
                                  "this machine's loopback (Job.hosts is None); launch with --hosts")
             detail = self.network.inject(injection)
-            # Timed once the fault is in place, as a signal's injection is timed after the signal.
-            self.transitions.append({"t": time.time(), "replica_id": injection.group, "event": injection.kind,
+            # Timed when the fault was in place (its duration counts from then), as a signal's after the signal.
+            self.transitions.append({"t": self.network.active[-1].placed, "replica_id": injection.group,
+                                     "event": injection.kind,
                                      "spec": injection.spec, **self._where(injection.group), **detail})
             return
         state = self.groups[injection.group]
