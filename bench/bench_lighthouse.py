@@ -26,6 +26,8 @@ groups: decoding each (O(groups) per group) would make the generators, not the l
 checks every generator rebuilt the same membership, the one expected.
 
 Usage: ``python bench/bench_lighthouse.py --ranks 100000 --group-size 8``; writes ``bench/results/lighthouse.json``.
+``--smoke``: 300 groups (more than one address may hold before they ask), one generator, a 1 s window and three
+rounds (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def state_addresses(group: int, group_size: int) -> str:
     OS picked (one of the ephemeral range, pseudo-random per rank so the bytes are like a real job's)."""
     rng = random.Random(group)
     host = f"10.{group >> 16 & 255}.{group >> 8 & 255}.{group & 255}"
-    return ",".join(f"{host}:{rng.randrange(32768, 61000)}" for _ in range(group_size))
+    return ",".join(f"http://{host}:{rng.randrange(32768, 61000)}" for _ in range(group_size))
 
 
 _CONTENT_LENGTH = re.compile(rb"Content-Length: (\d+)")
@@ -145,7 +147,11 @@ class Leader(asyncio.Protocol):
         self.leaving: asyncio.Future[tuple[int, bytes]] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Send the group's first heartbeat (answered at once) with the connection, as a leader's client writes its
+        request as soon as it is connected: the lighthouse counts a connection that has sent no request as an
+        outsider's, and a burst of them from one address is what a flood looks like."""
         self.transport = transport  # type: ignore[assignment]
+        self.gen.heartbeat(self, 0)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -162,6 +168,9 @@ class Leader(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.leaving is None and not self.gen.stop:
             self.gen.errors += 1
+            if not self.gen.ready.is_set():  # no heartbeat of it would ever be answered: fail now, not at a timeout
+                self.gen.lost_early = f"the lighthouse closed group {self.index}'s connection before it was started"
+                self.gen.ready.set()
 
     def send(self, path: str, body: dict[str, object]) -> None:
         assert self.transport is not None
@@ -185,7 +194,8 @@ class Generator:
         self.errors = 0
         self.stop = False
         self.started = 0  # leaders whose first heartbeat was answered
-        self.ready = asyncio.Event()  # every leader's first heartbeat was answered
+        self.ready = asyncio.Event()  # every leader's first heartbeat was answered (or ``lost_early`` says why not)
+        self.lost_early = ""
         self.answered_all = asyncio.Event()  # every group's quorum request of the round under way was answered
         self.held: Quorum | None = None
         """The quorum every group of this generator holds (see the module docstring)."""
@@ -205,15 +215,14 @@ class Generator:
             "shard_count": self.group_size, "known_epoch": leader.epoch, "wait_ms": wait_ms, "losses": 0, "lost": []})
 
     async def connect(self) -> None:
-        """Connect every group (a batch at a time) and send its first heartbeat, answered at once."""
+        """Connect every group (a batch at a time; each sends its first heartbeat as it connects) and wait until each
+        first heartbeat is answered."""
         loop = asyncio.get_running_loop()
         for start in range(0, len(self.ids), CONNECT_BATCH):
             batch = range(start, min(len(self.ids), start + CONNECT_BATCH))
             connected = await asyncio.gather(*(loop.create_connection(lambda i=i: Leader(self, i), self.host,
                                                                       self.port) for i in batch))
             self.leaders += [leader for _, leader in connected]
-        for leader in self.leaders:
-            self.heartbeat(leader, 0)
         await self.ready.wait()
 
     def answered(self, leader: Leader, request: tuple[str, float, dict[str, object]], status: int,
@@ -240,7 +249,7 @@ class Generator:
             leader.epoch = int(_EPOCH.search(body).group(1))  # type: ignore[union-attr]
             if first:
                 self.started += 1
-                if self.started == len(self.leaders):
+                if self.started == len(self.ids):
                     self.ready.set()
             elif self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
@@ -315,6 +324,9 @@ def generator_main(pipe: Connection, host: str, port: int, first: int, count: in
 async def _generator(pipe: Connection, gen: Generator) -> None:
     loop = asyncio.get_running_loop()
     await gen.connect()  # every group known before the window
+    if gen.lost_early:
+        pipe.send(gen.lost_early)
+        return
     for leader in gen.leaders:  # the long-polls of a job's groups, started at different times, spread over an interval
         loop.call_later(leader.index / len(gen.leaders) * gen.interval_ms / 1000, gen.beat, leader)
     pipe.send("ready")
@@ -366,7 +378,8 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
         for pipe in pipes:
             if not pipe.poll(600):
                 raise SystemExit("a generator did not connect its groups within 600 s")
-            assert pipe.recv() == "ready"
+            if (said := pipe.recv()) != "ready":
+                raise SystemExit(f"a generator failed: {said}")
         time.sleep(3 * timeouts.heartbeat_interval_ms / 1000)  # warm-up: the long-polls spread out
         for pipe in pipes:
             pipe.send(("cpu",))
@@ -448,7 +461,13 @@ def main() -> int:
     parser.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=defaults.heartbeat_timeout_ms,
                         help="the lighthouse's (a group silent this long is declared dead)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short run for CI: 300 groups (more than the lighthouse lets one address hold before "
+                             "they ask), one generator, a 1 s window, a fresh, a steady and a change round")
     args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.generators, args.window_s, args.rounds = [2400], 1, 1.0, 2
     timeouts = Timeouts(heartbeat_interval_ms=args.heartbeat_interval_ms,
                         heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
@@ -470,10 +489,10 @@ def main() -> int:
             print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>6} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
                   f"{rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
                   f"{'+'.join(f'{c:.2f}' for c in rnd['generator_cpu_s']):>16}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
-                                  indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
+                                   indent=2) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -49,3 +49,13 @@ def test_bench_outsider_smoke_floods_without_the_token_kill_no_group(tmp_path: P
     assert all(row["deaths"] == 0 and row["discards"] == 0 for row in summary.values()), summary
     assert all(row["steps_per_s"] > 0 for row in summary.values()), summary
     assert "over_none" in printed and str(out) in printed
+
+
+def test_bench_lighthouse_smoke_serves_every_group_without_a_death(tmp_path: Path) -> None:
+    out = tmp_path / "lighthouse.json"
+    printed = smoke("bench_lighthouse.py", out)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["groups"] == 300 and row["groups_dead"] == 0 and row["heartbeat_errors"] == 0, row
+    assert [r["kind"] for r in row["quorum_rounds"]] == ["fresh", "steady", "change"], row["quorum_rounds"]
+    assert row["heartbeats_per_s"] > 0, row
+    assert str(out) in printed

@@ -43,7 +43,7 @@ class Attacker:
 
 def quorum_request(replica_id: str, step: int, **fields: Any) -> dict[str, Any]:
     return {"replica_id": replica_id, "incarnation": "forged", "step": step, "shard_count": 1,
-            "address": "127.0.0.1:9", "commit_failed": False, "quorum_id": -1, "members": [], "committed_in": -1,
+            "address": "http://127.0.0.1:9", "commit_failed": False, "quorum_id": -1, "members": [], "committed_in": -1,
             "following": False, "timeout_ms": 2_000, **fields}
 
 

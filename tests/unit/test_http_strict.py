@@ -10,6 +10,7 @@ import errno
 import logging
 import select
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -113,7 +114,7 @@ def is_closed(sock: socket.socket) -> bool:
 
 def test_idle_connections_without_the_token_beyond_the_cap_evict_the_oldest_and_groups_are_served(
         lighthouse: Callable[..., str], caplog: pytest.LogCaptureFixture) -> None:
-    url = lighthouse(outsider_limits=OutsiderLimits(total=8, per_source=4))
+    url = lighthouse(outsider_limits=OutsiderLimits(total=8, per_source=4, grace_s=0))
     socks = [socket.create_connection(address(url), timeout=10) for _ in range(20)]
     try:
         # Each connection was admitted in turn, evicting the oldest of its address beyond 4: the newest 4 are open.
@@ -128,8 +129,36 @@ def test_idle_connections_without_the_token_beyond_the_cap_evict_the_oldest_and_
     assert len(lines) == 1, lines  # 16 evictions, one line (the next would come after LOG_INTERVAL_S)
 
 
+def test_a_burst_of_groups_from_one_address_asking_late_is_served_and_idle_connections_still_end_at_the_caps(
+        lighthouse: Callable[..., str]) -> None:
+    # Many groups behind one address (a NAT, one load generator, a busy host) connect before any has written: younger
+    # than the grace, none is closed for a newer one of its address beyond the address's share. The total cap holds.
+    url = lighthouse(outsider_limits=OutsiderLimits(total=8, per_source=4, grace_s=1.0))
+    burst = [socket.create_connection(address(url), timeout=10) for _ in range(8)]
+    try:
+        for sock in burst:
+            sock.sendall(b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n")
+        for sock in burst:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in burst:
+            sock.close()
+    idle = [socket.create_connection(address(url), timeout=10) for _ in range(12)]
+    held_since = time.monotonic()
+    try:  # the 4 oldest go for room at the total cap
+        wait_for(lambda: all(is_closed(s) for s in idle[:4]), 10, "the 4 oldest idle connections to be closed")
+        assert not any(is_closed(s) for s in idle[4:])
+        wait_for(lambda: time.monotonic() > held_since + 1.0, 5, "the grace to pass")
+        newer = socket.create_connection(address(url), timeout=10)  # past the grace: the address's share holds again
+        wait_for(lambda: all(is_closed(s) for s in idle[:5]), 10, "the oldest left to be closed for a newer one")
+        newer.close()
+    finally:
+        for sock in idle:
+            sock.close()
+
+
 def test_an_authenticated_connection_is_no_longer_counted_against_the_cap(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4))
+    url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4, grace_s=0))
     with socket.create_connection(address(url), timeout=10) as group:
         group.sendall(b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n")
         assert group.recv(65536).startswith(b"HTTP/1.1 200")
@@ -250,3 +279,5 @@ def test_outsider_caps_leave_most_descriptors_to_the_groups_and_bad_caps_are_ref
     assert OutsiderLimits.for_open_files(64) == OutsiderLimits(64, 64)  # never below one address's share
     with pytest.raises(ValueError, match=r"per_source <= total, got total=4, per_source=8"):
         OutsiderLimits(4, 8)
+    with pytest.raises(ValueError, match=r"finite grace_s >= 0, got -1"):
+        OutsiderLimits(4, 4, grace_s=-1)

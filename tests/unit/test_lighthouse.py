@@ -89,7 +89,8 @@ def qr(rid: str, step: int = 0, quorum_id: int = -1, members: tuple[str, ...] = 
     if commit_failed and probed and unreachable is None:
         unreachable = ()
     return {"replica_id": rid, "incarnation": incarnation or inc(rid), "step": step, "shard_count": shard_count,
-            "address": f"{rid}:1", "commit_failed": commit_failed, "quorum_id": quorum_id, "members": list(members),
+            "address": f"http://{rid}:1", "commit_failed": commit_failed, "quorum_id": quorum_id,
+            "members": list(members),
             "committed_in": committed_in, "following": False, "timeout_ms": timeout_ms,
             "unreachable": None if unreachable is None else list(unreachable)} | (
                 {"exchange_failed": True} if exchange_failed else {}) | (
@@ -160,7 +161,8 @@ def test_two_groups_form_a_quorum_then_a_third_joins(lighthouse: Callable[..., s
     code, c = qc.recv()
     assert code == 200 and c == a == b
     assert c["quorum_id"] == 1 and c["max_step"] == 1 and c["catch_up_from"] == {"c": "a"}
-    assert c["addresses"] == {"a": "a:1", "b": "b:1"}  # c's source and its alternative, to every member alike
+    # c's source and its alternative, to every member alike
+    assert c["addresses"] == {"a": "http://a:1", "b": "http://b:1"}
     status = obs.status()
     assert status["members"] == ["a", "b", "c"] and status["catch_up_from"] == [{"replica_id": "c", "source": "a"}]
     # Heartbeats tell every rank of a member its place in the newest quorum (to start its rendezvous early), and

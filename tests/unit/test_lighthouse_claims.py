@@ -120,7 +120,7 @@ def test_a_member_that_completed_a_collective_another_saw_fail_is_believed(light
 
 
 @pytest.mark.parametrize("address", ["http://[::1", "http://[::1]:99999", "http://h:1,ftp://h:2", "h", "http://:80",
-                                     "http://h:1/path", "http://u@h:1"])
+                                     "http://h:1/path", "http://u@h:1", "h.example:1"])
 def test_an_address_that_is_no_address_is_refused_at_the_request(lighthouse: Callable[..., str],
                                                                  address: str) -> None:
     url = lighthouse(min_replicas=1)
@@ -132,7 +132,7 @@ def test_an_address_that_is_no_address_is_refused_at_the_request(lighthouse: Cal
 def test_addresses_a_group_sends_are_accepted(lighthouse: Callable[..., str]) -> None:
     url = lighthouse(min_replicas=3)
     clients = {rid: Client(url) for rid in MEMBERS}
-    for rid, address in zip(MEMBERS, ("http://127.0.0.1:5,http://[::1]:6", "h.example:1", ""), strict=True):
+    for rid, address in zip(MEMBERS, ("http://127.0.0.1:5,http://[::1]:6", "http://h.example:1", ""), strict=True):
         clients[rid].send("POST", "/v1/quorum", {**qr(rid), "address": address})
     answers = [client.recv() for client in clients.values()]
     assert all(code == 200 for code, _ in answers), answers

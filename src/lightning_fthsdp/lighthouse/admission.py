@@ -4,12 +4,15 @@ A connection is an *outsider's* from its accept until a request of it passes the
 is a group's (or a token holder's) and no longer counted here. Outsiders may hold at most ``OutsiderLimits.total``
 connections, and at most ``OutsiderLimits.per_source`` from one address; the rest of the process's descriptors stay
 for the job's groups, their store connections and its logs. At a cap, a new connection takes the place of the oldest
-outsider connection (of its address, when that cap is the one reached): a group's new connection (it sends its
-request with the connection) is then always let in, and an outsider holding idle connections only loses its oldest.
+outsider connection (of its address, when that cap is the one reached): an outsider holding idle connections only
+loses its oldest, and a group's new connection is let in.
 
-A group's connection passes the check within a few event-loop turns of its accept (its request arrives with it); the
-listener accepts at most ``listener.ACCEPT_BATCH`` connections a turn, so the ``PER_SOURCE`` newer connections
-that would evict it cannot arrive first.
+One address may hold more than its share for a moment: at its cap, only a connection older than
+``OutsiderLimits.grace_s`` is closed for a newer one of the same address. A group's client writes its request as soon
+as it is connected, but many groups may share an address (a NAT, one load generator) and on a busy host many of their
+connections may be accepted before the first request of any arrives; closing those would turn a burst of groups (a
+lighthouse restart: every group reconnects) into deaths. The total cap always holds, so the descriptors outsiders take
+stay bounded.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ OUTSIDER_SHARE = 4
 LOG_INTERVAL_S = 10.0
 """What a flood causes (evictions, failed accepts) is logged at most once per interval, with its count."""
 PER_SOURCE = 64
-"""Most outsider connections from one address. Also the fewest in all, however low the limit: it must exceed the
-connections accepted while a group's new connection is not checked yet (see the module docstring)."""
+"""Most outsider connections from one address older than the grace (see the module docstring); also the fewest in all,
+however low the limit."""
+GRACE_S = 1.0
+"""How long a new connection has to send its first request before a newer one of its address may take its place."""
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,15 @@ class OutsiderLimits:
 
     total: int
     per_source: int
+    grace_s: float = GRACE_S
 
     def __post_init__(self) -> None:
         if not (isinstance(self.total, int) and isinstance(self.per_source, int) and 1 <= self.per_source
                 <= self.total):
             raise ValueError(f"OutsiderLimits needs integers 1 <= per_source <= total, got total={self.total!r}, "
                              f"per_source={self.per_source!r}")
+        if not 0 <= self.grace_s < float("inf"):
+            raise ValueError(f"OutsiderLimits needs a finite grace_s >= 0, got {self.grace_s!r}")
 
     @classmethod
     def for_open_files(cls, limit: int) -> OutsiderLimits:
@@ -90,8 +98,8 @@ class Admission:
 
     def __init__(self, limits: OutsiderLimits) -> None:
         self.limits = limits
-        self._outsiders: dict[Connection, str] = {}  # each outsider connection's address, oldest first
-        self._by_source: dict[str, dict[Connection, None]] = {}  # the same per address, oldest first
+        self._outsiders: dict[Connection, tuple[str, float]] = {}  # each one's address and accept time, oldest first
+        self._by_source: dict[str, dict[Connection, float]] = {}  # each address's, with their accept times
         self.evicted = 0
         """Outsider connections closed to make room for newer ones."""
         self._evictions = Tally()
@@ -100,19 +108,18 @@ class Admission:
     def outsiders(self) -> int:
         return len(self._outsiders)
 
-    def make_room(self, source: str) -> None:
-        """Before a connection from ``source`` is added: close the oldest outsider connection (of ``source`` when its
-        cap is reached) if a cap is reached."""
+    def add(self, conn: Connection, source: str) -> None:
+        """``conn`` was accepted from ``source``: an outsider's until it authenticates. At its address's cap, the
+        address's oldest outsider connection is closed for it if that is older than the grace; else, at the total
+        cap, the oldest outsider connection."""
+        now = time.monotonic()
         same = self._by_source.get(source, {})
-        if len(same) >= self.limits.per_source:
+        if len(same) >= self.limits.per_source and now - next(iter(same.values())) >= self.limits.grace_s:
             self._evict(next(iter(same)))
         elif len(self._outsiders) >= self.limits.total:
             self._evict(next(iter(self._outsiders)))
-
-    def add(self, conn: Connection, source: str) -> None:
-        """``conn`` was accepted from ``source``: an outsider's until it authenticates."""
-        self._outsiders[conn] = source
-        self._by_source.setdefault(source, {})[conn] = None
+        self._outsiders[conn] = (source, now)
+        self._by_source.setdefault(source, {})[conn] = now
 
     def evict_oldest(self) -> bool:
         """Close the oldest outsider connection (the process is out of descriptors); whether there was one."""
@@ -126,9 +133,10 @@ class Admission:
         self.closed(conn)
 
     def closed(self, conn: Connection) -> None:
-        source = self._outsiders.pop(conn, None)
-        if source is None:
+        entry = self._outsiders.pop(conn, None)
+        if entry is None:
             return
+        source = entry[0]
         same = self._by_source[source]
         del same[conn]
         if not same:

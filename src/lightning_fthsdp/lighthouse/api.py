@@ -15,8 +15,8 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from lightning_fthsdp.config.addresses import state_server_location
 from lightning_fthsdp.lighthouse.exclusions import Exclusion
 from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, json_response, require, require_int
 from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, check_replica_id
@@ -210,17 +210,9 @@ def parse_quorum(request: Request,
 
 
 def _state_addresses(addresses: str) -> str:
-    """Field ``address``: every rank's state-server address, comma separated ("": it serves none). Each must be
-    ``http://HOST:PORT`` or ``HOST:PORT``: a catching-up group fetches from it, and an address that is none would
-    only fail there, after the quorum named the group its source."""
+    """Field ``address``: every rank's state-server address, comma separated ("": it serves none)."""
     for entry in addresses.split(",") if addresses else ():
-        try:
-            parts = urlsplit(entry if "//" in entry else f"//{entry}")
-            valid = (parts.scheme in ("", "http") and bool(parts.hostname) and parts.port is not None
-                     and not (parts.path or parts.query or parts.fragment or parts.username))
-        except ValueError:  # urlsplit's own refusals (an unclosed '['), and a port out of range
-            valid = False
-        if not valid:
+        if state_server_location(entry) is None:
             raise HttpError(400, f"field 'address' must list each rank's state server as http://HOST:PORT (comma "
                                  f"separated, or empty when the group serves none), got {entry!r} in "
                                  f"{addresses[:200]!r}")

@@ -25,7 +25,7 @@ from lightning_fthsdp.lighthouse.http import Connection
 log = logging.getLogger("fthsdp.lighthouse")
 
 ACCEPT_BATCH = 16
-"""Connections accepted per event-loop turn (see ``admission``: fewer than a quarter of ``PER_SOURCE``)."""
+"""Connections accepted per event-loop turn."""
 ACCEPT_RETRY_S = 0.05
 """After an accept failed for want of descriptors (or memory): how long before the next try."""
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -85,7 +85,6 @@ class Listener:
 
     def _take(self, sock: socket.socket, source: str) -> None:
         sock.setblocking(False)
-        self._admission.make_room(source)
         protocol = self._factory()
         self._admission.add(protocol, source)
         task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: protocol, sock))

@@ -194,7 +194,7 @@ class Lighthouse:
         self._join_timer: asyncio.TimerHandle | None = None
         self._connections: set[Connection] = set()
         self._outsider_limits = outsider_limits
-        self._admission = Admission(outsider_limits or OutsiderLimits.for_open_files(0))  # its caps set at start
+        self._admission: Admission | None = None  # its caps follow the open-files limit, raised at start
         self._listener: Listener | None = None
         self._store: Any = None
         self._expiry_task: asyncio.Task[None] | None = None
@@ -235,8 +235,7 @@ class Lighthouse:
             store_socket.close()
             raise
         open_files = raise_open_files_limit()
-        if self._outsider_limits is None:
-            self._admission.limits = OutsiderLimits.for_open_files(open_files)
+        self._admission = Admission(self._outsider_limits or OutsiderLimits.for_open_files(open_files))
         self._listener = Listener(http_socket, self._connect, self._admission)
         self.port = http_socket.getsockname()[1]
         store_port = store_socket.getsockname()[1]

@@ -16,10 +16,10 @@ import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from urllib.parse import urlsplit
 
 import torch
 
+from lightning_fthsdp.config.addresses import state_server_location
 from lightning_fthsdp.recovery import wire
 from lightning_fthsdp.recovery.expected import Expected
 
@@ -55,13 +55,10 @@ def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
         raise ValueError(f"fetch_state needs a step >= 0, got {step!r}")
     if not timeout_s > 0:
         raise ValueError(f"fetch_state needs timeout_s > 0, got {timeout_s!r}")
-    try:
-        parts = urlsplit(address)
-        valid = parts.scheme == "http" and bool(parts.hostname) and parts.port is not None
-    except ValueError:  # urlsplit's own refusals, and a port out of range
-        valid = False
-    if not valid:
+    location = state_server_location(address)
+    if location is None:
         raise StateFetchError(f"refused the state server address {address!r}: not http://HOST:PORT")
+    host_port = address.split("//", 1)[1]  # the Host header: as written, brackets of an IPv6 address and all
     if token is not None and not token.isprintable():
         raise ValueError("fetch_state needs a printable token (it travels in an HTTP header)")
     deadline = time.monotonic() + timeout_s
@@ -69,9 +66,9 @@ def fetch_state(address: str, step: int, *, token: str | None, timeout_s: float,
         remaining = deadline - time.monotonic()
         # Ask the server to hold the request until a little before our deadline so its 404 still reaches us.
         wait_ms = max(0, min(60_000, int((remaining - min(0.5, remaining / 10)) * 1000)))
-        with _Connection(parts.hostname, parts.port, deadline, timeout_s, abort, address) as conn:
+        with _Connection(*location, deadline, timeout_s, abort, address) as conn:
             auth = f"Authorization: Bearer {token}\r\n" if token else ""
-            conn.send(f"GET /v1/state?step={step}&wait_ms={wait_ms} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            conn.send(f"GET /v1/state?step={step}&wait_ms={wait_ms} HTTP/1.1\r\nHost: {host_port}\r\n"
                       f"{auth}Connection: close\r\n\r\n".encode())
             status, length = conn.read_head(f"waiting for step {step} to be published")
             if status == 200:
