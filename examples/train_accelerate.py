@@ -13,8 +13,9 @@ or by hand, one launch per group::
         accelerate launch --num_processes 2 --master_port 29601 examples/train_accelerate.py
     FTHSDP_REPLICA_ID=b FTHSDP_REPLICAS=2 FTHSDP_REPLICA_INDEX=1 ...  --master_port 29602 ...
 
-FSDP2 inside a group needs GPUs (Accelerate enables FSDP for GPU-like devices only); on a CPU-only machine set
-``ACCELERATE_USE_CPU=true`` (what ``accelerate launch --cpu`` sets) and the group's ranks run DDP over gloo instead.
+FSDP2 inside a group needs GPUs (Accelerate enables FSDP for GPU-like devices only). On a machine without an
+accelerator the script passes ``Accelerator(cpu=True)`` itself (what ``accelerate launch --cpu`` sets): the group's
+ranks run DDP over gloo instead, and the commands above run unchanged.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
 
-    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+    # Without cpu=True on a machine without GPUs, Accelerate takes each of torchrun's processes for a world of its own.
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available(),
+                              fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
                               gradient_accumulation_steps=args.accumulate, step_scheduler_with_optimizer=False)
     set_seed(0)  # every group starts from the same weights
     model = TinyCausalLM(args.context)

@@ -7,6 +7,12 @@ One launch per replica group (Lightning starts the group's ranks itself)::
         --trainer.strategy.init_args.replica_ids='[a,b]' --trainer.strategy.init_args.lighthouse=http://127.0.0.1:29510
     FTHSDP_REPLICA_ID=b python examples/train_lightning.py fit ...   # the same command, another MASTER_PORT
 
+or the whole job with failures (the strategy writes the launch records ``fthsdp launch`` follows, docs/launch.md)::
+
+    fthsdp launch --script examples/train_lightning.py --replicas 2 --shard-count 2 --chaos kill:at=step40:group=b \
+        -- fit --trainer.strategy=fthsdp --trainer.accelerator=cpu --trainer.devices=2 --trainer.max_steps=150 \
+        --trainer.logger=false --recorder.sleep_s=0.5
+
 ``--recorder.jsonl PATH`` makes every rank append one JSON line per committed step (``event: "commit"``: global step,
 epoch, learning rate, this rank's parameter and buffer digests, the logged metrics, the group's stream position)
 and one at the end of fit

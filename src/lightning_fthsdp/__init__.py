@@ -22,9 +22,11 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-__version__ = "0.1.0"
-
 _IMPORTED_AT = time.time()  # when Python reached our package (stdlib only above): anatomy's "interpreter" milestone
+
+from lightning_fthsdp.config.version import VERSION  # noqa: E402 (after _IMPORTED_AT: only the stdlib may precede it)
+
+__version__ = VERSION
 
 _LIGHTNING = "lightning.pytorch"
 

@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from lightning_fthsdp.config.version import VERSION
+
 # Each module defines ``add_parser(subparsers) -> None``; the parser it adds sets ``func(args) -> int`` and, for a
 # command that needs optional extras, ``extras`` (their names in pyproject.toml): an install without one gets the pip
 # line that installs them all instead of a traceback.
@@ -23,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "lightning_fthsdp.launch.fit",
     "lightning_fthsdp.slurm.cli",
     "lightning_fthsdp.k8s.cli",
+    "lightning_fthsdp.launch.catalog",
 )
 
 
@@ -31,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fthsdp",
         description="Fault Tolerant HSDP: lighthouse, launcher, simulator and tools.",
     )
+    parser.add_argument("--version", action="version", version=f"fthsdp (lightning-fthsdp) {VERSION}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)

@@ -46,6 +46,7 @@ def run_script(argv: list[str]) -> None:
     """Run the script ``argv[0]`` with arguments ``argv[1:]`` as ``__main__``, FSDP allowed on CPU."""
     allow_fsdp_on_cpu()
     sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` has it: the script's own modules
     runpy.run_path(argv[0], run_name="__main__")
 
 

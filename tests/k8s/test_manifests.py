@@ -56,7 +56,8 @@ def test_lighthouse_and_recipe_objects() -> None:
     assert set(kinds) == {"ConfigMap", "Deployment", "Service", "JobSet"}
     assert all(o["metadata"]["namespace"] == "train" for o in kinds.values())
     recipe = yaml.safe_load(kinds["ConfigMap"]["data"]["recipe.yaml"])
-    assert recipe["launch"]["replicas"] == 3 and recipe["task"] == "regression"
+    assert recipe["launch"]["replicas"] == 3
+    assert recipe["model"]["class_path"] == "lightning_fthsdp.models.mlp.Regressor"
     deployment = kinds["Deployment"]["spec"]
     assert deployment["replicas"] == 1 and deployment["strategy"] == {"type": "Recreate"}
     (container,) = deployment["template"]["spec"]["containers"]

@@ -14,7 +14,6 @@ import email.parser
 import importlib.metadata
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,9 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from lightning_fthsdp import __version__
 from tests.paths import ROOT
+from tests.wheel import build_wheel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -52,7 +53,7 @@ class BareInstall:
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> BareInstall:
     work = tmp_path_factory.mktemp("bare")
-    wheel = _build_wheel(work)
+    wheel = build_wheel(work)
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
@@ -81,9 +82,20 @@ def test_the_bare_install_sees_only_the_base_dependencies_and_ships_the_configs(
 
 
 def test_every_command_answers_help_on_the_bare_install(bare: BareInstall) -> None:
-    for command in ("lighthouse", "simulate", "demo", "launch", "fit"):
+    for command in ("lighthouse", "simulate", "demo", "launch", "fit", "recipes"):
         result = bare.run(command, "--help")
         assert result.returncode == 0, f"fthsdp {command} --help: {result.stderr}"
+
+
+def test_the_bare_install_lists_its_recipes_and_examples_and_says_its_version(bare: BareInstall) -> None:
+    listed = bare.run("recipes")
+    assert listed.returncode == 0, listed.stderr
+    for path in [*(ROOT / "recipes").glob("*.yaml"), *(ROOT / "examples").glob("*.py")]:
+        assert f"  {path.name} " in listed.stdout, listed.stdout
+    printed = bare.run("recipes", "mlp.yaml")
+    assert printed.returncode == 0 and printed.stdout == (ROOT / "recipes" / "mlp.yaml").read_text()
+    version = bare.run("--version")
+    assert version.returncode == 0 and version.stdout.split()[-1] == __version__
 
 
 def test_the_closed_form_simulator_runs_on_the_bare_install(bare: BareInstall) -> None:
@@ -162,21 +174,6 @@ def _clean_env() -> dict[str, str]:
     """This environment without what would let the virtualenv see another installation or this checkout."""
     return {k: v for k, v in os.environ.items()
             if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "PYTHONUSERBASE")}
-
-
-def _build_wheel(work: Path) -> Path:
-    """The wheel of this checkout, built from a copy of what packaging reads (a build writes into its source tree);
-    links stay links, so the configs/ link inside the package is followed as a clone's build would."""
-    source = work / "source"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, source / name)
-    for name in ("src", "configs"):
-        shutil.copytree(ROOT / name, source / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(work / "wheels"), str(source)], check=True, timeout=180, capture_output=True)
-    return next((work / "wheels").glob("lightning_fthsdp-*.whl"))
 
 
 def _base_closure(wheel: Path) -> dict[str, importlib.metadata.Distribution]:

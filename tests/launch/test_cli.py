@@ -85,7 +85,7 @@ def test_fit_starts_the_other_ranks_itself_only_when_nobody_else_does(monkeypatc
 def test_fit_print_config_shows_the_strategy_and_the_recipe() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(ROOT / "recipes" / "mlp.yaml"),
-         "trainer.max_steps=7", "regression.width=5", "--", "--print_config"],
+         "trainer.max_steps=7", "model.init_args.width=5", "--", "--print_config"],
         capture_output=True, text=True, timeout=100, cwd=ROOT, env={"FTHSDP_REPLICA_ID": "a", "PATH": ""})
     assert result.returncode == 0, result.stderr[-2000:]
     for text in ("class_path: lightning_fthsdp.FTHSDPStrategy", "max_steps: 7", "width: 5",

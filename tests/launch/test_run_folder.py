@@ -1,7 +1,7 @@
 """Issue 28, F: a recipe value never makes ``fthsdp launch`` delete or overwrite anything it did not make. A relative
 ``ft.checkpoint_dir`` must stay inside the run's folder (``../victim`` and ``..`` are refused, the victim survives);
 a ``--out`` folder holding files the launcher did not write is refused, not cleared; the launcher's own folders of a
-previous run are replaced, the checkpoints are not."""
+previous run are moved to ``previous-runs/`` (issue 29: never silently lost), the checkpoints stay."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_an_out_folder_with_files_the_launcher_did_not_write_is_refused(tmp_path
 
 
 @pytest.mark.timeout(120)
-def test_a_second_run_replaces_the_launchers_records_and_keeps_the_checkpoints(tmp_path: Path) -> None:
+def test_a_second_run_moves_the_first_runs_records_aside_and_keeps_the_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Both groups in every quorum: a short job's groups never train apart, whichever starts first.
     job = ("ft.checkpoint_dir=ckpt", "ft.checkpoint_every_n_steps=1", "ft.min_replicas=2")
@@ -73,6 +73,10 @@ def test_a_second_run_replaces_the_launchers_records_and_keeps_the_checkpoints(t
     returncode, output = _launch(out, *job, "trainer.max_steps=4")
     assert returncode == 0, output[-3000:]
     assert not stale.exists()
+    (kept,) = (out / "previous-runs").iterdir()  # the first run's records, whole, beside this run's
+    assert (kept / "groups" / "z.9.jsonl").read_text() == "{}\n"
+    assert json.loads((kept / "report.json").read_text())["job_completed"] is True
+    assert f"moved to {kept}" in output, output[-3000:]
     assert f"resuming from the durable checkpoint of step {checkpoints[-1].step}" in output, output[-3000:]
     # Nothing of the first run's checkpoints was deleted by the start (only a newer one may replace one: keep=2).
     assert complete_checkpoints(out / "ckpt")[-1].step >= checkpoints[-1].step

@@ -58,11 +58,14 @@ class SlurmRun:
 
 
 @contextlib.contextmanager
-def submitted(cluster: Cluster, out: Path, *args: str) -> Iterator[SlurmRun]:
-    """``fthsdp slurm mlp.yaml ARGS --out OUT --wait``; the job is cancelled and the command ended on the way out."""
-    cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "slurm", str(RECIPE), *args, "--out", str(out), "--wait"]
+def submitted(cluster: Cluster, out: Path, *args: str, recipe: Path | None = RECIPE,
+              pythonpath: tuple[Path, ...] = ()) -> Iterator[SlurmRun]:
+    """``fthsdp slurm RECIPE ARGS --out OUT --wait`` (``recipe`` None: ARGS name the job, e.g. ``--script``), with
+    ``pythonpath`` on the job's PYTHONPATH too; the job is cancelled and the command ended on the way out."""
+    cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "slurm", "--out", str(out), "--wait",
+           *([str(recipe)] if recipe is not None else []), *args]
     env = {**os.environ, **cluster.env, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [str(ROOT / "src"), *map(str, pythonpath), *filter(None, [os.environ.get("PYTHONPATH")])])}
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
                                start_new_session=True, env=env)
     run = SlurmRun(cluster, out, process)

@@ -82,8 +82,8 @@ def test_the_client_resends_its_members_to_a_restarted_lighthouse_and_keeps_its_
 
     def ask(step: int, current: dict[str, Quorum | None], committed_in: int) -> dict[str, Quorum]:
         with ThreadPoolExecutor(2) as pool:
-            futures = {rid: pool.submit(client.request, rid, step, 2, f"{rid}:1", False, current[rid], committed_in,
-                                        False) for rid, client in clients.items()}
+            futures = {rid: pool.submit(client.request, rid, step, 2, f"http://{rid}:1", False, current[rid],
+                                        committed_in, False) for rid, client in clients.items()}
             return {rid: future.result(timeout=30)[0] for rid, future in futures.items()}
 
     try:
@@ -146,7 +146,7 @@ def test_the_client_takes_a_large_full_answer_gzip_compressed(lighthouse: Callab
     source = Client(url)
     try:
         source.send("POST", "/v1/quorum", {**qr("src", step=5, shard_count=1), "address": address})
-        quorum, _ = client.request("solo", 0, 1, "solo:1", False, None, -1, False)
+        quorum, _ = client.request("solo", 0, 1, "http://solo:1", False, None, -1, False)
         assert source.recv()[0] == 200
     finally:
         client.close()

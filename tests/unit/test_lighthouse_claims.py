@@ -175,7 +175,8 @@ def test_the_shard_count_flag_is_checked_and_passed_by_the_launchers(capsys: pyt
         assert "--shard-count" in capsys.readouterr().err
     spec: dict[str, Any] = {"name": "job", "image": "img", "recipe_yaml": "", "replicas": 2, "nodes_per_replica": 2,
                             "ranks_per_node": 4, "gpus": False, "min_replicas": 1, "heartbeat_timeout_ms": 1_000,
-                            "join_timeout_ms": 1_000, "max_restarts": 1, "token_secret": "s"}
+                            "join_timeout_ms": 1_000, "lost_state_wait_ms": 1_000, "max_restarts": 1,
+                            "token_secret": "s"}
     command = k8s_lighthouse(JobSpec(**spec))[0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[command.index("--shard-count") + 1] == "8"
 

@@ -390,7 +390,8 @@ def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_wit
     """Its deadline's callback runs after the change but before the change's answers to every held heartbeat: it
     must leave the heartbeat to those (which carry the new epoch), and the heartbeats due with it still get theirs."""
     async def run() -> list[bytes]:
-        lighthouse = Lighthouse(startup_grace_ms=0)
+        lighthouse = Lighthouse(host="127.0.0.1", port=0, startup_grace_ms=0)
+        await lighthouse.start()
         transports = []
         for rid in ("a", "b"):
             transports.append(Transport())

@@ -95,14 +95,14 @@ def test_a_cut_between_two_members_keeps_one_out_until_it_reaches_the_other_agai
     for rid, client in clients.items():
         code, body = answer(client, qr(rid, step=0, quorum_id=qid, members=tuple("abc"), commit_failed=True,
                                        probed=False, exchange_failed=True))
-        assert code == 200 and body["probe"] == {o: f"{o}:1" for o in "abc" if o != rid}, body
+        assert code == 200 and body["probe"] == {o: f"http://{o}:1" for o in "abc" if o != rid}, body
     # a and b cannot reach each other; c reaches both: b (sorting last, at the same step) is kept out.
     reports = {"a": ("b",), "b": ("a",), "c": ()}
     for rid, client in clients.items():
         client.send("POST", "/v1/quorum", qr(rid, step=0, quorum_id=qid, members=tuple("abc"), commit_failed=True,
                                              unreachable=reports[rid]))
     got = {rid: client.recv() for rid, client in clients.items()}
-    assert got["b"][1]["excluded"]["reason"] == "partition" and got["b"][1]["probe"] == {"a": "a:1"}, got["b"]
+    assert got["b"][1]["excluded"]["reason"] == "partition" and got["b"][1]["probe"] == {"a": "http://a:1"}, got["b"]
     assert [m["replica_id"] for m in got["a"][1]["members"]] == ["a", "c"] == \
         [m["replica_id"] for m in got["c"][1]["members"]]
     status = clients["c"].status()

@@ -2,7 +2,9 @@
 fault-tolerant job (docs/kubernetes.md): the recipe as a ConfigMap, the lighthouse as a Deployment and Service, the
 replica groups as a JobSet (only a failed group's child Job restarts: JobSet v0.12+ with feature gate RestartJob) or as
 a LeaderWorkerSet (RecreateGroupOnPodRestart; delete it when training ends). Apply with ``kubectl apply -f -`` after
-creating the token Secret. These manifests were not run on a cluster here; their structure is tested.
+creating the token Secret. ``--script PATH`` (a path inside the image; its arguments after ``--``) runs a user's
+script in every group pod instead of ``fthsdp fit``. The recipe's ``launch.chaos`` is refused (it is ``fthsdp
+launch``'s). These manifests were not run on a cluster here; their structure is tested.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import argparse
 
 from lightning_fthsdp.launch.cluster_args import (
     add_job_arguments,
-    job_overrides,
+    job_recipe,
     ranks_per_node,
+    refuse_chaos,
     refuse_one_advertise_host,
+    script_args,
 )
 
 EXTRAS = ("launch",)
@@ -40,19 +44,25 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from lightning_fthsdp.k8s.manifests import JobSpec, manifests
-    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
+    from lightning_fthsdp.recipes import components
+    from lightning_fthsdp.recipes.loader import RecipeError, to_yaml
 
     try:
-        recipe = load_recipe(args.recipe, job_overrides(args))
+        recipe = job_recipe(args)
         per = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per, node="pod")
         refuse_one_advertise_host(recipe.ft.advertise_host, "pod", "its pod IP, $FTHSDP_ADVERTISE_HOST")
+        refuse_chaos(recipe.launch.chaos, "on Kubernetes inject failures with kubectl delete pod POD --grace-period=0 "
+                                          "or by draining a node")
+        if args.script is None:  # its classes are checked where they are imported: in the image
+            components.require("model", recipe.model)
         timeouts = recipe.ft.timeouts
         spec = JobSpec(args.name, args.image, to_yaml(recipe), recipe.launch.replicas, per, ranks,
                        recipe.trainer.accelerator != "cpu", recipe.ft.min_replicas, timeouts.heartbeat_timeout_ms,
-                       timeouts.join_timeout_ms, recipe.launch.max_restarts,
-                       args.token_secret or f"{args.name}-token", args.namespace,
-                       lighthouse_args=tuple(recipe.ft.stragglers.args()))
+                       timeouts.join_timeout_ms, max(1, round(recipe.ft.lost_state_wait_s * 1000)),
+                       recipe.launch.max_restarts, args.token_secret or f"{args.name}-token", args.namespace,
+                       lighthouse_args=tuple(recipe.ft.stragglers.args()),
+                       script=(str(args.script), *script_args(args)) if args.script is not None else ())
         objects = manifests(spec, args.engine)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp k8s: error: {err}") from None

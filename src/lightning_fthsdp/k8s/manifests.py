@@ -13,8 +13,9 @@
 - The job's token comes from a Secret the user creates (``token_secret``, key ``token``); no token is ever written
   into a manifest.
 
-Every group pod runs torchrun over its group's pods (one per node) with the recipe through ``fthsdp fit``; its
-replica id is ``g<index>``, the index from the engine's label.
+Every group pod runs torchrun over its group's pods (one per node) with the recipe through ``fthsdp fit``, or a
+user's script (``--script``, a path inside the image) with its arguments; its replica id is ``g<index>``, the index
+from the engine's label.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_fthsdp.launch.commands import under_torchrun
+from lightning_fthsdp.launch.commands import FIT_MODULE, under_torchrun
 
 ENGINES = ("jobset", "lws")
 LIGHTHOUSE_PORT, STORE_PORT, RDZV_PORT = 29510, 29511, 29400
@@ -49,6 +50,8 @@ class JobSpec:
     min_replicas: int
     heartbeat_timeout_ms: int
     join_timeout_ms: int
+    lost_state_wait_ms: int
+    """The lighthouse's wait for a group holding the committed step (``ft.lost_state_wait_s``)."""
     max_restarts: int
     """JobSet: the ``failurePolicy.maxRestarts`` budget (how restarts of one child Job count against it depends on
     the JobSet version; docs/kubernetes.md)."""
@@ -56,6 +59,9 @@ class JobSpec:
     namespace: str | None = None
     lighthouse_args: tuple[str, ...] = ()
     """More ``fthsdp lighthouse`` flags (the recipe's straggler policy: ``StragglerPolicy.args``)."""
+    script: tuple[str, ...] = ()
+    """A user's script (a path inside the image) and its arguments, run by torchrun in every group pod instead of
+    ``fthsdp fit`` of the recipe; empty: the recipe."""
 
     def __post_init__(self) -> None:
         for field_name in ("replicas", "nodes_per_replica", "ranks_per_node"):
@@ -95,6 +101,7 @@ def lighthouse(spec: JobSpec) -> list[dict[str, Any]]:
                "--port", str(LIGHTHOUSE_PORT), "--store-port", str(STORE_PORT),
                "--min-replicas", str(spec.min_replicas), "--join-timeout-ms", str(spec.join_timeout_ms),
                "--heartbeat-timeout-ms", str(spec.heartbeat_timeout_ms), "--replica-ids", ",".join(spec.replica_ids),
+               "--lost-state-wait-ms", str(spec.lost_state_wait_ms),
                "--shard-count", str(spec.nodes_per_replica * spec.ranks_per_node), *spec.lighthouse_args]
     container = {"name": "lighthouse", "image": spec.image, "command": command,
                  "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, _token(spec)],
@@ -137,13 +144,13 @@ def leader_worker_set(spec: JobSpec) -> dict[str, Any]:
 
 
 def _group_pod(spec: JobSpec, index_label: str, rdzv_host: str, node_rank: str) -> dict[str, Any]:
-    """One pod of a group (one node): torchrun over the group's pods, ``fthsdp fit`` of the recipe."""
+    """One pod of a group (one node): torchrun over the group's pods, ``fthsdp fit`` of the recipe or the script."""
     nodes = spec.nodes_per_replica
+    fit = ["-m", FIT_MODULE, "fit", "--config", f"{RECIPE_DIR}/recipe.yaml", "--",
+           "--trainer.enable_progress_bar=false", *under_torchrun(nodes, spec.ranks_per_node)]
     command = ["python", "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={spec.ranks_per_node}",
                f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{RDZV_PORT}",
-               "--rdzv-id=$(FTHSDP_REPLICA_ID)", "--max-restarts=0",
-               "-m", "lightning_fthsdp.cli", "fit", "--config", f"{RECIPE_DIR}/recipe.yaml", "--",
-               "--trainer.enable_progress_bar=false", *under_torchrun(nodes, spec.ranks_per_node)]
+               "--rdzv-id=$(FTHSDP_REPLICA_ID)", "--max-restarts=0", *(spec.script or fit)]
     env = [{"name": "FTHSDP_REPLICA_INDEX",
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{index_label}']"}}},
            {"name": "FTHSDP_REPLICA_ID", "value": "g$(FTHSDP_REPLICA_INDEX)"},

@@ -125,6 +125,25 @@ def parse(spec: str, groups: Sequence[str] = (), *, hosts: bool | None = None) -
     return faults
 
 
+def refuse_unreachable(faults: Sequence[Fault], last_step: int, bound: str) -> None:
+    """ValueError for a fault whose step never comes in a job that ends at ``last_step`` (``bound`` names where that
+    comes from, e.g. ``trainer.max_steps``): the launcher strikes only groups short of the last step, so a fault at
+    or beyond it, or a ``count=`` whose last injection would fall there, would silently never be made."""
+    for fault in faults:
+        when = fault.at or fault.every
+        if when is None or when.unit != "step":
+            continue  # a time cannot be compared with a step before the job runs
+        injections = fault.count if fault.every is not None and fault.count is not None else 1
+        earliest = int(when.value) * injections  # every=stepN: injection k comes at step k x N at the earliest
+        if earliest >= last_step:
+            what, fix = ((f"strikes at step {earliest}", f"choose a step below {last_step}") if injections == 1 else
+                         (f"makes its injection {injections} at step {earliest} at the earliest",
+                          "lower count= or every="))
+            raise ValueError(f"--chaos fault {_describe(fault)!r} {what}, but the job ends at {bound}={last_step} and "
+                             f"the launcher strikes only groups short of their last step: it would never be made; "
+                             f"{fix} (--chaos, or launch.chaos; --chaos '' injects nothing), or raise {bound}")
+
+
 def _parse_fault(text: str, groups: Sequence[str], hosts: bool | None) -> Fault:
     head, *options = text.split(":")
     if "oneway" in options:

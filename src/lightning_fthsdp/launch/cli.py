@@ -10,7 +10,9 @@ completed (report.json's ``job_completed``): it trained to ``trainer.max_steps``
 else the highest step a group ended at), every finished group holds the same final parameters, and no group used up
 its restarts; a group still restarting when training ended is named in the summary but fails nothing.
 Group choices (``model=mlp``) and key overrides (``trainer.max_steps=50``) come after the recipe (docs/recipes.md);
-the flags win over the recipe's ``launch`` section. ``--print-config`` prints the composed recipe and exits.
+the flags win over the recipe's ``launch`` section. ``--print-config`` prints the composed recipe (with ``--script``:
+the script, its arguments and the launch and fault-tolerance settings) and exits without starting anything. ``-m``
+runs a sweep over the overrides' comma-separated values, one launch per combination (``launch.multirun``).
 ``--hosts`` (``launch.hosts``) runs the lighthouse and each group on a host of its own (a network namespace, made
 for the run and removed at its end; needs root), which the network faults of ``--chaos`` (partition, slowlink,
 flap) need.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import string
@@ -30,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.config.env import ENV_RESUME_STEP
 from lightning_fthsdp.config.renamed import deprecation
+from lightning_fthsdp.launch import multirun
 from lightning_fthsdp.launch.run_folder import checkpoint_folder, prepare, resume_point, usable
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
-    from lightning_fthsdp.launch.commands import GroupCommand
+    from lightning_fthsdp.launch.commands import GroupCommand, ScriptCommand
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.supervisor import Placement
     from lightning_fthsdp.launch.view import ConsoleView
@@ -77,7 +81,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="config group choices and recipe overrides, e.g. model=mlp trainer.max_steps=50; with "
                              "--script, the script's arguments (after --)")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the composed, validated recipe (YAML, every field) and exit without launching")
+                        help="print the composed, validated recipe (YAML, every field; with --script: the script, its "
+                             "arguments and the launch and ft settings) and exit without launching")
     parser.add_argument("--script", type=Path, default=None, metavar="SCRIPT.py",
                         help="run this script per replica group instead of a recipe (plain PyTorch, Accelerate, "
                              "Lightning); its arguments follow --")
@@ -97,14 +102,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                              "its own address, made for the run (needs root); required by the network faults of "
                              "--chaos (default: launch.hosts)")
     parser.add_argument("--out", type=Path, default=Path("runs/launch"),
-                        help="report and logs (default: runs/launch); a start replaces the records of the launcher's "
-                             "previous run there, and refuses a folder holding files no launcher wrote")
+                        help="report and logs (default: runs/launch); a start moves the previous run's records there "
+                             "to previous-runs/TIME/ (nothing is deleted), and refuses a folder holding files no "
+                             "launcher wrote")
     parser.add_argument("--fresh", action="store_true",
                         help="start at step 0 although ft.checkpoint_dir holds checkpoints: they are moved aside "
                              "(CHECKPOINT_DIR/previous-TIME/), not deleted (default: resume from the newest complete "
                              "one)")
     parser.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                         help="rich live view (default: when stdout is a terminal; plain lines otherwise)")
+    multirun.add_arguments(parser)
     parser.set_defaults(func=run, extras=EXTRAS)
 
 
@@ -114,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     absent = extras.missing(EXTRAS)
     if absent:  # now, not when the report is drawn at the end of a long run
         raise SystemExit(extras.install_hint("fthsdp launch", EXTRAS, absent))
+    if args.multirun:
+        return multirun.sweep(args, run)
     if args.script is not None:
         return _run_script(args)
     if args.recipe is None:
@@ -121,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if args.target_steps is not None:
         raise SystemExit("fthsdp launch: error: --target-steps is for --script; a recipe's is trainer.max_steps")
     from lightning_fthsdp.launch import chaos
+    from lightning_fthsdp.launch.catalog import recipe_path
     from lightning_fthsdp.launch.commands import FitCommand
+    from lightning_fthsdp.recipes import components
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
     overrides = list(args.overrides)
@@ -130,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        recipe = load_recipe(recipe_path(args.recipe), overrides)
         replica_ids = group_ids(recipe.launch.replicas)
         faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
+        components.verify(recipe.model, recipe.data)  # a class or argument that does not fit fails here, not in groups
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp launch: error: {err}") from None
     if args.print_config:
@@ -140,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     hosts_available(recipe)
     out = usable(args.out, "fthsdp launch")
-    try:  # every refusal before the run's folder is touched
+    try:  # every refusal before the run's folder is touched (a launch's plan: --print-config shows any recipe)
+        chaos.refuse_unreachable(faults, recipe.trainer.max_steps, "trainer.max_steps")
         checkpoint_folder(recipe, out)
         resume = resume_point(recipe, args.fresh)
     except ValueError as err:
@@ -157,6 +170,7 @@ def _run_script(args: argparse.Namespace) -> int:
     """``--script``: the script per replica group, with the launch and fault-tolerance defaults of a recipe (those
     of ``lightning_fthsdp.recipes.schema``) and the flags."""
     from lightning_fthsdp.launch import chaos
+    from lightning_fthsdp.launch.catalog import script_path
     from lightning_fthsdp.launch.commands import ScriptCommand
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
@@ -172,7 +186,7 @@ def _run_script(args: argparse.Namespace) -> int:
             raise ValueError(f"--replicas must be >= 1, got {recipe.launch.replicas}")
         if args.target_steps is not None and args.target_steps < 1:
             raise ValueError(f"--target-steps must be >= 1, got {args.target_steps}")
-        command = ScriptCommand(args.script.resolve(), tuple(script_args), recipe.launch.shard_count)
+        command = ScriptCommand(script_path(args.script).resolve(), tuple(script_args), recipe.launch.shard_count)
         replica_ids = group_ids(recipe.launch.replicas)
         faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
     except ValueError as err:
@@ -180,12 +194,30 @@ def _run_script(args: argparse.Namespace) -> int:
     if args.fresh:
         raise SystemExit("fthsdp launch: error: --fresh is for a recipe's ft.checkpoint_dir; a script's checkpoints "
                          "are its own")
+    if args.print_config:
+        print(_script_config(command, args.target_steps, recipe), end="")
+        return 0
+    if args.target_steps is not None:
+        try:
+            chaos.refuse_unreachable(faults, args.target_steps, "--target-steps")
+        except ValueError as err:
+            raise SystemExit(f"fthsdp launch: error: {err}") from None
     hosts_available(recipe)
     out = prepare(usable(args.out, "fthsdp launch"), "fthsdp launch")
     meta = {"script": str(command.script), "script_args": list(command.args)}
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, args.target_steps, meta)
     return write_report(report, out)
+
+
+def _script_config(command: ScriptCommand, target_steps: int | None, recipe: RecipeConfig) -> str:
+    """``--script --print-config``: what the launcher runs (YAML). The script configures its own training; of a
+    recipe, only the launch and fault-tolerance sections apply to it."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml({"script": str(command.script), "script_args": list(command.args),
+                              "target_steps": target_steps, "launch": dataclasses.asdict(recipe.launch),
+                              "ft": dataclasses.asdict(recipe.ft)})
 
 
 def hosts_available(recipe: RecipeConfig) -> None:
@@ -219,6 +251,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     ``launch.max_restarts`` times; it rebuilds its state from what the groups hold), else the job goes on without
     one; ``resume``: the durable checkpoint every group's first incarnation loads before its first step (a relaunch,
     see ``run_folder.resume_point``)."""
+    from lightning_fthsdp.launch import start_errors
     from lightning_fthsdp.launch.chaos import KINDS
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.report import build_report
@@ -280,6 +313,10 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
                     outcome = trouble
                     break
             supervisor.poll()
+            if supervisor.start_failure is not None:  # a set-up error every restart would repeat
+                outcome = f"stopped: group {supervisor.start_failure['replica_id']}'s starts failed the same way"
+                view.event(start_errors.describe(supervisor.start_failure))
+                break
             supervisor.abandon_stranded()
             if first_commit is None:
                 first_commit = min((r["t"] for g in supervisor.groups.values() for r in g.records
@@ -442,7 +479,10 @@ def summary(report: dict[str, Any], out: Path) -> bool:
 
 
 _UNFINISHED = {"abandoned": "still restarting when every other group had finished, no peer left to catch up from",
-               "failed": "its restarts (launch.max_restarts) used up", "hung": "stopped by the chaos schedule"}
+               "failed": "its restarts (launch.max_restarts) used up", "hung": "stopped by the chaos schedule",
+               "exited": "it exited 0 without its end record, so it was not restarted; its final parameters are "
+                         "unknown (docs/launch.md, \"A script's contract\")",
+               "start_failed": "its starts failed the same way before a committed step, error above"}
 
 
 def _print_phases(report: dict[str, Any]) -> None:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_RECORD
 
+#: The module whose ``fit`` subcommand runs a recipe's group.
+FIT_MODULE = "lightning_fthsdp.cli"
+
 
 @dataclass(frozen=True)
 class FitCommand:
@@ -23,7 +26,7 @@ class FitCommand:
     """Whether a next incarnation may be started ahead (``launch.standby``)."""
 
     def argv(self, jsonl: Path) -> list[str]:
-        return [sys.executable, "-m", "lightning_fthsdp.cli", "fit", "--config", str(self.recipe_path),
+        return [sys.executable, "-m", FIT_MODULE, "fit", "--config", str(self.recipe_path),
                 "--record", str(jsonl), "--", "--trainer.enable_progress_bar=false",
                 "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
                 f"--trainer.default_root_dir={self.out / 'lightning'}"]

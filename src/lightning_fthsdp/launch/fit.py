@@ -1,12 +1,15 @@
 """``fthsdp fit``: one replica group's training process, LightningCLI driven by a recipe.
 
-``fthsdp fit --config RECIPE.yaml [--record PATH] [group=option | key=value ...] [--trainer.x=y ...]``: the recipe
-(with its config group choices and overrides, docs/recipes.md) is validated and turned into a LightningCLI config
-(model, data, Trainer with ``FTHSDPStrategy``); any remaining ``--...`` arguments go to LightningCLI unchanged and win
-over the recipe (``-- --print_config`` prints the result; ``--print-config`` prints the composed recipe instead).
-fthsdp's own options come first. The group's identity and the lighthouse come from the environment
-(``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``, ``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``, see
-docs/lightning.md); ``fthsdp launch`` sets them for each group it starts.
+``fthsdp fit [--recipe RECIPE.yaml] [-c CONFIG.yaml ...] [group=option | key=value ...] [--trainer.x=y ...]``, in any
+order, as LightningCLI's ``fit`` reads: ``--trainer.max_steps=5`` (or ``--trainer.max_steps 5``), ``-c/--config``
+(repeatable), ``--print_config``, ``--model.help CLASS`` and ``--help`` go to LightningCLI and win over the recipe. A
+``--config`` file is the recipe when it looks like one (a ``defaults`` list, an ``ft`` or ``launch`` section: see
+``sort_configs``), so ``fthsdp fit --config R.yaml --trainer.max_steps=5`` works; ``--recipe`` names it explicitly.
+The recipe (with its config group choices and Hydra-style overrides, docs/recipes.md) is validated and turned into a
+LightningCLI config (model, data, Trainer with ``FTHSDPStrategy``); ``--print-config`` prints the composed recipe. The
+group's identity and the lighthouse come from the environment (``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``,
+``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``, see docs/lightning.md); ``fthsdp launch`` sets them for each group it
+starts.
 """
 
 from __future__ import annotations
@@ -30,75 +33,184 @@ ENV_STANDBY = "FTHSDP_STANDBY"
 """A path: import everything, create ``PATH.ready`` (rank 0), then wait until ``PATH`` exists before training (how
 ``fthsdp launch`` keeps a group's next incarnation ready, see ``launch.standby``); unset: train at once."""
 _LAUNCH_OPTIONS = ("--trainer.devices", "--trainer.num_nodes", "--trainer.strategy", "--trainer.accelerator",
-                   "--print_config")  # a group started with any of these is left to Lightning's own launcher
-RECORDER = "lightning_fthsdp.launch.recorder.LaunchRecorder"
-_TASKS = {  # task -> (LightningModule, LightningDataModule, model fields, data fields) of its recipe section
-    "lm": ("lightning_fthsdp.models.gpt.DecoderLM", "lightning_fthsdp.models.text.StdlibTextData",
-           ("style", "n_layer", "n_head", "d_model", "context", "lr", "weight_decay", "warmup_steps"),
-           ("context", "corpus_mb", "batch_size", "val_windows")),
-    "regression": ("lightning_fthsdp.models.mlp.Regressor", "lightning_fthsdp.models.mlp.RegressionData",
-                   ("features", "width", "blocks", "lr"), ("samples", "features", "batch_size", "val_samples")),
-}
+                   "--print_config", "--config")  # a group started with any of these (a LightningCLI config may set
+# the devices) is left to Lightning's own launcher
+RECORDER = "lightning_fthsdp.lightning.launch_records.LaunchRecorder"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    # fit reads its whole command line itself (``parse``): LightningCLI's own arguments (--trainer.x=y, -c, --help)
+    # mix freely with fthsdp's and the recipe's overrides, so nothing may be taken by this parser's prefix rules.
     parser = subparsers.add_parser(
-        "fit", help="train one replica group from a recipe (LightningCLI with strategy fthsdp)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", type=Path, required=True, metavar="RECIPE.yaml",
-                        help="an omegaconf recipe (recipes/*.yaml), validated against lightning_fthsdp.recipes")
+        "fit", help="train one replica group from a recipe (LightningCLI with strategy fthsdp)", add_help=False,
+        prefix_chars="\0", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
+    parser.set_defaults(func=run, extras=("launch", "lightning"))
+
+
+def options() -> argparse.ArgumentParser:
+    """fthsdp's own options of ``fit``; every other argument is an override or LightningCLI's (``parse``)."""
+    parser = argparse.ArgumentParser(
+        prog="fthsdp fit", add_help=False, allow_abbrev=False, description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="fthsdp fit [--recipe RECIPE.yaml] [-c CONFIG.yaml ...] [--record PATH] [--no-ft] [--print-config] "
+              "[group=option | key=value ...] [--trainer.x=y ... | --print_config | --model.help CLASS]")
+    parser.add_argument("-h", "--help", action="store_true",
+                        help="this help, then LightningCLI's for fit (--trainer.*, --model.*, --data.*)")
+    parser.add_argument("--recipe", type=Path, default=None, metavar="RECIPE.yaml",
+                        help="the recipe (recipes/*.yaml or a shipped one's name); without one, the schema's defaults")
+    parser.add_argument("-c", "--config", type=Path, action="append", default=[], metavar="CONFIG.yaml",
+                        help="a recipe or a LightningCLI config, told apart by their keys (a recipe has defaults: or "
+                             "an ft:/launch: section, a LightningCLI config seed_everything:, ckpt_path: or Trainer "
+                             "arguments recipes lack; see docs/recipes.md); LightningCLI configs apply in order over "
+                             "the recipe")
     parser.add_argument("--record", type=Path, default=None, metavar="PATH",
                         help="append one JSON line per committed step to PATH (what fthsdp launch reads)")
     parser.add_argument("--no-ft", action="store_true",
                         help="train this group alone with Lightning's own strategy (ddp over --shard-count ranks), "
                              "no lighthouse: the floor that bench/bench_restart.py compares a restart with")
     parser.add_argument("--print-config", action="store_true",
-                        help="print the composed, validated recipe (YAML, every field) and exit without training")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, metavar="group=option | key=value | --lightning.arg",
-                        help="config group choices (model=mlp) and recipe overrides (key=value), then LightningCLI "
-                             "arguments (--trainer.x=y)")
-    parser.set_defaults(func=run, extras=("launch", "lightning"))
+                        help="print the composed, validated recipe (YAML, every field) and exit without training; "
+                             "--print_config prints LightningCLI's config instead")
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    own, overrides, lightning_args = parse(args.argv)
+    if own.help or any(a.partition("=")[0].endswith(".help") for a in lightning_args):  # --model.help CLASS
+        return _help(["--help"] if own.help else lightning_args, ours=own.help)
+    from lightning_fthsdp.recipes import components
     from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 
-    overrides, lightning_args = split_rest(args.rest)
     try:
-        recipe = load_recipe(args.config, overrides)
-    except RecipeError as err:
+        recipe_file, lightning_configs = sort_configs(own.recipe, own.config)
+        recipe = load_recipe(recipe_file, overrides)
+        if own.print_config or "--print-config" in lightning_args:  # also after the overrides, where natural
+            print(to_yaml(recipe), end="")
+            return 0
+        components.require("model", recipe.model)
+    except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp fit: error: {err}") from None
-    if args.print_config or "--print-config" in lightning_args:  # also after the overrides, where it is natural
-        print(to_yaml(recipe), end="")
-        return 0
+    lightning_args = [*(f"--config={c}" for c in lightning_configs), *lightning_args]
     if _may_start_ranks_early(recipe.launch.shard_count, lightning_args):
         _watch(_start_other_ranks(recipe.launch.shard_count))
     if os.environ.get(ENV_STANDBY):
         _stand_by(Path(os.environ[ENV_STANDBY]), recipe)
-    main(recipe, lightning_args, record=args.record, ft=not args.no_ft)
+    main(recipe, lightning_args, record=own.record, ft=not own.no_ft)
     return 0
 
 
+def _help(lightning_args: Sequence[str], ours: bool) -> int:
+    """fthsdp's options (``ours``), then LightningCLI's own help of ``fit`` for ``lightning_args`` (``--help``: what
+    ``--trainer.*``, ``--model.*`` accept; ``--model.help CLASS``: a module's arguments). No recipe is needed."""
+    if ours:
+        options().print_help()
+        print("\nLightningCLI's arguments of fit (they win over the recipe; --model.help CLASS lists a module's):\n",
+              flush=True)
+    try:
+        import lightning.pytorch as pl
+        from lightning.pytorch.cli import LightningCLI
+    except ModuleNotFoundError as err:
+        if not ours:
+            raise
+        from lightning_fthsdp.config import extras
+
+        print(extras.install_hint("fthsdp fit", ("launch", "lightning"), [err.name or ""]))
+        return 0
+
+    import lightning_fthsdp.lightning  # noqa: F401 -- registers strategy="fthsdp"
+
+    LightningCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                 save_config_callback=None, args=["fit", *lightning_args])  # exits 0 once printed
+    return 0
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(fthsdp's options, recipe overrides, LightningCLI arguments) of ``fthsdp fit``'s command line, in any order."""
+    own, rest = options().parse_known_args(list(argv))
+    return (own, *split_rest(rest))
+
+
 def split_rest(rest: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(recipe overrides, LightningCLI arguments): a bare ``key=value`` is an override unless it is the value of
-    the option before it (``--trainer.max_steps 5``); ``--`` is only a separator."""
+    """(recipe overrides, LightningCLI arguments): a bare ``key=value`` (or ``+key=value``, ``~key``: Hydra's
+    grammar, docs/recipes.md) is an override unless it is the value of the option before it
+    (``--trainer.max_steps 5``); ``--`` is only a separator."""
     overrides, lightning_args = [], []
     for i, token in enumerate(rest):
         if token == "--":
             continue
         after_option = i > 0 and rest[i - 1].startswith("-") and "=" not in rest[i - 1] and rest[i - 1] != "--"
-        if not token.startswith("-") and "=" in token and not after_option:
+        override = not token.startswith("-") and ("=" in token or token.startswith("~"))
+        if override and not after_option:
             overrides.append(token)
         else:
             lightning_args.append(token)
     return overrides, lightning_args
 
 
+#: The recipe's ``trainer`` keys that Lightning's Trainer has not (a test keeps this in step with both), so telling the
+#: two apart imports no Lightning.
+RECIPE_ONLY_TRAINER_KEYS = frozenset({"val_every_n_steps", "seed", "min_step_time_s"})
+
+
+def sort_configs(recipe: Path | None, configs: Sequence[Path]) -> tuple[Path | None, list[Path]]:
+    """(the recipe, the LightningCLI configs in order) among ``--recipe`` and the ``-c/--config`` files: a file is a
+    recipe when it has a ``defaults`` list or a section only recipes have (``ft``, ``launch``, or a ``trainer`` key
+    the recipe's schema has and Lightning's Trainer does not), a LightningCLI config when it has a key only those have
+    (``seed_everything``, ``ckpt_path``, a Trainer argument the recipe lacks); one with neither (only ``trainer``,
+    ``model``, ``data``, meaning the same in both) is the recipe where no other is given. A file with both kinds of
+    key, or two recipes, is refused naming the keys."""
+    from lightning_fthsdp.launch.catalog import recipe_path
+
+    recipes = [recipe_path(recipe)] if recipe is not None else []
+    kinds = [(config, config_kind(config)) for config in configs]
+    recipes += [recipe_path(config) for config, kind in kinds if kind == "recipe"]
+    either = [config for config, kind in kinds if kind == "either"]
+    if not recipes and either:  # only trainer/model/data, which mean the same in both: the recipe, validated
+        recipes.append(recipe_path(either[0]))
+    lightning = [config for config, _ in kinds if recipe_path(config) not in recipes]
+    if len(recipes) > 1:
+        raise ValueError(f"{' and '.join(map(str, recipes))} are both recipes: give one (compose the other with "
+                         "its defaults list)")
+    return (recipes[0] if recipes else None), lightning
+
+
+def config_kind(path: Path) -> str:
+    """"recipe", "lightning" or "either" (see ``sort_configs``); ValueError for a file mixing both kinds of key."""
+    import dataclasses
+
+    import yaml
+
+    from lightning_fthsdp.launch.catalog import recipe_path
+    from lightning_fthsdp.recipes.schema import RecipeConfig, TrainerConfig
+
+    try:
+        content = yaml.safe_load(recipe_path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {path}: {err}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"--config {path} must be a mapping (a recipe or a LightningCLI config), got "
+                         f"{type(content).__name__}")
+    sections = {f.name for f in dataclasses.fields(RecipeConfig)}
+    shared = {"trainer", "model", "data"}  # the same words in both, and in both the same things
+    trainer = content.get("trainer") if isinstance(content.get("trainer"), dict) else {}
+    recipe_only = (set(content) & ((sections | {"defaults"}) - shared)) | {
+        f"trainer.{k}" for k in set(trainer) & RECIPE_ONLY_TRAINER_KEYS}
+    lightning_only = (set(content) - sections - {"defaults"}) | {  # seed_everything, ckpt_path, optimizer, ...
+        f"trainer.{k}" for k in set(trainer) - {f.name for f in dataclasses.fields(TrainerConfig)}}
+    if recipe_only and lightning_only:
+        raise ValueError(f"--config {path} mixes recipe keys ({', '.join(sorted(recipe_only))}) and LightningCLI "
+                         f"keys ({', '.join(sorted(lightning_only))}): split it into a recipe (--recipe) and a "
+                         "LightningCLI config (-c)")
+    return "recipe" if recipe_only else "lightning" if lightning_only else "either"
+
+
 def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool = True) -> dict[str, Any]:
     """The LightningCLI ``fit`` config of ``recipe`` (class paths and init args); ``ft=False``: Lightning's own
     strategy instead of ``FTHSDPStrategy`` (``auto`` on one device, ``ddp`` over several)."""
-    model_path, data_path, model_fields, data_fields = _TASKS[recipe.task]
-    section = getattr(recipe, recipe.task)
+    from lightning_fthsdp.recipes import components
+
+    components.require("model", recipe.model)
     trainer = recipe.trainer
     callbacks = []
     if record is not None or trainer.min_step_time_s:
@@ -121,8 +233,8 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool 
             "strategy": strategy,
             "callbacks": callbacks,
         },
-        "model": {"class_path": model_path, "init_args": {f: getattr(section, f) for f in model_fields}},
-        "data": {"class_path": data_path, "init_args": {f: getattr(section, f) for f in data_fields}},
+        "model": components.to_lightning(recipe.model),
+        **({"data": components.to_lightning(recipe.data)} if recipe.data is not None else {}),
     }
 
 
@@ -222,10 +334,12 @@ def _stand_by(go: Path, recipe: RecipeConfig) -> None:
     from lightning.pytorch.cli import LightningCLI  # noqa: F401
 
     from lightning_fthsdp.config import anatomy
-    from lightning_fthsdp.launch import recorder  # noqa: F401
+    from lightning_fthsdp.lightning import launch_records  # noqa: F401
+    from lightning_fthsdp.recipes import components
 
-    for class_path in _TASKS[recipe.task][:2]:
-        importlib.import_module(class_path.rsplit(".", 1)[0])
+    for section in (recipe.model, recipe.data):
+        if section is not None:
+            importlib.import_module(components.to_lightning(section)["class_path"].rsplit(".", 1)[0])
     anatomy.mark("imports")
     if os.environ.get("LOCAL_RANK", "0") == "0":
         go.with_name(go.name + ".ready").touch()

@@ -9,7 +9,8 @@ from typing import Any
 from lightning_fthsdp.launch.chaos import KINDS
 
 _COLORS = {"training": "tab:green", "starting": "tab:gray", "hung": "tab:orange", "down": "tab:red",
-           "done": "tab:blue", "failed": "black", "abandoned": "tab:purple"}
+           "done": "tab:blue", "failed": "black", "abandoned": "tab:purple", "exited": "tab:cyan",
+           "start_failed": "tab:brown"}
 
 
 def write_png(report: dict[str, Any], path: Path) -> None:
@@ -44,7 +45,8 @@ def write_png(report: dict[str, Any], path: Path) -> None:
             member_ax.text(event["t"], -0.55, f" {event['event']} {event['replica_id']}", fontsize=8, va="bottom")
     member_ax.set_yticks(range(len(groups)), [f"group {g}" for g in groups])
     member_ax.set(title="membership\ngreen: training, gray: starting or catching up, red: down, orange: hung, "
-                        "blue: done", xlabel="seconds since the first commit")
+                        "blue: done\n(purple: abandoned, black: failed, cyan: exited without its end record, "
+                        "brown: its starts failed)", xlabel="seconds since the first commit")
 
     labels = [f"{r['kind']} {r['replica_id']}" for r in report["recoveries"]]
     stall_ax.bar(range(len(report["stalls_s"])), report["stalls_s"], width=0.4, label="stall of the healthy groups")

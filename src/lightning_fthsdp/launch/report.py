@@ -18,13 +18,19 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   with the same digest. Groups that did not finish are not compared (they are in ``unfinished``); a finished group
   with another digest than the rest is in ``diverged``, which is a defect.
 - ``unfinished``: each group that did not finish training (``replica_id``, ``status``: still ``starting`` or ``down``
-  when the run ended, ``abandoned`` once no peer was left to catch up from, ``failed`` with its restarts used up;
-  ``last_step``: its last committed step; ``job_step``: the job's committed step when training ended;
-  ``restarts``). Empty when every group finished.
+  when the run ended, ``abandoned`` once no peer was left to catch up from, ``failed`` with its restarts used up,
+  ``exited`` 0 without its ``end`` record (never restarted: its final parameters are unknown), ``start_failed``
+  when its starts failed the same way before a committed step (the job was stopped); ``last_step``: its last
+  committed step; ``job_step``: the job's committed step when training ended; ``restarts``). Empty when every group
+  finished.
 - ``job_completed``: the job trained to its target step and ended as a fault-tolerant job should: every group
-  that finished holds the same final parameters, and no group used up its restarts (``failed``) or diverged. A
-  group still restarting when training ended (``abandoned``, ``hung``) does not make it incomplete: the job's
-  state is whole in the finished groups. The launcher's exit code is 0 exactly when this is true.
+  that finished holds the same final parameters, and no group used up its restarts (``failed``), failed to start
+  (``start_failed``), ended without saying it finished (``exited``) or diverged. A group still restarting when
+  training ended (``abandoned``, ``hung``) does not make it incomplete: the job's state is whole in the finished
+  groups. The launcher's exit code is 0 exactly when this is true.
+- ``groups``: per group its ``final_step``, ``restarts``, ``exit_codes``, ``status``, ``discarded``, ``catch_ups``,
+  ``params_sha256`` and ``failed_starts`` (each incarnation that ended with an error before committing a step:
+  ``incarnation``, ``exit_code``, ``error``, the last error line of its ``log``).
 - ``diverged``: the finished groups whose final parameters differ from those most finished groups hold (all of them
   on a tie); empty when ``final_params_identical``.
 - ``restart_phases``: one per restart that trained again, the anatomy of the restart
@@ -50,7 +56,7 @@ from typing import Any
 
 from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.launch.chaos import KINDS
-from lightning_fthsdp.launch.supervisor import GroupState
+from lightning_fthsdp.launch.supervisor import EXITED, FAILED, START_FAILED, GroupState
 
 ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x median fault-free step time, divided by "
                   "the wall time from the first to the last committed step")
@@ -89,7 +95,7 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
     identical = len(set(finals.values())) == 1
     completed = (identical and meta.get("outcome", "finished") == "finished"
                  and all(groups[r].step == max_steps for r in finals)
-                 and not any(g["status"] == "failed" for g in unfinished))
+                 and not any(g["status"] in (FAILED, START_FAILED, EXITED) for g in unfinished))
     return {
         **meta,
         "replicas": replicas,
@@ -110,7 +116,8 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         "loss": {"first": _mean(head), "last": _mean(tail), "fell": bool(head and tail and _mean(tail) < _mean(head))},
         "groups": {g.replica_id: {"final_step": g.step, "restarts": g.restarts, "exit_codes": g.exit_codes,
                                   "status": g.status, "discarded": g.discarded, "catch_ups": g.catch_ups,
-                                  "params_sha256": g.params_sha256} for g in groups.values()},
+                                  "params_sha256": g.params_sha256, "failed_starts": g.failed_starts}
+                   for g in groups.values()},
         "timeline": [{**e, "t": round(e["t"] - t0, 3)} for e in transitions],
         "val_loss": {"step": val_step, "final": _mean(finals_val)},
         "val_losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["val_loss"], 5)]

@@ -1,12 +1,13 @@
 """The run's folder (``--out``) of ``fthsdp launch`` and ``fthsdp slurm``: what a start may replace in it, where a
 relative checkpoint folder goes, and where a relaunch resumes.
 
-A start deletes or overwrites only what a launcher made. The folder it prepares carries ``MARKER`` (written when a
-launcher first prepares it); a start replaces the launcher's records there (the ``OWNED`` folders and the files it
-writes: ``recipe.yaml``, ``report.json``, ...), and refuses a folder that holds anything without the marker (``--out
-.`` in a project must not clear its ``logs/``). A relative ``ft.checkpoint_dir`` goes under the run's folder and must
-stay there, beside the owned folders; an absolute one is the user's. A checkpoint folder is never deleted by a start:
-a relaunch with the same recipe resumes from its newest complete checkpoint (as torchtitan does), and ``--fresh``
+A start deletes nothing. The folder it prepares carries ``MARKER`` (written by each start); a start moves the
+previous run's records there (the ``OWNED`` folders and ``REPORTS``; a copy of its ``recipe.yaml``) into
+``KEPT/TIME/`` (TIME: when that run started), so a rerun with the same ``--out`` neither mixes its records with the
+previous run's nor silently loses them; and it refuses a folder that holds anything without the marker (``--out .`` in
+a project must not touch its ``logs/``). A relative ``ft.checkpoint_dir`` goes under the run's folder and must stay
+there, beside the owned folders; an absolute one is the user's. A checkpoint folder is never moved by a start: a
+relaunch with the same recipe resumes from its newest complete checkpoint (as torchtitan does), and ``--fresh``
 moves its checkpoints aside (``previous-TIME/``, which no reader looks into) instead of deleting them.
 """
 
@@ -27,7 +28,14 @@ MARKER = ".fthsdp-run"
 """The file that says a launcher prepared this folder (JSON: which command, when)."""
 
 OWNED = ("groups", "logs", "lightning", "standby")
-"""The folders a start replaces: the previous run's records would mix with this run's."""
+"""The folders a start empties (their content moves to ``KEPT``): the previous run's records would mix with this
+run's."""
+
+REPORTS = ("report.json", "report.png")
+"""The files a run writes at its end, moved to ``KEPT`` by the next start (a new run without one has not ended)."""
+
+KEPT = "previous-runs"
+"""Where a start keeps the previous run's records: ``KEPT/TIME/`` (delete them when no longer needed)."""
 
 
 def checkpoint_folder(recipe: RecipeConfig, out: Path) -> None:
@@ -39,9 +47,9 @@ def checkpoint_folder(recipe: RecipeConfig, out: Path) -> None:
         return
     folder = Path(os.path.normpath(out / given))  # lexically: ".." must not climb out of the run
     inside = folder.relative_to(out).parts if folder.is_relative_to(out) else None
-    if not inside or inside[0] in OWNED:
+    if not inside or inside[0] in (*OWNED, KEPT):
         where = "the run's folder itself" if inside == () else (
-            f"in its {inside[0]}/, which every start replaces" if inside else "outside the run's folder")
+            f"in its {inside[0]}/, which every start empties or fills" if inside else "outside the run's folder")
         raise ValueError(f"ft.checkpoint_dir={given} is {folder}, {where} (--out {out}): a relative checkpoint folder "
                          f"goes under the run's folder, beside {', '.join(OWNED)} (e.g. ft.checkpoint_dir=checkpoints);"
                          f" give an absolute path to keep checkpoints elsewhere")
@@ -91,20 +99,56 @@ def usable(given: Path, by: str) -> Path:
         raise SystemExit(f"{by}: error: --out {given} is a file: name a folder (it is created if missing)")
     if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
         raise SystemExit(f"{by}: error: --out {given} holds files no launcher wrote (it has no {MARKER} marker), and a "
-                         f"start replaces its {', '.join(OWNED)} folders: choose a new or empty folder")
+                         f"start moves what its {', '.join(OWNED)} folders hold: choose a new or empty folder")
     return out
 
 
 def prepare(out: Path, by: str) -> Path:
-    """The run's folder ``out`` (``usable``), marked as ``by``'s, without a previous run's records."""
+    """The run's folder ``out`` (``usable``), marked as ``by``'s, its previous run's records moved to ``KEPT``
+    (printed: where they went)."""
     marker = out / MARKER
     out.mkdir(parents=True, exist_ok=True)
+    kept = keep_previous(out)
+    if kept is not None:
+        print(f"{by}: the previous run's records in {out} moved to {kept}", flush=True)
     marker.write_text(json.dumps({"by": by, "t": time.time()}) + "\n")
-    for name in OWNED:
-        owned = out / name
-        if owned.is_symlink():  # the link only, never what it points at
-            owned.unlink()
-        elif owned.is_dir():
-            shutil.rmtree(owned)
     (out / "logs").mkdir()
     return out
+
+
+def keep_previous(out: Path) -> Path | None:
+    """Move the records of the run that last prepared ``out`` (its ``OWNED`` folders' content, ``REPORTS``; a copy
+    of ``recipe.yaml``, which the caller rewrites or reads) to ``KEPT/TIME/``; that folder, None when there were no
+    records (a fresh folder, or one a start prepared whose run wrote nothing yet)."""
+    owned = [out / name for name in OWNED if (out / name).is_symlink() or _holds_anything(out / name)]
+    reports = [out / name for name in REPORTS if (out / name).is_file()]
+    for name in OWNED:  # an empty one holds no record
+        if (out / name).is_dir() and not (out / name).is_symlink() and out / name not in owned:
+            (out / name).rmdir()
+    if not owned and not reports:
+        return None
+    aside = _kept_folder(out)
+    aside.mkdir(parents=True)
+    if (out / "recipe.yaml").is_file():
+        shutil.copy2(out / "recipe.yaml", aside / "recipe.yaml")
+    for path in [*owned, *reports]:
+        path.rename(aside / path.name)  # a link moves as a link: what it points at is never touched
+    return aside
+
+
+def _holds_anything(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def _kept_folder(out: Path) -> Path:
+    """``KEPT/TIME``, TIME when the previous run started (its marker's), else now; ``-2``, ``-3``... if taken."""
+    try:
+        started = float(json.loads((out / MARKER).read_text())["t"])
+    except (OSError, ValueError, KeyError, TypeError):  # an unreadable marker still marks the launcher's folder
+        started = time.time()
+    base = out / KEPT / time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate

@@ -1,7 +1,9 @@
 """Supervises the replica groups of one local job: starts each as one launch of its command (``fthsdp fit`` of a
 recipe, or a script: ``launch.commands``), follows its JSONL,
 restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group (or, for
-a network fault, on its host: ``launch.netchaos``, when ``Job.hosts`` places each group on a host of its own). With
+a network fault, on its host: ``launch.netchaos``, when ``Job.hosts`` places each group on a host of its own). A group
+that exits 0 is done (or, without its ``end`` record, ``exited``: reported, never restarted); one whose starts fail the
+same way twice in a row before a committed step sets ``start_failure``, on which the job ends. With
 ``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
 it (see ``launch.standby``).
 
@@ -26,6 +28,7 @@ from lightning_fthsdp.launch.chaos import NETWORK_KINDS, Injection
 from lightning_fthsdp.launch.commands import GroupCommand
 from lightning_fthsdp.launch.fit import ENV_STANDBY
 from lightning_fthsdp.launch.processes import Group, Job, free_port
+from lightning_fthsdp.launch.start_errors import SAME_FAILED_STARTS, last_error
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.netchaos import NetworkChaos
@@ -33,7 +36,9 @@ if TYPE_CHECKING:
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
 ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
-_ENDED = (DONE, FAILED, ABANDONED)
+EXITED = "exited"  # exited 0 without its end record (a script that writes none): over, but not compared
+START_FAILED = "start_failed"  # its starts failed the same way twice in a row before a committed step
+_ENDED = (DONE, FAILED, ABANDONED, EXITED, START_FAILED)
 MAX_STANDBY_DEATHS = 3  # per group: then its restarts start a fresh process, whose log shows what kills it
 
 
@@ -52,7 +57,8 @@ class Placement(Protocol):
 
     def exited(self, replica_id: str, done: bool) -> bool:
         """The group's incarnation ended (``done``: it wrote its completion record and exited 0; else the supervisor
-        restarts it, within its budget); False when the group has nowhere left to run (it is then marked failed
+        restarts it, within its budget: under a placement an exit code 0 is not the group's own word, a SLURM step
+        whose node was lost exits 0); False when the group has nowhere left to run (it is then marked failed
         instead of restarted)."""
         ...
 
@@ -89,6 +95,9 @@ class GroupState:
     catch_ups: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)  # every incarnation's, with "incarnation" added
     exit_codes: list[int] = field(default_factory=list)
+    failed_starts: list[dict[str, Any]] = field(default_factory=list)
+    """Incarnations that ended with an error before committing a step (``incarnation``, ``exit_code``, ``error``:
+    the log's last error line, ``log``); a kill or a network fault of the chaos schedule is no failed start."""
     params_sha256: str | None = None
     process: Group | None = None
     standby: Standby | None = None  # the next incarnation, imported ahead (launch.standby)
@@ -124,6 +133,9 @@ class Supervisor:
     catches up from a peer instead)."""
     network: NetworkChaos | None = field(default=None, init=False)
     """The network faults in place (with ``job.hosts``: each group on a host of its own)."""
+    start_failure: dict[str, Any] | None = field(default=None, init=False)
+    """The first group whose starts failed the same way ``SAME_FAILED_STARTS`` times in a row (its id and its last
+    ``failed_starts`` entry): the job cannot train, its caller ends it."""
 
     def __post_init__(self) -> None:
         if self.standby and not self.command.standby:
@@ -192,7 +204,7 @@ class Supervisor:
         if injection.kind == "kill":
             assert state.process is not None
             state.process.proc.wait(timeout=30)
-            self._exited(state, state.process.proc.returncode)
+            self._exited(state, state.process.proc.returncode, injected=True)
         else:
             state.resume_at = time.time() + injection.duration_s
             self._set(state, HUNG)
@@ -313,16 +325,23 @@ class Supervisor:
             elif record["event"] == "end":
                 state.params_sha256 = record["params_sha256"]
 
-    def _exited(self, state: GroupState, code: int) -> None:
+    def _exited(self, state: GroupState, code: int, injected: bool = False) -> None:
+        """The current incarnation ended with ``code`` (``injected``: killed by the chaos schedule)."""
         self._signal(state, signal.SIGKILL)  # its other ranks, if they outlived their leader
         state.exit_codes.append(code)
-        # The group's own completion record decides, never the exit code alone: a SLURM step whose node was lost
-        # exits 0 without one.
         done = code == 0 and state.params_sha256 is not None
         if done:
             if self.placement is not None:
                 self.placement.exited(state.replica_id, done=True)
             self._set(state, DONE)
+        # A process here that exits 0 says it is finished; under a placement the completion record decides, never
+        # the exit code alone (a SLURM step whose node was lost exits 0 without one).
+        elif code == 0 and self.placement is None:
+            self._set(state, EXITED)
+        elif not injected and self._failed_start(state, code):
+            self._set(state, START_FAILED)
+            if self.start_failure is None:
+                self.start_failure = {"replica_id": state.replica_id, **state.failed_starts[-1]}
         # The budget first: a group given up must not take a spare node on its way out.
         elif self.restarts_in_window(state) < self.max_restarts and (
                 self.placement is None or self.placement.exited(state.replica_id, done=False)):
@@ -330,6 +349,24 @@ class Supervisor:
             state.restart_at = time.time() + self.restart_delay_s
         else:
             self._set(state, FAILED)
+
+    def _failed_start(self, state: GroupState, code: int) -> bool:
+        """Record the ended incarnation in ``failed_starts`` if it committed no step; whether it and the ones before
+        it, in a row, failed the same way ``SAME_FAILED_STARTS`` times."""
+        if any(r["event"] == "commit" and r["incarnation"] == state.incarnation for r in state.records):
+            return False
+        if self.network is not None and self.network.active:
+            return False  # a network fault in place may have caused it: chance, not the set-up
+        log = state.process.log if state.process is not None else None
+        state.failed_starts.append({"incarnation": state.incarnation, "exit_code": code,
+                                    "error": last_error(log) if log is not None else None,
+                                    "log": str(log) if log is not None else None})
+        recent = state.failed_starts[-SAME_FAILED_STARTS:]
+        return (len(recent) == SAME_FAILED_STARTS
+                and [f["incarnation"] for f in recent] == list(range(state.incarnation - len(recent) + 1,
+                                                                     state.incarnation + 1))
+                and recent[-1]["error"] is not None  # no error to compare: nothing says it is the same one
+                and len({(f["exit_code"], f["error"]) for f in recent}) == 1)
 
     def _signal(self, state: GroupState, sig: signal.Signals) -> None:
         if state.process is not None:

@@ -78,6 +78,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.lighthouse.server import Lighthouse
 
+    if args.replica_ids is not None and args.min_replicas > len(args.replica_ids):
+        return _fail(2, f"--min-replicas {args.min_replicas} exceeds the {len(args.replica_ids)} groups of "
+                        f"--replica-ids {','.join(args.replica_ids)}: no quorum could ever form; lower --min-replicas "
+                        f"or declare every group's id")
     if args.token is not None:
         return _fail(2, f"--token is not accepted (every user can read command lines with ps): set ${ENV_TOKEN} or "
                         f"pass --token-file PATH")
@@ -188,9 +192,14 @@ _positive, _non_negative = _at_least(1), _at_least(0)
 def _replica_ids(text: str) -> list[str]:
     ids = text.split(",")
     try:
-        return [check_replica_id(rid) for rid in ids]
+        checked = [check_replica_id(rid) for rid in ids]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e} (in --replica-ids {text!r}: comma-separated ids)") from None
+    repeated = sorted({rid for rid in checked if checked.count(rid) > 1})
+    if repeated:  # two groups under one id would pass for one group's incarnations, the quorum one group short
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once in --replica-ids {text!r}: "
+                                         f"give each group's id once")
+    return checked
 
 
 def _port(text: str) -> int:

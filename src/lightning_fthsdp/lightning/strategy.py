@@ -3,8 +3,8 @@
 One Lightning launch is one replica group: FSDP2 (``fully_shard``) over the group's devices, and across groups the
 fault-tolerant allreduce of ``FTManager``. The hooks below are Lightning's, in the order a fit calls them; each job
 they delegate lives in a module of its own (``topology``, ``stream``, ``sharding``, ``commit``, ``lr_scaling``,
-``schedulers``, ``catchup_state``, ``loops``, ``manual``, ``refusals``), and every private Lightning or torch member
-is reached through ``private``. See docs/lightning.md for usage and semantics.
+``schedulers``, ``catchup_state``, ``loops``, ``manual``, ``refusals``, ``launch_records``), and every private
+Lightning or torch member is reached through ``private``. See docs/lightning.md for usage and semantics.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.faults import Fault
-from lightning_fthsdp.lightning import loops, manual, private, refusals
+from lightning_fthsdp.lightning import launch_records, loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
 from lightning_fthsdp.lightning.commit import StepCommit
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
@@ -203,6 +203,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         # Lightning calls configure_model right after this.
         self._sharding.install(self.lightning_module, lambda: self.device_mesh["data_parallel"])
+        # Before the callbacks' setup hooks (the recorder marks the start's anatomy there), on every rank.
+        launch_records.attach_from_env(self.lightning_module.trainer)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -65,6 +65,12 @@ class DecoderLM(pl.LightningModule):
         super().__init__()
         if style not in ("gpt", "llama"):
             raise ValueError(f"DecoderLM style must be 'gpt' or 'llama', got {style!r}")
+        if d_model % n_head:
+            raise ValueError(f"DecoderLM n_head={n_head} must divide d_model={d_model}: choose n_head among "
+                             f"{[h for h in range(1, 17) if d_model % h == 0]}")
+        if style == "llama" and (d_model // n_head) % 2:
+            raise ValueError(f"DecoderLM style=llama needs an even head width (d_model / n_head), got {d_model} / "
+                             f"{n_head}: rotary positions rotate pairs of channels")
         self.save_hyperparameters()
         llama = style == "llama"
         self.embed = nn.Embedding(VOCAB, d_model)

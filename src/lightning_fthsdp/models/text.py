@@ -40,7 +40,7 @@ def stdlib_corpus(max_bytes: int) -> bytes:
     corpus = b"".join(chunks)[:max_bytes]
     if not corpus:
         raise ValueError(f"no *.py source text under {root}: the LM recipes read the standard library's sources; "
-                         "install a Python that ships them (most do) or use task=regression")
+                         "install a Python that ships them (most do) or use model=mlp data=generated")
     return corpus
 
 

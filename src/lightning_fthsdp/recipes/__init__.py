@@ -7,11 +7,9 @@ from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
 from lightning_fthsdp.recipes.schema import (
     FTConfig,
     LaunchConfig,
-    LMConfig,
     RecipeConfig,
-    RegressionConfig,
     TrainerConfig,
 )
 
-__all__ = ["FTConfig", "LMConfig", "LaunchConfig", "RecipeConfig", "RecipeError", "RegressionConfig",
-           "TrainerConfig", "field_docs", "load_recipe", "to_yaml"]
+__all__ = ["FTConfig", "LaunchConfig", "RecipeConfig", "RecipeError", "TrainerConfig", "field_docs", "load_recipe",
+           "to_yaml"]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 #: Group name -> the top-level recipe keys its options may set.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("task", "lm", "regression"),
-    "data": ("lm", "regression"),
+    "model": ("model",),
+    "data": ("data",),
     "trainer": ("trainer",),
     "ft": ("ft",),
     "launch": ("launch",),
@@ -36,9 +36,11 @@ class GroupError(ValueError):
     """An unknown group or option; the message lists what exists."""
 
 
-def search_path(recipe: Path) -> list[Path]:
-    """The folders searched for ``GROUP/OPTION.yaml`` for ``recipe``, in order, each once."""
-    candidates = [recipe.parent / "configs", recipe.parent.parent / "configs", PACKAGED]
+def search_path(recipe: Path | None) -> list[Path]:
+    """The folders searched for ``GROUP/OPTION.yaml`` for ``recipe``, in order, each once; no recipe: ``configs/``
+    in the current folder, then the package's."""
+    candidates = ([recipe.parent / "configs", recipe.parent.parent / "configs", PACKAGED] if recipe is not None
+                  else [Path.cwd() / "configs", PACKAGED])
     found: list[Path] = []
     for folder in candidates:
         if folder.is_dir() and folder.resolve() not in [f.resolve() for f in found]:

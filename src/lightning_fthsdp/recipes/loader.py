@@ -1,14 +1,16 @@
 """Recipes: omegaconf YAML with ``defaults`` composition, config groups and overrides, validated against the schema.
 
-Composition: a recipe may start with a ``defaults`` list. Each entry is either another recipe in the same folder
-(``base`` or ``base.yaml``) or a config group's option (``model: tiny_gpt``, a file ``configs/model/tiny_gpt.yaml``
-found as ``lightning_fthsdp.recipes.groups`` says); entries compose recursively and merge in order, then the recipe's
-own keys on top. The command line's list mixes group choices and key overrides: ``GROUP=OPTION`` (a name in
-``groups.GROUPS``) replaces that group's option wherever the defaults tree names the group (or, where it names none,
-is merged after the recipe's defaults, still under its own keys); ``key.path=value`` overrides are applied last, in
-order. Every key must exist in ``lightning_fthsdp.recipes.schema``; every value must have the field's type, be one of
-its ``choices``, and a number finite and within its ``min`` and ``max``; then each section's ``check()`` and the
-``Timeouts`` hierarchy run. A ``defaults`` entry resolves only inside the recipe's folder and the config folders, and a
+Composition: a recipe may start with a ``defaults`` list. Each entry is another recipe in the same folder (``base``
+or ``base.yaml``), a config group's option (``model: tiny_gpt``, a file ``configs/model/tiny_gpt.yaml`` found as
+``lightning_fthsdp.recipes.groups`` says) or one of Hydra's forms (``_self_``, ``override``, ``optional``,
+``group@package``: ``lightning_fthsdp.recipes.defaults``); entries compose recursively and merge in order, the
+recipe's own keys where ``_self_`` stands (else on top). The command line's list is Hydra's override grammar
+(``lightning_fthsdp.recipes.overrides``): its group edits (``model=mlp``, ``+group=option``, ``~group``) change the
+defaults tree before it is merged, with Hydra's precedence; its key overrides (``key=value``, ``+key=value``,
+``++key=value``, ``~key``) are applied last, in order, each checked against what the recipe sets. Every key must
+exist in ``lightning_fthsdp.recipes.schema``; every value must have the field's type, be one of its ``choices``, and a
+number finite and within its ``min`` and ``max``; then each section's ``check()`` and the ``Timeouts`` hierarchy
+run. A ``defaults`` entry resolves only inside the recipe's folder and the config folders, and a
 group's option is a name, never a path. No value may read or hold the job's token (``$FTHSDP_TOKEN``). Any
 violation raises ``RecipeError`` naming the source (file or override), the key, the value and what is allowed; an
 unknown group, option or key lists the ones that exist.
@@ -30,7 +32,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.config.renamed import deprecation
-from lightning_fthsdp.recipes import groups
+from lightning_fthsdp.recipes import defaults, groups
+from lightning_fthsdp.recipes.overrides import Override, OverrideError, sweep_refusal
+from lightning_fthsdp.recipes.overrides import parse as parse_override
 from lightning_fthsdp.recipes.schema import MAGNITUDE, RecipeConfig
 
 
@@ -42,68 +46,122 @@ class RecipeError(ValueError):
 RENAMED_KEYS: dict[str, str] = {"launch.devices_per_replica": "launch.shard_count"}
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
-    """Compose ``path`` with the group choices among ``overrides`` (``group=option``), apply the key overrides
-    (``key=value``, YAML values), validate; return the typed recipe.
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Compose ``path`` with the group overrides among ``overrides`` (``group=option``, ``+group=option``,
+    ``~group``), apply the key overrides (``key=value``, ``+key=value``, ``++key=value``, ``~key``; YAML values) in
+    order, validate; return the typed recipe. ``path`` None: no recipe file, the schema's defaults (groups' options
+    from ``configs/`` here, then the package's). The grammar: ``lightning_fthsdp.recipes.overrides``.
 
     A value that reads or holds the job's token (``$FTHSDP_TOKEN``) is refused: a recipe is written to the run's
     ``recipe.yaml`` and report, shown by ``--print-config`` and may name folders, and the token must reach none of
     them. No error message carries the token."""
     try:
-        return _load(Path(path), overrides)
+        return _load(Path(path) if path is not None else None, overrides)
     except RecipeError as err:
         raise RecipeError(_redact(str(err))) from None
 
 
-def _load(path: Path, overrides: Sequence[str]) -> RecipeConfig:
-    choices, key_overrides = split_overrides(overrides)
-    merged = OmegaConf.structured(RecipeConfig)
-    composed = _Composer(groups.search_path(path), choices, path).compose(path, top=True)
-    merged = _merge(merged, composed, f"recipe {path}")
-    _refuse_both_names(key_overrides)
+def _load(path: Path | None, overrides: Sequence[str]) -> RecipeConfig:
+    parsed = split_overrides(overrides)
+    label = f"recipe {path}" if path is not None else "the schema's defaults (no recipe)"
+    composer = _Composer(groups.search_path(path), path or Path.cwd() / "recipe.yaml")
+    try:
+        top = composer.build(path) if path is not None else defaults.Recipe(Path.cwd(), OmegaConf.create({}))
+        defaults.apply_command_line(top, [o for o in parsed if o.is_group])
+        plain = composer.compose(top)  # what the files and the choices set: the keys ~ and + look at
+    except defaults.DefaultsError as err:
+        raise RecipeError(str(err)) from None
+    merged = _merge(OmegaConf.structured(RecipeConfig), plain, label)
+    key_overrides = [o for o in parsed if not o.is_group]
+    _refuse_both_names([o.text for o in key_overrides])
     for override in key_overrides:
-        key, _, value = override.partition("=")
-        if key in RENAMED_KEYS:
-            _warn_renamed(f"override {override!r}", key)
-            key = RENAMED_KEYS[key]
-        merged = _merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]), f"override {override!r}")
-    _refuse_token_interpolation(merged, f"recipe {path}{_with(overrides)}")
+        plain, merged = _apply(override, plain, merged)
+    _refuse_token_interpolation(merged, f"{label}{_with(overrides)}")
     try:
         recipe = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:  # first: an interpolation that resolves nothing is a ValueError too
+        where = f"{err.full_key}: " if getattr(err, "full_key", None) else ""
+        raise RecipeError(f"{label}{_with(overrides)}: {where}{_first_line(err)}") from None
     except ValueError as err:  # Timeouts.__post_init__: the hierarchy, with every value in the message
-        raise RecipeError(f"recipe {path}: ft.timeouts: {err}") from None
-    except OmegaConfBaseException as err:
-        raise RecipeError(f"recipe {path}: {_first_line(err)}") from None
+        raise RecipeError(f"{label}: ft.timeouts: {err}") from None
     assert isinstance(recipe, RecipeConfig)
     try:
         _refuse_token_value(recipe, "")
         _check_fields(recipe, "")
     except ValueError as err:
-        raise RecipeError(f"recipe {path}{_with(overrides)}: {err}") from None
+        raise RecipeError(f"{label}{_with(overrides)}: {err}") from None
     return recipe
 
 
-def split_overrides(overrides: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """({group: option} of the group choices, the key overrides in order) of one command line's list."""
-    choices: dict[str, str] = {}
-    keys: list[str] = []
+def split_overrides(overrides: Sequence[str]) -> list[Override]:
+    """One command line's list, parsed (``recipes.overrides``): a sweep, a name that is neither a group nor a key,
+    or one group chosen twice differently is refused here."""
+    parsed: list[Override] = []
     top_level = [f.name for f in dataclasses.fields(RecipeConfig)]
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not key:
-            raise RecipeError(f"override {override!r} is neither group=option (e.g. model=mlp) nor key=value "
-                              "(e.g. trainer.max_steps=50)")
-        if key in groups.GROUPS:
-            if key in choices and choices[key] != value:
-                raise RecipeError(f"override {override!r} contradicts {key}={choices[key]} given before: choose once")
-            choices[key] = value
-        elif "." in key or key in top_level or key in RENAMED_KEYS:
-            keys.append(override)
-        else:
-            raise RecipeError(f"override {override!r}: {key!r} is neither a config group nor a key; groups: "
+    for text in overrides:
+        try:
+            override = parse_override(text)
+        except OverrideError as err:
+            raise RecipeError(str(err)) from None
+        if override.is_sweep:
+            raise RecipeError(sweep_refusal(override))
+        if override.is_group:
+            same = [o for o in parsed if o.is_group and o.prefix == override.prefix == ""
+                    and (o.key, o.package) == (override.key, override.package) and o.value != override.value]
+            if same:
+                raise RecipeError(f"{override.describe()} contradicts {same[0].text} given before: choose once")
+        elif not ("." in override.key or override.key in top_level or override.key in RENAMED_KEYS):
+            raise RecipeError(f"{override.describe()}: {override.key!r} is neither a config group nor a key; groups: "
                               f"{', '.join(sorted(groups.GROUPS))}; keys: {', '.join(top_level)} (and their fields, "
                               "e.g. trainer.max_steps=50)")
-    return choices, keys
+        parsed.append(override)
+    return parsed
+
+
+def _apply(override: Override, plain: DictConfig, merged: DictConfig) -> tuple[DictConfig, DictConfig]:
+    """One key override over (what the files and earlier overrides set, that merged over the schema), Hydra's way:
+    ``key=`` sets a key the config has, ``+key=`` adds one without a value, ``++key=`` either, ``~key`` removes what
+    was set (the schema's default applies again)."""
+    key, source = override.key, override.describe()
+    if key in RENAMED_KEYS:
+        _warn_renamed(source, key)
+        key = RENAMED_KEYS[key]
+    current = OmegaConf.select(merged, key, default=_MISSING, throw_on_resolution_failure=False)
+    if override.prefix == "~":
+        if current is _MISSING:
+            raise RecipeError(f"{source}: could not delete {key}: the recipe has no such key")
+        if override.value is not None and _value(key, override.value) != _plain(current):
+            raise RecipeError(f"{source}: could not delete {key}: its value is {_plain(current)!r}, not "
+                              f"{_value(key, override.value)!r}")
+        _delete(plain, key)
+        return plain, _merge(OmegaConf.structured(RecipeConfig), plain, source)
+    update = OmegaConf.from_dotlist([f"{key}={override.value}"])
+    if override.prefix == "" and current is _MISSING:
+        _merge(merged, update, source)  # a key the schema does not have: its error lists the ones it has
+        raise RecipeError(f"{source}: could not override {key}: the recipe has no such key; to add it: "
+                          f"+{override.text}")
+    if override.prefix == "+" and current not in (_MISSING, None) and not OmegaConf.is_config(
+            OmegaConf.select(update, key)):
+        raise RecipeError(f"{source}: could not append to the recipe: {key} is already {_plain(current)!r}; set it "
+                          f"with {override.text[1:]}, or add or set it with +{override.text}")
+    return typing.cast(DictConfig, OmegaConf.merge(plain, update)), _merge(merged, update, source)
+
+
+def _value(key: str, text: str) -> Any:
+    """An override's value as YAML reads it."""
+    return _plain(OmegaConf.select(OmegaConf.from_dotlist([f"{key}={text}"]), key))
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _delete(plain: DictConfig, key: str) -> None:
+    """Remove ``key`` from what the files set; nothing when they never set it (it has the schema's default)."""
+    section, _, name = key.rpartition(".")
+    parent = OmegaConf.select(plain, section, default=None, throw_on_resolution_failure=False) if section else plain
+    if isinstance(parent, DictConfig) and name in parent:
+        parent.pop(name)
 
 
 def to_yaml(recipe: RecipeConfig) -> str:
@@ -112,41 +170,45 @@ def to_yaml(recipe: RecipeConfig) -> str:
 
 
 class _Composer:
-    """Composes one recipe's defaults tree; ``choices`` (from the command line) replace the options it names."""
+    """Builds one recipe's defaults tree (``recipes.defaults``), lets the command line edit it, then merges it."""
 
-    def __init__(self, folders: list[Path], choices: dict[str, str], recipe: Path) -> None:
+    def __init__(self, folders: list[Path], recipe: Path) -> None:
         self.folders = folders
         # A defaults entry names a recipe in the top recipe's folder or a config folder, never a file elsewhere.
         self.roots = [recipe.parent.resolve(), *(f.resolve() for f in folders)]
-        self.choices = choices
-        self.named: set[str] = set()  # groups the defaults tree names: a choice of any other is merged at the end
 
-    def compose(self, path: Path, stack: tuple[Path, ...] = (), top: bool = False) -> DictConfig:
-        """``path`` with its defaults merged under it; ``stack``: the recipes that include it; ``top``: the recipe
-        the command names (where choices of groups its tree never names are merged)."""
+    def build(self, path: Path, stack: tuple[Path, ...] = ()) -> defaults.Recipe:
+        """``path``'s tree: the recipes it includes, built recursively, and its group entries, file-level
+        ``override`` entries already applied; ``stack``: the recipes that include it."""
         raw = self._load(path, stack)
-        defaults = raw.pop("defaults", [])
+        entries = raw.pop("defaults", [])
         _rename_keys(raw, f"recipe {path}")
-        if not isinstance(defaults, ListConfig) and defaults != []:
+        if not isinstance(entries, ListConfig) and entries != []:
             raise RecipeError(f"recipe {path}: defaults must be a list of recipe names and group: option entries, "
-                              f"got {defaults!r}")
-        parts = []
-        for entry in defaults:
-            if isinstance(entry, str):
-                default = self._inside(path, entry)
-                parts.append(self.compose(default, (*stack, path.resolve())))
-            elif isinstance(entry, DictConfig) and len(entry) == 1:
-                group, option = str(next(iter(entry))), next(iter(entry.values()))
-                self.named.add(group)
-                source = f"override '{group}={self.choices[group]}'" if group in self.choices else f"recipe {path}"
-                parts.append(self._option(group, self.choices.get(group, option), source))
+                              f"got {entries!r}")
+        node = defaults.Recipe(path, raw)
+        for entry in entries:
+            kind, parsed = defaults.parse_entry(entry, f"recipe {path}")
+            if kind == "recipe":
+                node.entries.append(self.build(self._inside(path, str(parsed)), (*stack, path.resolve())))
+            elif kind == "override":
+                defaults.override_in_file(node, typing.cast(defaults.Choice, parsed))
             else:
-                raise RecipeError(f"recipe {path}: a defaults entry is a recipe name (base) or one group: option "
-                                  f"(model: tiny_gpt), got {entry!r}")
-        if top:  # a choice of a group the tree never named still goes under the recipe's own keys
-            parts.extend(self._option(group, option, f"override '{group}={option}'")
-                         for group, option in self.choices.items() if group not in self.named)
-        return typing.cast(DictConfig, OmegaConf.merge(*parts, raw)) if parts else raw
+                node.entries.append(parsed)
+        return node
+
+    def compose(self, node: defaults.Recipe) -> DictConfig:
+        """The tree merged in order: each entry, and the file's own keys where ``_self_`` stands (else last)."""
+        entries = node.entries if defaults.SELF in node.entries else [*node.entries, defaults.SELF]
+        parts = []
+        for entry in entries:
+            if entry == defaults.SELF:
+                parts.append(node.raw)
+            elif isinstance(entry, defaults.Recipe):
+                parts.append(self.compose(entry))
+            elif isinstance(entry, defaults.Choice) and entry.option is not None:
+                parts.extend(self._option(entry))
+        return typing.cast(DictConfig, OmegaConf.merge(*parts)) if len(parts) > 1 else parts[0]
 
     def _inside(self, path: Path, entry: str) -> Path:
         """The recipe a defaults entry of ``path`` names, refused unless it is inside the recipe's folder or a config
@@ -158,18 +220,21 @@ class _Composer:
                               "one of them")
         return default
 
-    def _option(self, group: str, option: Any, source: str) -> DictConfig:
+    def _option(self, choice: defaults.Choice) -> list[DictConfig]:
+        """The option's keys, placed at its package ([] for an ``optional`` entry whose option does not exist)."""
         try:
-            path = groups.option_file(group, str(option), self.folders)
+            path = groups.option_file(choice.group, str(choice.option), self.folders)
         except groups.GroupError as err:
-            raise RecipeError(f"{source}: {err}") from None
-        composed = self.compose(path)
+            if choice.optional:
+                return []
+            raise RecipeError(f"{choice.source}: {err}") from None
+        composed = defaults.place(self.compose(self.build(path)), choice.group, choice.package, path)
         try:
-            groups.check_owned(group, [str(k) for k in composed], path)
+            groups.check_owned(choice.group, [str(k) for k in composed], path)
         except groups.GroupError as err:
             raise RecipeError(str(err)) from None
-        _merge(OmegaConf.structured(RecipeConfig), composed, f"{path} (an option of group {group!r})")  # its keys
-        return composed
+        _merge(OmegaConf.structured(RecipeConfig), composed, f"{path} (an option of group {choice.group!r})")
+        return [composed]
 
     @staticmethod
     def _load(path: Path, stack: tuple[Path, ...]) -> DictConfig:

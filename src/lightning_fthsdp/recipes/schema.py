@@ -15,6 +15,7 @@ from typing import Any
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.stragglers import MODES as STRAGGLER_MODES
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
+from lightning_fthsdp.recipes import components
 
 
 def _choice(default: str, *choices: str) -> Any:
@@ -33,72 +34,15 @@ def _at_least(default: float, minimum: float, maximum: float | None = None) -> A
 
 
 @dataclass
-class LMConfig:
-    """A decoder-only language model over bytes of text (task ``lm``)."""
-
-    style: str = _choice("gpt", "gpt", "llama")
-    """Block design. "gpt": learned positions, LayerNorm, GELU MLP. "llama": rotary positions, RMSNorm, SwiGLU.
-    Both are pre-norm with a weight-tied output head."""
-    n_layer: int = _at_least(2, 1)
-    """Transformer blocks. Each block is its own FSDP2 unit (the strategy's policy shards ModuleList members)."""
-    n_head: int = _at_least(4, 1)
-    """Attention heads; must divide d_model."""
-    d_model: int = _at_least(96, 8)
-    """Width of the residual stream. Parameters grow as about 12 x n_layer x d_model^2."""
-    context: int = _at_least(64, 2)
-    """Tokens (bytes) per training sequence."""
-    corpus_mb: float = _at_least(2.0, 0.01)
-    """Megabytes of text read at start-up from the Python standard library's own *.py files (sorted, so every
-    group reads the same bytes); nothing is downloaded or shipped. More text means fewer repeated windows."""
-    batch_size: int = _at_least(16, 1)
-    """Sequences per shard rank and step: the global batch is batch_size x shard_count x replicas."""
-    val_windows: int = _at_least(256, 1)
-    """Sequences at the end of the corpus held out for the validation loss (see trainer.val_every_n_steps); no
-    group ever trains on them. More give a steadier estimate and a longer validation."""
-    lr: float = _at_least(3e-3, 0.0)
-    """Peak AdamW learning rate, reached after warmup_steps (see ft.lr_scaling for degraded steps)."""
-    weight_decay: float = _at_least(0.0, 0.0)
-    """AdamW weight decay."""
-    warmup_steps: int = _at_least(20, 0)
-    """Linear warm-up steps; afterwards the learning rate decays with a cosine to 10% at trainer.max_steps."""
-
-    def check(self, key: str) -> None:
-        if self.d_model % self.n_head:
-            raise ValueError(f"{key}.n_head={self.n_head} must divide {key}.d_model={self.d_model}: "
-                             f"choose n_head among {[h for h in range(1, 17) if self.d_model % h == 0]}")
-        if self.style == "llama" and (self.d_model // self.n_head) % 2:
-            raise ValueError(f"{key}.style=llama needs an even head width (d_model / n_head), got "
-                             f"{self.d_model} / {self.n_head}: rotary positions rotate pairs of channels")
-
-
-@dataclass
-class RegressionConfig:
-    """A residual MLP regressor on generated data (task ``regression``): tiny, for tests."""
-
-    features: int = _at_least(8, 1)
-    """Input features of the generated data (x ~ N(0, 1), y = tanh(x . w) with a fixed w)."""
-    width: int = _at_least(16, 1)
-    """Hidden width."""
-    blocks: int = _at_least(2, 1)
-    """Residual blocks (each its own FSDP2 unit)."""
-    samples: int = _at_least(512, 1)
-    """Generated samples (the same in every process: a fixed seed)."""
-    batch_size: int = _at_least(4, 1)
-    """Samples per shard rank and step."""
-    val_samples: int = _at_least(64, 1)
-    """Further generated samples held out for the validation loss; never trained on."""
-    lr: float = _at_least(0.01, 0.0)
-    """SGD learning rate (momentum 0.9)."""
-
-
-@dataclass
 class TrainerConfig:
     """The Lightning Trainer of every replica group."""
 
     accelerator: str = _choice("cpu", "cpu", "gpu", "cuda", "auto")
     """Where each rank runs. "cpu" uses gloo inside and across groups; "gpu"/"cuda" uses NCCL."""
-    precision: str = _choice("32-true", "32-true", "bf16-mixed", "bf16-true", "16-mixed")
-    """Lightning precision plugin. bf16 needs a GPU that supports it."""
+    precision: str = _choice("32-true", "32-true", "bf16-mixed", "bf16-true")
+    """Lightning precision plugin: the values FTHSDPStrategy accepts. bf16 runs on a CPU or a GPU that supports it.
+    "16-mixed" is refused: fp16 needs a gradient scaler, whose skipped steps and scale the shard ranks and replica
+    groups could not agree on; bf16-mixed trains in half precision without one."""
     max_steps: int = _at_least(200, 1, MAX_STEP)
     """Committed optimizer steps every group trains to (the job ends when all reach it)."""
     gradient_clip_val: float | None = None
@@ -214,14 +158,14 @@ class LaunchConfig:
 
 @dataclass
 class RecipeConfig:
-    """A complete training job: what to train (task and its section), how, and how to launch it."""
+    """A complete training job: what to train (model and data), how, and how to launch it."""
 
-    task: str = _choice("lm", "lm", "regression")
-    """Which model and data: "lm" uses the lm section, "regression" the regression section."""
-    lm: LMConfig = field(default_factory=LMConfig)
-    """The language model (task lm)."""
-    regression: RegressionConfig = field(default_factory=RegressionConfig)
-    """The MLP regressor (task regression)."""
+    model: Any = None
+    """The LightningModule every group trains: any class with its arguments, as LightningCLI writes it
+    (``{class_path: pkg.Module, init_args: {...}}``) or as Hydra does (``{_target_: pkg.Module, ...}``); see
+    ``lightning_fthsdp.recipes.components``. The built-in ones are the options of config group ``model``."""
+    data: Any = None
+    """The LightningDataModule, in the same forms; null: the module's own dataloaders. Config group ``data``."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The Lightning Trainer."""
     ft: FTConfig = field(default_factory=FTConfig)
@@ -230,6 +174,8 @@ class RecipeConfig:
     """The local launcher."""
 
     def check(self, key: str) -> None:
+        components.check("model", self.model)
+        components.check("data", self.data)
         if self.ft.min_replicas > self.launch.replicas:
             raise ValueError(f"ft.min_replicas={self.ft.min_replicas} exceeds launch.replicas="
                              f"{self.launch.replicas}: the lighthouse could never form a quorum; lower ft.min_replicas")

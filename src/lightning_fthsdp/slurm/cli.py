@@ -6,7 +6,9 @@ for the job to end and prints its summary). The allocation has ``--replicas x --
 the lighthouse runs as its own step, each replica group as one step of torchrun over its nodes, and a supervisor in the
 allocation restarts only a failed group's step (within ``launch.max_restarts`` per ``launch.restart_window_s``), on
 spare nodes when its own are lost. ``OUT`` must be on a file system every node shares. Group choices and overrides
-come after the recipe, as for ``fthsdp launch``; ``launch.shard_count`` is the ranks of a group over all its nodes.
+come after the recipe, as for ``fthsdp launch``; ``launch.shard_count`` (``--shard-count``) is the ranks of a group
+over all its nodes. ``--script SCRIPT.py`` runs that script (its arguments after ``--``) under torchrun in every group's
+step instead of ``fthsdp fit`` of a recipe, as ``fthsdp launch --script`` does on one machine.
 """
 
 from __future__ import annotations
@@ -18,17 +20,23 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.launch.cluster_args import (
     add_job_arguments,
-    job_overrides,
+    job_recipe,
     ranks_per_node,
+    refuse_chaos,
     refuse_one_advertise_host,
+    script_args,
 )
 
 if TYPE_CHECKING:
+    from lightning_fthsdp.launch.commands import GroupCommand
     from lightning_fthsdp.slurm.script import SbatchScript
+
+#: With ``--script``: the script and its arguments, beside ``recipe.yaml`` in the run's folder (``slurm.supervise``).
+SCRIPT_FILE = "script.json"
 
 EXTRAS = ("launch", "lightning", "sim")
 
@@ -56,21 +64,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.launch.cli import group_ids
     from lightning_fthsdp.launch.run_folder import checkpoint_folder, prepare, resume_point, usable
-    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
+    from lightning_fthsdp.recipes import components
+    from lightning_fthsdp.recipes.loader import RecipeError, to_yaml
     from lightning_fthsdp.slurm.script import SbatchScript
 
-    # A standby is a process on this machine; a step is started fresh.
-    overrides = [*job_overrides(args), "launch.standby=false"]
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        # A standby is a process on this machine; a step is started fresh.
+        recipe = job_recipe(args, "launch.standby=false")
         per_replica = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per_replica, node="node")
         refuse_one_advertise_host(recipe.ft.advertise_host, "node",
                                   "by default its local address on the route to the lighthouse")
-        if recipe.launch.chaos:
-            raise ValueError(f"launch.chaos={recipe.launch.chaos!r} is fthsdp launch's: on SLURM inject failures with "
-                             f"scancel --signal=KILL JOB.STEP or scontrol update nodename=N state=down; set "
-                             f"launch.chaos=''")
+        refuse_chaos(recipe.launch.chaos, "on SLURM inject failures with scancel --signal=KILL JOB.STEP or scontrol "
+                                          "update nodename=N state=down")
+        if args.script is not None and not args.script.is_file():
+            raise ValueError(f"--script {args.script}: no such file (on a file system every node shares)")
+        if args.script is None:  # the nodes share this installation: what fails here would fail in every group
+            components.verify(recipe.model, recipe.data)
         script = SbatchScript(args.out.resolve(), recipe.launch.replicas, per_replica, args.spares,
                               ranks, recipe.trainer.accelerator != "cpu", sys.executable,
                               sbatch_args=tuple(args.sbatch))
@@ -79,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"fthsdp slurm: error: {err}") from None
     if args.dry_run:
         print(script.text(), end="")
-        print(_planned_steps(script, replica_ids), end="")
+        print(_planned_steps(script, replica_ids, group_command(args.out.resolve(), _script_job(args))), end="")
         return 0
     out = usable(args.out, "fthsdp slurm")
     try:  # the supervisor resumes from the newest checkpoint when the job starts (and at every requeue)
@@ -92,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
               f"from its newest complete checkpoint when it starts (--fresh starts at step 0)", flush=True)
     prepare(out, "fthsdp slurm")
     (out / "recipe.yaml").write_text(to_yaml(recipe))
+    (out / SCRIPT_FILE).unlink(missing_ok=True)
+    if args.script is not None:
+        (out / SCRIPT_FILE).write_text(json.dumps(_script_job(args)) + "\n")
     (out / "report.json").unlink(missing_ok=True)
     path = out / "job.sbatch"
     path.write_text(script.text())
@@ -129,14 +142,29 @@ def _print_report(out: Path, code: int) -> int:
     return code
 
 
-def _planned_steps(script: SbatchScript, replica_ids: list[str]) -> str:
+def _script_job(args: argparse.Namespace) -> dict[str, Any] | None:
+    """What ``SCRIPT_FILE`` holds with ``--script`` (None without)."""
+    if args.script is None:
+        return None
+    return {"script": str(args.script.resolve()), "args": script_args(args)}
+
+
+def group_command(out: Path, script_job: dict[str, Any] | None) -> GroupCommand:
+    """What each group's step runs: ``fthsdp fit`` of ``OUT/recipe.yaml``, or the script of ``script_job`` (one
+    process per rank: torchrun in the step starts the group's ranks)."""
+    from lightning_fthsdp.launch.commands import FitCommand, ScriptCommand
+
+    if script_job is None:
+        return FitCommand(out / "recipe.yaml", out, standby=False)
+    return ScriptCommand(Path(script_job["script"]), tuple(script_job["args"]))
+
+
+def _planned_steps(script: SbatchScript, replica_ids: list[str], command: GroupCommand) -> str:
     """The step of every group's first incarnation, on placeholder nodes (the real names come with the allocation)."""
-    from lightning_fthsdp.launch.commands import FitCommand
     from lightning_fthsdp.slurm.placement import group_step, lighthouse_step
 
     per = script.nodes_per_replica
     nodes = [f"NODE{i}" for i in range(1, script.nodes + 1)]
-    command = FitCommand(script.out / "recipe.yaml", script.out, standby=False)
     lines = ["# The supervisor's steps (first incarnations; NODEi: the allocation's i-th node, RDZV_PORT: a free "
              "port):", "# lighthouse: " + shlex.join([*lighthouse_step(nodes[0], script.gpus), "python", "-m",
                                                      "lightning_fthsdp.cli", "lighthouse", "..."])]
@@ -144,7 +172,7 @@ def _planned_steps(script: SbatchScript, replica_ids: list[str]) -> str:
         group_nodes = nodes[i * per:(i + 1) * per]
         argv = group_step(group_nodes, step_name=f"fthsdp-{replica_id}.0", rdzv_endpoint=f"{group_nodes[0]}:RDZV_PORT",
                           rdzv_id=f"JOB-{replica_id}-0", ranks_per_node=script.ranks_per_node, gpus=script.gpus,
-                          fit_argv=command.argv(script.out / "groups" / f"{replica_id}.0.jsonl"))
+                          argv=command.argv(script.out / "groups" / f"{replica_id}.0.jsonl"))
         lines.append(f"# group {replica_id}: " + shlex.join(argv))
     if script.spares:
         lines.append(f"# spares: {', '.join(nodes[len(replica_ids) * per:])}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_fthsdp.config.env import ENV_ADVERTISE_HOST
-from lightning_fthsdp.launch.commands import under_torchrun
+from lightning_fthsdp.launch.commands import FIT_MODULE, under_torchrun
 from lightning_fthsdp.launch.processes import free_port
 from lightning_fthsdp.slurm import queries
 from lightning_fthsdp.slurm.nodes import NodePool
@@ -28,19 +28,24 @@ _STEP_POLL_S = 1.0
 
 
 def group_step(nodes: Sequence[str], *, step_name: str, rdzv_endpoint: str, rdzv_id: str, ranks_per_node: int,
-               gpus: bool, fit_argv: Sequence[str]) -> list[str]:
-    """The srun command of one group incarnation: torchrun over ``nodes`` running ``fit_argv`` (``python -m
-    lightning_fthsdp.cli fit ...``, the launcher's ``FitCommand``), told its nodes and devices per node."""
-    if len(fit_argv) < 3 or fit_argv[1] != "-m":
-        raise ValueError(f"a SLURM group step runs a recipe (python -m lightning_fthsdp.cli fit ...), got {fit_argv}")
+               gpus: bool, argv: Sequence[str]) -> list[str]:
+    """The srun command of one group incarnation: torchrun over ``nodes`` running ``argv``, the launcher's command
+    of one process: ``python -m lightning_fthsdp.cli fit ...`` (``FitCommand``, told its nodes and devices per node)
+    or ``python SCRIPT.py ARGS`` (``ScriptCommand``: a user's script, which sees torchrun's environment only)."""
+    if len(argv) < 2:
+        raise ValueError(f"a SLURM group step runs python with a module or a script, got {argv}")
     srun = ["srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", f"--job-name={step_name}", "--export=ALL"]
     if gpus:
         srun.append(f"--gpus-per-node={ranks_per_node}")
-    torchrun = [fit_argv[0], "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
+    torchrun = [argv[0], "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
                 f"--nproc-per-node={ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}", "--max-restarts=0"]
-    return [*srun, *torchrun, *fit_argv[1:], *under_torchrun(len(nodes), ranks_per_node)]
+    if list(argv[1:3]) == ["-m", FIT_MODULE]:
+        return [*srun, *torchrun, *argv[1:], *under_torchrun(len(nodes), ranks_per_node)]
+    # Lightning takes a step's $SLURM_NTASKS (one task per node) for its world size, over torchrun's ranks; a
+    # script cannot be told otherwise, so its step does not see it.
+    return [*srun, "env", "-u", "SLURM_NTASKS", *torchrun, *argv[1:]]
 
 
 def lighthouse_step(node: str, gpus: bool) -> tuple[str, ...]:
@@ -91,7 +96,7 @@ class SlurmPlacement:
         endpoint = f"{self.address(nodes[0])}:{free_port('')}"
         command = group_step(nodes, step_name=name, rdzv_endpoint=endpoint,
                              rdzv_id=f"{self.job_id}-{replica_id}-{incarnation}", ranks_per_node=self.ranks_per_node,
-                             gpus=self.gpus, fit_argv=argv)
+                             gpus=self.gpus, argv=argv)
         self.steps.setdefault(replica_id, []).append({"incarnation": incarnation, "name": name, "step": None,
                                                       "nodes": list(nodes), "rdzv_endpoint": endpoint})
         # torchrun gives every rank its own MASTER_ADDR/PORT: the launcher's loopback ones would only mislead. And

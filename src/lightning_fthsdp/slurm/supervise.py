@@ -3,7 +3,8 @@
 What the sbatch script of ``fthsdp slurm`` runs on the batch node: the launcher's job loop
 (``lightning_fthsdp.launch.cli.run_job``: lighthouse, supervised groups with a restart budget per group, the report)
 with a ``SlurmPlacement`` (every process a job step). The recipe is ``OUT/recipe.yaml`` as ``fthsdp slurm`` resolved it;
-the report goes to ``OUT/report.json`` with a ``slurm`` field (each incarnation's step id and nodes). A start (the
+with ``--script``, ``OUT/script.json`` names the script each group's step runs instead of ``fthsdp fit``. The report
+goes to ``OUT/report.json`` with a ``slurm`` field (each incarnation's step id and nodes). A start (the
 first, or a requeue) resumes from the newest complete durable checkpoint in ``ft.checkpoint_dir``. Exit code 0 when
 every group reached ``trainer.max_steps`` with identical final parameters.
 """
@@ -11,6 +12,7 @@ every group reached ``trainer.max_steps`` with identical final parameters.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -30,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"script that fthsdp slurm writes does)")
     from lightning_fthsdp.launch import chaos
     from lightning_fthsdp.launch.cli import group_ids, run_job, write_report
-    from lightning_fthsdp.launch.commands import FitCommand
     from lightning_fthsdp.launch.run_folder import prepare, resume_point
     from lightning_fthsdp.recipes.loader import load_recipe
+    from lightning_fthsdp.slurm.cli import SCRIPT_FILE, group_command
     from lightning_fthsdp.slurm.placement import SlurmPlacement
 
     out = args.out.resolve()
@@ -51,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         gpus=recipe.trainer.accelerator != "cpu")
     print(f"fthsdp slurm: job {placement.job_id}: groups on {placement.pool.assigned}, spares "
           f"{placement.pool.spares}", flush=True)
-    command = FitCommand(out / "recipe.yaml", out, standby=False)
-    report = run_job(recipe, replica_ids, chaos.ChaosSchedule([], 0), out, False, command, recipe.trainer.max_steps,
-                     {"recipe": str(out / "recipe.yaml")}, placement=placement, restart_lighthouse=True,
-                     resume=resume)
+    script_job = json.loads((out / SCRIPT_FILE).read_text()) if (out / SCRIPT_FILE).exists() else None
+    command = group_command(out, script_job)
+    # A script's target is its own (the report takes the highest step a group ended at); a recipe's is max_steps.
+    target, meta = ((None, {"script": script_job["script"], "script_args": script_job["args"]}) if script_job
+                    else (recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")}))
+    report = run_job(recipe, replica_ids, chaos.ChaosSchedule([], 0), out, False, command, target, meta,
+                     placement=placement, restart_lighthouse=True, resume=resume)
     report["slurm"] = placement.summary()
     return write_report(report, out)
 

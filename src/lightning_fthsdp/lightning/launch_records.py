@@ -1,4 +1,8 @@
-"""What each replica group tells the launcher: one JSON line per committed step, written by the group's rank 0.
+"""LaunchRecorder: what each replica group tells its launcher, one JSON line per event, written by the group's rank 0.
+
+``FTHSDPStrategy`` attaches one to every fit when ``$FTHSDP_RECORD`` is set (``fthsdp launch`` sets it for every
+script it starts), so an unchanged Lightning script is followed, reported on and known to have finished; a Trainer
+that already has one (``fthsdp fit``'s, or a script's own) keeps it. docs/launch.md, "A script's contract".
 
 Records (``event``):
 
@@ -28,10 +32,11 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_fthsdp.config import anatomy
-from lightning_fthsdp.config.env import ENV_REPLICA_ID
+from lightning_fthsdp.config.env import ENV_RECORD, ENV_REPLICA_ID
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
 from lightning_fthsdp.recovery.torch_state import full_params_sha256
 
@@ -102,6 +107,22 @@ class LaunchRecorder(CommittedStepCallback):
 
     def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
         if self._writes(trainer):
-            record |= {"t": time.time(), "replica_id": os.environ.get(ENV_REPLICA_ID), "pid": os.getpid()}
-            with open(self.jsonl, "a") as sink:
+            # The strategy's id (an explicit argument wins over the variable), else the variable's.
+            replica_id = getattr(trainer.strategy, "replica_id", None) or os.environ.get(ENV_REPLICA_ID)
+            record |= {"t": time.time(), "replica_id": replica_id, "pid": os.getpid()}
+            with open(self.jsonl, "a") as sink:  # type: ignore[arg-type]  # _writes: jsonl is set
                 sink.write(json.dumps(record) + "\n")
+
+
+def attach_from_env(trainer: pl.Trainer) -> LaunchRecorder | None:
+    """Add a ``LaunchRecorder`` writing to ``$FTHSDP_RECORD`` to a fit's callbacks, unless the variable is unset, the
+    run is no fit, or the Trainer has a recorder already (one is enough: a second would write every record twice).
+    Call it on every rank of the group (the ``end`` record's digest is a collective). Returns the one added."""
+    path = os.environ.get(ENV_RECORD)
+    if not path or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    if any(isinstance(c, LaunchRecorder) for c in trainer.callbacks):
+        return None
+    recorder = LaunchRecorder(path)
+    trainer.callbacks.append(recorder)
+    return recorder

@@ -1,0 +1,73 @@
+"""Fault-tolerant HSDP for a Hugging Face causal LM in an Accelerate loop: the loop you would write for a
+``transformers`` model, plus the few lines of ``FaultTolerantHSDP``.
+
+``fthsdp launch`` starts the lighthouse and one launch per replica group, kills one and reports (the pad
+of ``--min-step-time-s`` gives a killed group of this tiny model time to come back on one machine)::
+
+    fthsdp launch --script examples/train_hf_accelerate.py --replicas 2 --shard-count 2 \\
+        --chaos kill:at=step40:group=b -- --steps 150 --arch gpt2 --min-step-time-s 0.5
+
+The model is ``transformers``' own ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (``examples/hf_models.py``), sharded
+with FSDP2 by Accelerate on GPUs. On a machine without GPUs the script passes ``Accelerator(cpu=True)``: the group's
+ranks then join over gloo and Accelerate runs DDP inside the group (it enables FSDP for GPU-like devices only).
+Needs the ``hf`` and ``accelerate`` extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
+
+from hf_models import ARCHS, MarkovTokens, StepPace, causal_lm, warmup_cosine
+from lightning_fthsdp.accelerate import FaultTolerantHSDP
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--steps", type=int, default=150, help="train until this many committed steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8192, help="sequences in the dataset")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-step-time-s", type=float, default=0.0, help="pad each step to this (demos)")
+    parser.add_argument("--pace-file", help="pad steps only while this file exists")
+    args = parser.parse_args()
+    pace = StepPace(args.min_step_time_s, args.pace_file)
+
+    # Each decoder layer its own FSDP unit (the model's _no_split_modules), the rest, a tied head too, in the root.
+    sharding = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=sharding,
+                              gradient_accumulation_steps=args.accumulate, step_scheduler_with_optimizer=False)
+    set_seed(0)  # every group builds the same initial weights
+    model = causal_lm(args.arch, args.context)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    data = MarkovTokens(args.samples, args.context)
+
+    ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data,
+                           batch_size=args.batch_size, max_grad_norm=1.0)  # replica id etc. from FTHSDP_*
+    with ft:
+        for batch in ft.batches():  # this group's own stream, exactly once, resumed after catch-up
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss  # Hugging Face shifts the labels itself
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    pace.step_ended()
+                    ft.sync_gradients()  # cross-group exchange + commit vote, retried until committed
+                optimizer.step()
+                optimizer.zero_grad()
+            if ft.step >= args.steps:
+                break
+            if ft.step % 20 == 0 and accelerator.sync_gradients and accelerator.is_main_process:
+                print(f"step {ft.step}: loss {loss.item():.3f} (the data's floor: {data.floor:.3f})", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

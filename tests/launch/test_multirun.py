@@ -1,0 +1,65 @@
+"""``fthsdp launch -m``: Hydra's multirun over comma-separated override values, one job after another, each in its
+own run folder; every combination is checked before the first job starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_fthsdp.cli import main
+from tests.paths import ROOT
+
+MLP = ROOT / "recipes" / "mlp.yaml"
+
+
+def test_print_config_shows_every_jobs_recipe_and_starts_nothing(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    assert main(["launch", str(MLP), "-m", "trainer.max_steps=4,6", "trainer=cpu,gpu", "--print-config",
+                 "--out", str(out)]) == 0
+    jobs = capsys.readouterr().out.split("---\n")
+    assert [job.splitlines()[0] for job in jobs] == [
+        "# job 0: trainer.max_steps=4 trainer=cpu", "# job 1: trainer.max_steps=4 trainer=gpu",
+        "# job 2: trainer.max_steps=6 trainer=cpu", "# job 3: trainer.max_steps=6 trainer=gpu"]
+    recipes = [yaml.safe_load(job) for job in jobs]
+    assert [(r["trainer"]["max_steps"], r["trainer"]["accelerator"]) for r in recipes] == [
+        (4, "cpu"), (4, "gpu"), (6, "cpu"), (6, "gpu")]
+    assert not out.exists()
+
+
+def test_a_bad_combination_is_refused_before_any_job_starts(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    with pytest.raises(SystemExit, match=r"fthsdp launch: error: .*trainer\.max_steps=0 is too small"):
+        main(["launch", str(MLP), "-m", "trainer.max_steps=4,0", "--out", str(out)])
+    assert not out.exists()
+
+
+def test_a_script_is_not_swept(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"-m sweeps a recipe's overrides; a --script's arguments are the script's"):
+        main(["launch", "-m", "--script", str(ROOT / "examples" / "train_accelerate.py"), "--out", str(tmp_path)])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_a_sweep_runs_each_job_to_its_end_in_its_own_run_folder(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTHSDP_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(MLP), "-m", "trainer.max_steps=4,6",
+         "--replicas", "1", "launch.standby=false", "--out", str(out), "--no-live"],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path, env=env)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    index = yaml.safe_load((out / "multirun.yaml").read_text())
+    assert index == {"jobs_planned": 2, "jobs": [
+        {"job": job, "overrides": [f"trainer.max_steps={steps}", "launch.standby=false"], "out": str(out / str(job)),
+         "exit_code": 0} for job, steps in ((0, 4), (1, 6))]}
+    for job, steps in ((0, 4), (1, 6)):
+        report = json.loads((out / str(job) / "report.json").read_text())
+        assert (report["target_steps"], report["committed_steps"], report["job_completed"]) == (steps, steps, True)
+        assert yaml.safe_load((out / str(job) / "recipe.yaml").read_text())["trainer"]["max_steps"] == steps
