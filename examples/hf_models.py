@@ -6,14 +6,19 @@ downloaded). Both examples train the same model on the same data; only the front
 ``gpt2`` a small ``GPT2LMHeadModel`` (learned positions, its output head tied to the token embedding). Both use
 Hugging Face's own classes unchanged; replace ``causal_lm`` with ``AutoModelForCausalLM.from_pretrained(...)`` and
 ``MarkovTokens`` with your tokenized corpus for a real run.
+
+``StepPace`` is not part of either training script: it is the demos' pacing on one machine (``--min-step-time-s``),
+which the examples attach from outside the model (a Lightning callback; a marked call in the Accelerate loop), and
+only when that flag is given.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
-import time
 from collections.abc import Callable
+from time import monotonic, sleep
 
 import torch
 from torch.utils.data import Dataset
@@ -87,13 +92,36 @@ class StepPace:
     is back (the recipes' ``trainer.min_step_time_s``). With ``pace_file``, only while that file exists: a test lets
     go of the pace by deleting it once the group is back."""
 
-    def __init__(self, min_step_time_s: float = 0.0, pace_file: str | None = None) -> None:
-        if min_step_time_s < 0:
-            raise ValueError(f"--min-step-time-s must be >= 0, got {min_step_time_s}")
+    def __init__(self, min_step_time_s: float, pace_file: str | None = None) -> None:
+        if not 0 < min_step_time_s < math.inf:  # NaN too
+            raise ValueError(f"--min-step-time-s must be a finite number > 0, got {min_step_time_s}: give the pad "
+                             "in seconds (0 or no flag: no pad)")
         self.min_step_time_s, self.pace_file = min_step_time_s, pace_file
-        self._last = time.monotonic()
+        self._last = monotonic()
+
+    @staticmethod
+    def add_flags(parser: argparse.ArgumentParser) -> None:
+        """The demos' pacing flags: none of them is needed to train."""
+        parser.add_argument("--min-step-time-s", type=float,
+                            help="demos on one machine: pad each step to this many seconds (default, 0: no pad)")
+        parser.add_argument("--pace-file", help="with --min-step-time-s: pad steps only while this file exists")
+
+    @classmethod
+    def from_flags(cls, parser: argparse.ArgumentParser, args: argparse.Namespace) -> StepPace | None:
+        """The pace that ``add_flags``' flags in ``args`` ask for; None without ``--min-step-time-s`` or with 0 (no
+        pad, as the recipes' ``trainer.min_step_time_s: 0``). A ``--pace-file`` then (it would pace nothing) or a
+        negative or non-finite pad is ``parser``'s usage error."""
+        if not args.min_step_time_s:
+            if args.pace_file is not None:
+                parser.error(f"--pace-file {args.pace_file} paces nothing without a --min-step-time-s above 0: "
+                             "give --min-step-time-s SECONDS too, or leave --pace-file out")
+            return None
+        try:
+            return cls(args.min_step_time_s, args.pace_file)
+        except ValueError as error:
+            parser.error(str(error))
 
     def step_ended(self) -> None:
-        if self.min_step_time_s and (self.pace_file is None or os.path.exists(self.pace_file)):
-            time.sleep(max(0.0, self.min_step_time_s - (time.monotonic() - self._last)))
-        self._last = time.monotonic()
+        if self.pace_file is None or os.path.exists(self.pace_file):
+            sleep(max(0.0, self.min_step_time_s - (monotonic() - self._last)))
+        self._last = monotonic()

@@ -1,8 +1,7 @@
 """Fault-tolerant HSDP for a Hugging Face causal LM in an Accelerate loop: the loop you would write for a
 ``transformers`` model, plus the few lines of ``FaultTolerantHSDP``.
 
-``fthsdp launch`` starts the lighthouse and one launch per replica group, kills one and reports (the pad
-of ``--min-step-time-s`` gives a killed group of this tiny model time to come back on one machine)::
+``fthsdp launch`` starts the lighthouse and one launch per replica group, kills one and reports::
 
     fthsdp launch --script examples/train_hf_accelerate.py --replicas 2 --shard-count 2 \\
         --chaos kill:at=step40:group=b -- --steps 150 --arch gpt2 --min-step-time-s 0.5
@@ -11,6 +10,10 @@ The model is ``transformers``' own ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` (
 with FSDP2 by Accelerate on GPUs. On a machine without GPUs the script passes ``Accelerator(cpu=True)``: the group's
 ranks then join over gloo and Accelerate runs DDP inside the group (it enables FSDP for GPU-like devices only).
 Needs the ``hf`` and ``accelerate`` extras.
+
+The loop is the one you would write; the step marked "demo pacing" is not part of it: with
+``--min-step-time-s`` (demos on one machine: it gives a killed group of this tiny model time to come back before the
+others finish) it pads each optimizer step, without it it does nothing.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--samples", type=int, default=8192, help="sequences in the dataset")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--min-step-time-s", type=float, default=0.0, help="pad each step to this (demos)")
-    parser.add_argument("--pace-file", help="pad steps only while this file exists")
+    StepPace.add_flags(parser)
     args = parser.parse_args()
-    pace = StepPace(args.min_step_time_s, args.pace_file)
+    pace = StepPace.from_flags(parser, args)
 
     # Each decoder layer its own FSDP unit (the model's _no_split_modules), the rest, a tied head too, in the root.
     sharding = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
@@ -58,12 +60,13 @@ def main() -> None:
                 loss = model(**batch).loss  # Hugging Face shifts the labels itself
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    pace.step_ended()
                     ft.sync_gradients()  # cross-group exchange + commit vote, retried until committed
                 optimizer.step()
                 optimizer.zero_grad()
             if ft.step >= args.steps:
                 break
+            if pace is not None and accelerator.sync_gradients:
+                pace.step_ended()  # demo pacing (--min-step-time-s), outside the training code
             if ft.step % 20 == 0 and accelerator.sync_gradients and accelerator.is_main_process:
                 print(f"step {ft.step}: loss {loss.item():.3f} (the data's floor: {data.floor:.3f})", flush=True)
     accelerator.end_training()

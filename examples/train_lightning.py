@@ -82,7 +82,8 @@ class TinyData(pl.LightningDataModule):
 
 class StepRecorder(CommittedStepCallback):
     """Writes what each rank committed, so tests check invariants from outside; ``sleep_s`` paces the steps, while
-    ``pace_file`` exists if one is given (a test lets go of the pace by deleting it)."""
+    ``pace_file`` exists if one is given (a test lets go of the pace by deleting it). Test and demo plumbing, kept
+    out of the model: without its options it does nothing (no digests, no gather of the full parameters)."""
 
     def __init__(self, jsonl: str | None = None, params: str | None = None, sleep_s: float = 0.0,
                  pace_file: str | None = None, ballast_mib: int = 0) -> None:
@@ -98,6 +99,13 @@ class StepRecorder(CommittedStepCallback):
 
     def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int) -> None:
+        if self.jsonl:
+            self._write(trainer, self._commit_record(trainer, pl_module, batch, batch_idx))
+        if self.sleep_s and (self.pace_file is None or os.path.exists(self.pace_file)):
+            time.sleep(self.sleep_s)
+
+    def _commit_record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                       batch_idx: int) -> dict[str, Any]:
         record = {"event": "commit", "global_step": trainer.global_step, "epoch": trainer.current_epoch,
                   "batch_idx": batch_idx, "lr": trainer.optimizers[0].param_groups[0]["lr"],
                   "params_sha256": _digest(pl_module), "batch_sha256": _digest_tensors(batch),
@@ -108,11 +116,11 @@ class StepRecorder(CommittedStepCallback):
             record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,
                        "participants": list(manager.participants), "discarded": manager.discarded_steps,
                        "catch_up_log": manager.catch_up_log}
-        self._write(trainer, record)
-        if self.sleep_s and (self.pace_file is None or os.path.exists(self.pace_file)):
-            time.sleep(self.sleep_s)
+        return record
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (self.jsonl or self.params):
+            return  # the same options on every rank of a group: all of them skip the gather below
         full = {name: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
                 for name, p in pl_module.named_parameters()}  # a collective inside the group: every rank calls it
         if self.params and trainer.global_rank == 0:

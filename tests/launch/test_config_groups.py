@@ -69,11 +69,27 @@ def test_a_choice_replaces_the_option_where_the_tree_names_it_and_the_recipe_key
     assert swapped.ft.checkpoint_dir == ""  # loopback's checkpoints went with it: replaced, not layered
 
 
-def test_a_choice_of_a_group_the_recipe_never_names_merges_under_its_own_keys(tmp_path: Path) -> None:
+def test_a_group_the_recipe_never_names_is_appended_with_plus_under_its_own_keys(tmp_path: Path) -> None:
     (tmp_path / "own.yaml").write_text("defaults:\n  - model: tiny_gpt\ndata:\n  init_args: {context: 32}\n")
-    recipe = load_recipe(tmp_path / "own.yaml", ["data=stdlib_64mb"])
+    recipe = load_recipe(tmp_path / "own.yaml", ["+data=stdlib_64mb"])
     data, model = recipe.data["init_args"], recipe.model["init_args"]
     assert (data["corpus_mb"], data["context"], model["context"]) == (64.0, 32, 32)  # the model follows its data
+    with pytest.raises(RecipeError, match=r"override 'data=stdlib_64mb': could not override data: the defaults list "
+                                          r"names no data \(its groups: model\); to append it: \+data=stdlib_64mb"):
+        load_recipe(tmp_path / "own.yaml", ["data=stdlib_64mb"])  # Hydra's refusal: a typo must not add a group
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ("{_target_: my.Text, context: 128, features: 3}", (128, 3)),  # Hydra's form: the arguments beside _target_
+    ("{class_path: my.Text, init_args: {context: 32, features: 5}}", (32, 5)),  # LightningCLI's form
+    ("{_target_: my.Text}", (64, 8)),  # a data module that says neither: the option's own default
+])
+def test_the_shipped_models_follow_the_datas_sequence_length_and_features_in_either_form(
+        tmp_path: Path, data: str, expected: tuple[int, int]) -> None:
+    (tmp_path / "gpt.yaml").write_text(f"defaults:\n  - model: tiny_gpt\ndata: {data}\n")
+    (tmp_path / "mlp.yaml").write_text(f"defaults:\n  - model: mlp\ndata: {data}\n")
+    assert (load_recipe(tmp_path / "gpt.yaml").model["init_args"]["context"],
+            load_recipe(tmp_path / "mlp.yaml").model["init_args"]["features"]) == expected
 
 
 def test_plain_recipe_names_and_group_entries_mix_in_one_defaults_list(tmp_path: Path) -> None:

@@ -32,8 +32,8 @@ def project(tmp_path: Path) -> Path:
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     (recipes / "base.yaml").write_text("defaults:\n  - trainer: slow\n  - ft: near\n")
-    (recipes / "job.yaml").write_text("defaults:\n  - base\n  - ft: far\n  - model: net\ntrainer:\n  seed: 7\n"
-                                      "data:\n  class_path: pkg.Rows\n")
+    (recipes / "job.yaml").write_text("defaults:\n  - base\n  - override ft: far\n  - model: net\ntrainer:\n"
+                                      "  seed: 7\nft:\n  checkpoint_dir: ckpt\ndata:\n  class_path: pkg.Rows\n")
     return recipes
 
 
@@ -117,15 +117,37 @@ def test_command_line_group_edits(project: Path) -> None:
         load_recipe(project / "job.yaml", ["~trainer=fast"])
 
 
-def test_a_command_line_choice_replaces_the_groups_choice_and_keeps_the_layers_under_it(project: Path) -> None:
-    # job.yaml layers ft: far over base's ft: near (near's checkpoint settings stay): choosing ft=far on the command
-    # line is what the recipe already chose, so nothing changes, as in Hydra.
+def test_a_command_line_choice_replaces_the_groups_choice_and_the_recipes_own_keys_win(project: Path) -> None:
+    # job.yaml overrides base's ft: near with far, keeping a checkpoint folder in its own body: choosing ft=far on
+    # the command line is what the recipe already chose, so nothing changes, as in Hydra.
     as_written = load_recipe(project / "job.yaml")
     assert load_recipe(project / "job.yaml", ["ft=far"]) == as_written
-    assert (as_written.ft.checkpoint_dir, as_written.ft.lr_scaling) == ("ckpt", "linear")
+    assert (as_written.ft.checkpoint_dir, as_written.ft.checkpoint_every_n_steps, as_written.ft.lr_scaling) == (
+        "ckpt", 0, "linear")  # near's checkpoint_every_n_steps went with it: replaced, not layered
     swapped = load_recipe(project / "job.yaml", ["ft=near"])
-    assert (swapped.ft.checkpoint_dir, swapped.ft.lr_scaling) == ("ckpt", "none")
+    assert (swapped.ft.checkpoint_every_n_steps, swapped.ft.lr_scaling) == (5, "none")
     assert load_recipe(project / "job.yaml", ["trainer=fast"]).trainer.seed == 7  # the recipe's own keys still win
+
+
+@pytest.mark.parametrize(("text", "first"), [
+    ("defaults:\n  - base\n  - ft: far\n", r"near from recipe .*base\.yaml"),  # over an included recipe's choice
+    ("defaults:\n  - ft: near\n  - ft: far\n", r"near from recipe .*twice\.yaml"),  # in one file
+])
+def test_a_group_named_twice_in_a_defaults_tree_is_refused_naming_override(project: Path, text: str,
+                                                                            first: str) -> None:
+    (project / "twice.yaml").write_text(text)
+    with pytest.raises(RecipeError, match=rf"twice\.yaml: multiple values for ft \({first}, then far\): a group has "
+                                          r"one entry in a defaults list, as in Hydra; to replace the earlier choice "
+                                          r"write 'override ft: far'"):
+        load_recipe(project / "twice.yaml")
+
+
+def test_a_groups_option_is_a_yaml_string_and_one_option(project: Path) -> None:
+    assert load_recipe(project / "job.yaml", ["trainer='fast'"]) == load_recipe(project / "job.yaml", ["trainer=fast"])
+    with pytest.raises(RecipeError, match=r"override 'trainer=\[slow,fast\]': several options of one group are not "
+                                          r"supported: choose one \(trainer=OPTION\), or run one job per option with "
+                                          r"fthsdp launch -m trainer=A,B"):
+        load_recipe(project / "job.yaml", ["trainer=[slow,fast]"])
 
 
 def test_the_shipped_gpu_recipe_keeps_its_checkpoint_settings_under_its_own_ft_choice() -> None:
@@ -163,8 +185,12 @@ def test_defaults_syntax_beyond_the_grammar_is_refused(project: Path, entry: str
 
 def test_a_sweep_needs_dash_m_and_a_quoted_comma_is_one_value(project: Path) -> None:
     with pytest.raises(RecipeError, match=r"'trainer=slow,fast' has 2 comma-separated values: a sweep runs one job "
-                                          r"per value with fthsdp launch -m"):
+                                          r"per value with fthsdp launch -m; without -m, choose one option "
+                                          r"\(trainer=slow\)$"):  # a group takes no list: no bracketing advice
         load_recipe(project / "job.yaml", ["trainer=slow,fast"])
+    with pytest.raises(RecipeError, match=r"'trainer\.seed=1,2' has 2 .*quote it \(trainer\.seed='a,b'\); for a list, "
+                                          r"bracket it \(trainer\.seed=\[a,b\]\)"):
+        load_recipe(project / "job.yaml", ["trainer.seed=1,2"])
     quoted = load_recipe(project / "job.yaml", ["launch.chaos='kill:at=step5,kill:at=step7'"])
     assert quoted.launch.chaos == "kill:at=step5,kill:at=step7"
     assert load_recipe(project / "job.yaml", ["+model.init_args.sizes=[1,2]"]).model["init_args"]["sizes"] == [1, 2]
@@ -179,7 +205,7 @@ def test_a_sweep_expands_to_every_combination_the_last_varying_fastest() -> None
 
 
 def test_launch_refuses_hydras_application_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    for flag in (["--cfg", "job"], ["--config-name", "x"], ["-cp", "conf"]):
+    for flag in (["--cfg", "job"], ["-c", "job"], ["--config-name", "x"], ["-cp", "conf"]):
         with pytest.raises(SystemExit):
             main(["launch", str(ROOT / "recipes" / "mlp.yaml"), *flag])
         assert f"{flag[0]} is Hydra's and not supported" in capsys.readouterr().err

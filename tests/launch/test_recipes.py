@@ -92,3 +92,17 @@ def test_a_renamed_key_set_twice_differently_is_refused(tmp_path: Path) -> None:
     (tmp_path / "plain.yaml").write_text("launch: {replicas: 2}\n")
     with pytest.raises(RecipeError, match=r"overrides set both launch\.devices_per_replica=3"):
         load_recipe(tmp_path / "plain.yaml", ["launch.devices_per_replica=3", "launch.shard_count=2"])
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("task: lm\nlm: {n_layer: 4}\n", "task, lm"),
+    ("regression: {width: 8}\n", "regression"),
+])
+def test_a_recipe_of_the_old_task_form_is_told_what_to_write_instead(tmp_path: Path, text: str, named: str) -> None:
+    (tmp_path / "old.yaml").write_text(f"defaults: [{{trainer: cpu}}]\n{text}")
+    with pytest.raises(RecipeError, match=rf"old\.yaml: {named}: recipes no longer choose a task; a recipe names its "
+                                          r"model and data .*For task: lm, put model: tiny_gpt and data: stdlib_2mb "
+                                          r".*for task: regression, model: mlp and data: generated .*class_path"):
+        load_recipe(tmp_path / "old.yaml")
+    with pytest.raises(RecipeError, match=r"override 'lm\.n_layer=4': lm: recipes no longer choose a task"):
+        load_recipe(RECIPES / "mlp.yaml", ["lm.n_layer=4"])

@@ -1,13 +1,14 @@
 """How the supervisor ends a group's incarnation, with real processes: an exit 0 is never restarted (without its
-``end`` record it is reported as ``exited``), starts that fail the same way twice before a committed step stop the job
-with that error, and every other failure is restarted within the budget."""
+``end`` record it is reported as ``exited``; under a placement, unless a node of the incarnation was lost), starts
+that fail the same way twice before the group's first committed step stop the job with that error (unless a fault
+overlapped them), and every other failure is restarted within the budget."""
 
 from __future__ import annotations
 
 import secrets
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,18 @@ from lightning_fthsdp.launch.chaos import Injection
 from lightning_fthsdp.launch.processes import Job, wait_for
 from lightning_fthsdp.launch.report import build_report
 from lightning_fthsdp.launch.start_errors import describe, last_error
-from lightning_fthsdp.launch.supervisor import DONE, DOWN, EXITED, FAILED, START_FAILED, Supervisor
+from lightning_fthsdp.launch.supervisor import (
+    ABANDONED,
+    DONE,
+    DOWN,
+    EXITED,
+    FAILED,
+    START_FAILED,
+    Supervisor,
+)
+from lightning_fthsdp.slurm import queries
+from lightning_fthsdp.slurm.nodes import NodePool
+from lightning_fthsdp.slurm.placement import SlurmPlacement
 
 # What a group's process can write: the launch records of docs/launch.md, to $FTHSDP_RECORD.
 RECORD = ("import json, os, time\n"
@@ -43,7 +55,11 @@ class Python:
 
 @dataclass
 class AnywhereElse:
-    """A placement (as ``fthsdp slurm``'s): its exit codes are a scheduler's, not the group's own."""
+    """A placement (as ``fthsdp slurm``'s) whose every incarnation's nodes are lost, or none: its exit codes are a
+    scheduler's; it records what the supervisor told it."""
+
+    nodes_lost: bool
+    exits: list[tuple[str, bool]] = field(default_factory=list)
 
     def lighthouse(self) -> tuple[str, tuple[str, ...]]:
         return "127.0.0.1", ()
@@ -52,7 +68,11 @@ class AnywhereElse:
               env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         return argv, env
 
+    def lost(self, replica_id: str) -> bool:
+        return self.nodes_lost
+
     def exited(self, replica_id: str, done: bool) -> bool:
+        self.exits.append((replica_id, done))
         return True
 
     def poll(self) -> None:
@@ -60,18 +80,26 @@ class AnywhereElse:
 
 
 def supervise(tmp_path: Path, code: str, *, replica_ids: tuple[str, ...] = ("a",), max_restarts: int = 3,
-              placement: AnywhereElse | None = None, until: Any = None) -> Supervisor:
-    """Run the groups under a supervisor until every one has ended, the job must stop (``start_failure``) or
-    ``until(supervisor)``; every process is ended before returning."""
-    job = Job(tmp_path / "logs")
-    job.workdir.mkdir()
+              placement: AnywhereElse | None = None, until: Any = None, job: Job | None = None,
+              meanwhile: Any = None, abandon: bool = False) -> Supervisor:
+    """Run the groups under a supervisor (of ``job``: one without a lighthouse by default) until every one has ended,
+    the job must stop (``start_failure``) or ``until(supervisor)``; ``meanwhile(supervisor)`` runs once after the
+    groups started; ``abandon``: each round also ends stranded groups, as the launcher's loop does. Every process is
+    ended before returning."""
+    if job is None:
+        job = Job(tmp_path / "logs")
+        job.workdir.mkdir()
     sup = Supervisor(job, Python(code), tmp_path, list(replica_ids), max_restarts=max_restarts,
                      restart_delay_s=0.05, placement=placement)
     try:
         sup.start_all()
+        if meanwhile is not None:
+            meanwhile(sup)
 
         def over() -> bool:
             sup.poll()
+            if abandon:
+                sup.abandon_stranded()
             return sup.finished or sup.start_failure is not None or (until is not None and until(sup))
 
         wait_for(over, 25, "the groups to end")
@@ -100,10 +128,54 @@ def test_a_group_that_exits_0_is_never_restarted_and_without_its_end_record_is_r
     assert rep["final_params_identical"] is True and rep["job_completed"] is False  # b's final state is unknown
 
 
-def test_under_a_placement_an_exit_0_without_the_end_record_is_restarted(tmp_path: Path) -> None:
-    # A SLURM step whose node was lost exits 0 without the record: that group has not finished.
-    sup = supervise(tmp_path, "pass", placement=AnywhereElse(), until=lambda s: s.groups["a"].incarnation >= 1)
-    assert sup.groups["a"].exit_codes[0] == 0 and sup.groups["a"].incarnation >= 1
+def test_under_a_placement_an_exit_0_on_nodes_that_are_up_is_never_restarted(tmp_path: Path) -> None:
+    placement = AnywhereElse(nodes_lost=False)
+    sup = supervise(tmp_path, "record('commit', step=3, participants=['a'])\n", placement=placement)
+    a = sup.groups["a"]
+    assert (a.status, a.incarnation, a.exit_codes) == (EXITED, 0, [0])
+    assert placement.exits == [("a", True)]  # over: SLURM's node pool takes it for finished
+    assert not (tmp_path / "logs" / "a.1.log").exists()
+
+
+def test_under_a_placement_an_exit_0_on_a_lost_node_is_restarted_and_no_failed_start(tmp_path: Path) -> None:
+    # A SLURM step whose node was lost exits 0 (srun's code, not the group's): that group has not finished.
+    placement = AnywhereElse(nodes_lost=True)
+    sup = supervise(tmp_path, "print('srun: error: node lost')", placement=placement, max_restarts=2)
+    a = sup.groups["a"]
+    assert (a.status, a.exit_codes, a.failed_starts, sup.start_failure) == (FAILED, [0, 0, 0], [], None)
+    assert placement.exits == [("a", False)] * 2  # the budget's two restarts, each moved off the lost node
+
+
+def test_a_slurm_placement_takes_a_node_down_or_gone_from_the_job_for_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes, down = ["n1", "n2", "n3"], set()
+    monkeypatch.setattr(queries, "job_nodes", lambda job_id: list(nodes))
+    monkeypatch.setattr(queries, "node_fields",
+                        lambda node: {"State": "DOWN+NOT_RESPONDING" if node in down else "ALLOCATED"})
+    placement = SlurmPlacement("7", "n1", NodePool(list(nodes), ["a", "b"], 1, lambda node: True), ranks_per_node=1,
+                               gpus=False)
+    assert (placement.lost("a"), placement.lost("b")) == (False, False)
+    down.add("n2")
+    assert (placement.lost("a"), placement.lost("b")) == (False, True)
+    nodes.remove("n1")  # under --no-kill a lost node leaves the job
+    assert placement.lost("a") is True
+
+    def no_answer(job_id: str) -> list[str]:
+        raise queries.SlurmError("squeue: error: slurm_load_jobs error: Socket timed out")
+
+    monkeypatch.setattr(queries, "job_nodes", no_answer)
+    down.clear()
+    assert placement.lost("a") is True  # it cannot tell: restarting is the safe side
+
+
+def test_a_group_that_exited_0_strands_the_ones_still_starting(tmp_path: Path) -> None:
+    # b never commits a step: once a exited (as if done) and none trains, b has no peer to catch up from.
+    sup = supervise(tmp_path, "import os, time\n"
+                              "if os.environ['FTHSDP_REPLICA_ID'] == 'a':\n"
+                              "    record('commit', step=3, participants=['a'])\n"
+                              "else:\n"
+                              "    time.sleep(60)\n", replica_ids=("a", "b"), abandon=True)
+    assert (sup.groups["a"].status, sup.groups["b"].status) == (EXITED, ABANDONED)
+    assert sup.groups["b"].incarnation == 0
 
 
 def test_starts_that_fail_the_same_way_twice_stop_the_job_with_that_error(tmp_path: Path) -> None:
@@ -138,6 +210,75 @@ def test_a_start_that_committed_a_step_is_no_failed_start(tmp_path: Path) -> Non
     state = sup.groups["a"]
     assert state.status == FAILED and sup.start_failure is None and state.failed_starts == []
     assert state.exit_codes == [1, 1, 1]
+
+
+def test_after_the_groups_first_committed_step_failures_use_the_restart_budget(tmp_path: Path) -> None:
+    # Incarnation 0 trains until it is killed; every later one fails the same way before committing a step (say its
+    # checkpoint went bad): its set-up worked once, so this is no set-up error to stop the job for.
+    job = Job(tmp_path / "logs")
+    job.workdir.mkdir()
+    code = ("import os, time\n"
+            "if os.environ['FTHSDP_RECORD'].endswith('.0.jsonl'):\n"
+            "    record('commit', step=1, participants=['a'])\n"
+            "    time.sleep(60)\n"
+            "raise ValueError('the same every time')\n")
+    sup = Supervisor(job, Python(code), tmp_path, ["a"], max_restarts=3, restart_delay_s=0.05)
+    try:
+        sup.start_all()
+        wait_for(lambda: sup.poll() or sup.groups["a"].step == 1, 20, "a's first committed step")
+        sup.inject(Injection("kill", "a", 0.0, "kill:at=step1:group=a"))
+        wait_for(lambda: sup.poll() or sup.finished or sup.start_failure is not None, 25, "a to end")
+    finally:
+        job.close()
+    state = sup.groups["a"]
+    assert (state.status, sup.start_failure, state.failed_starts) == (FAILED, None, [])
+    assert state.exit_codes == [-9, 1, 1, 1] and state.restarts == 3
+
+
+@pytest.mark.parametrize("outage", ["down at the start", "restarted during it"])
+@pytest.mark.timeout(60)
+def test_a_start_during_a_lighthouse_outage_is_no_failed_start(outage: str, tmp_path: Path) -> None:
+    # Incarnation 0 fails once the test lets it (after the outage); the later ones fail the same way at once. Only
+    # those two, with the lighthouse up all along, are counted: they stop the job.
+    job = Job(tmp_path / "logs")
+    job.workdir.mkdir()
+    job.start_lighthouse()
+    if outage == "down at the start":
+        job.kill_lighthouse()
+    go = tmp_path / "go"
+    code = ("import os, time\n"
+            f"while os.environ['FTHSDP_RECORD'].endswith('.0.jsonl') and not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.02)\n"
+            "raise ValueError('the same every time')\n")
+
+    def outage_then_go(sup: Supervisor) -> None:
+        if outage == "restarted during it":
+            job.kill_lighthouse()
+        job.start_lighthouse()  # back at its address, as the launcher's loop restarts it
+        go.touch()
+
+    sup = supervise(tmp_path, code, job=job, max_restarts=5, meanwhile=outage_then_go)
+    state = sup.groups["a"]
+    assert state.status == START_FAILED and state.exit_codes == [1, 1, 1]
+    assert [f["incarnation"] for f in state.failed_starts] == [1, 2]
+    assert sup.start_failure == {"replica_id": "a", **state.failed_starts[-1]}
+
+
+def test_starts_while_another_group_is_hung_by_the_chaos_schedule_are_no_failed_starts(tmp_path: Path) -> None:
+    # b is hung (for longer than the test) as a's first start runs, and through its restarts: a's failures may be
+    # the fault's doing, so they only use its restart budget.
+    code = ("import os, time\n"
+            "if os.environ['FTHSDP_REPLICA_ID'] == 'b':\n"
+            "    time.sleep(60)\n"
+            "raise ValueError('the same every time')\n")
+
+    def hang_b(sup: Supervisor) -> None:
+        sup.inject(Injection("hang", "b", 60.0, "hang:at=1s:group=b:for=60s"))
+
+    sup = supervise(tmp_path, code, replica_ids=("a", "b"), max_restarts=2, meanwhile=hang_b,
+                    until=lambda s: s.groups["a"].status == FAILED)
+    state = sup.groups["a"]
+    assert (state.status, state.exit_codes, state.failed_starts, sup.start_failure) == (FAILED, [1, 1, 1], [], None)
 
 
 def test_an_injected_kill_is_no_failed_start(tmp_path: Path) -> None:

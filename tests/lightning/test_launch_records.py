@@ -1,6 +1,6 @@
 """``Trainer(strategy="fthsdp")`` writes the launch records itself when ``$FTHSDP_RECORD`` is set (what
-``fthsdp launch`` follows): with no recorder in the script, and once only when the script adds one under its former
-name."""
+``fthsdp launch`` follows): with no recorder in the script, with one that only paces, and once only when the script
+adds one that writes."""
 
 from __future__ import annotations
 
@@ -43,12 +43,16 @@ def trainer(fn: TrainerFn, callbacks: list[pl.Callback] | None = None) -> pl.Tra
     return t
 
 
-def test_a_fit_gets_a_recorder_of_the_variables_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["none", "pacing only"])
+def test_a_fit_gets_a_recorder_of_the_variables_path(case: str, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
     monkeypatch.setenv(ENV_RECORD, str(tmp_path / "a.0.jsonl"))
-    t = trainer(TrainerFn.FITTING)
+    # A recorder without a path (fthsdp fit's pacing of tiny models) records nothing: it does not count.
+    own = [LaunchRecorder(None, min_step_time_s=0.1)] if case == "pacing only" else []
+    t = trainer(TrainerFn.FITTING, list(own))
     recorder = attach_from_env(t)
     assert recorder is not None and recorder.jsonl == str(tmp_path / "a.0.jsonl")
-    assert [c for c in t.callbacks if isinstance(c, LaunchRecorder)] == [recorder]
+    assert [c for c in t.callbacks if isinstance(c, LaunchRecorder)] == [*own, recorder]
 
 
 @pytest.mark.parametrize("case", ["unset", "validate", "has one"])
@@ -57,7 +61,8 @@ def test_no_recorder_is_added(case: str, monkeypatch: pytest.MonkeyPatch, tmp_pa
         monkeypatch.delenv(ENV_RECORD, raising=False)
     else:
         monkeypatch.setenv(ENV_RECORD, str(tmp_path / "a.0.jsonl"))
-    own = [LaunchRecorder(None, min_step_time_s=0.1)] if case == "has one" else []  # fthsdp fit's pacing only
+    # fthsdp fit's own (or a script's), writing where the variable says.
+    own = [LaunchRecorder(str(tmp_path / "a.0.jsonl"))] if case == "has one" else []
     t = trainer(TrainerFn.VALIDATING if case == "validate" else TrainerFn.FITTING, own)
     before = list(t.callbacks)
     assert attach_from_env(t) is None

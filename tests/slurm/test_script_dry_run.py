@@ -1,5 +1,5 @@
-"""``fthsdp slurm --script`` and recipes naming any module, without a cluster: the group steps ``--dry-run`` prints,
-and the refusals that come before anything is written or submitted."""
+"""``fthsdp slurm --script`` (with the recipe that drives its job) and recipes naming any module, without a cluster:
+the group steps ``--dry-run`` prints, and the refusals that come before anything is written or submitted."""
 
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ def test_a_script_runs_under_torchrun_over_each_groups_nodes_without_the_steps_t
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+def test_a_scripts_gpu_recipe_asks_for_the_gpus_of_its_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    common = ["--script", str(script), "--replicas", "2", "--shard-count", "4", "--nodes-per-replica", "2", "--out",
+              str(tmp_path / "run"), "--dry-run"]
+    done = slurm(*common, "--recipe", str(ROOT / "recipes" / "llama_gpu.yaml"), "--", "--steps", "9")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --gpus-per-node=2" in done.stdout.splitlines()  # 4 ranks over 2 nodes
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in done.stdout
+    argv = group_steps(done.stdout)["a"]
+    assert "--gpus-per-node=2" in argv and argv[-3:] == [str(script), "--steps", "9"]
+    assert "the model and data of --recipe" in done.stderr and "are not used" in done.stderr
+    # Without --recipe: the schema's CPU defaults, as before.
+    cpu = slurm(*common, "--", "--steps", "9")
+    assert cpu.returncode == 0, cpu.stderr
+    assert "gpus-per-node" not in cpu.stdout and "TORCH_NCCL" not in cpu.stdout
+
+
 def test_a_recipe_step_runs_fthsdp_fit_told_its_nodes(tmp_path: Path) -> None:
     done = slurm(str(ROOT / "recipes" / "mlp.yaml"), "--replicas", "2", "--shard-count", "2", "--nodes-per-replica",
                  "2", "--out", str(tmp_path / "run"), "--dry-run")
@@ -59,7 +77,10 @@ def test_refusals_come_before_anything_is_written(tmp_path: Path) -> None:
     recipe = str(write_recipe(tmp_path / "recipe.yaml", "lightning", 5))
     cases = [
         (["--script", str(tmp_path / "missing.py")], "--script", "no such file (on a file system every node shares)"),
-        (["--script", __file__, "--shard-count", "0"], "--shard-count must be >= 1, got 0"),
+        (["--script", __file__, "--shard-count", "0"], "launch.shard_count=0 is too small; allowed values: >= 1"),
+        ([str(ROOT / "recipes" / "mlp.yaml"), "--set", "ft.min_replicas=2"], "--recipe and --set are for --script"),
+        (["--script", __file__, "--recipe", str(ROOT / "recipes" / "mlp.yaml"), "--set", "launch.chaos=kill:at=step3"],
+         "launch.chaos='kill:at=step3' is fthsdp launch's"),
         ([str(ROOT / "recipes" / "mlp.yaml"), "launch.chaos=kill:at=step3"], "launch.chaos='kill:at=step3' is "
          "fthsdp launch's: on SLURM inject failures with scancel"),
         ([recipe, "model.init_args.hidden=wide"], "model: outside_models.Wave", 'Parser key "hidden"'),

@@ -3,7 +3,8 @@ fault-tolerant job (docs/kubernetes.md): the recipe as a ConfigMap, the lighthou
 replica groups as a JobSet (only a failed group's child Job restarts: JobSet v0.12+ with feature gate RestartJob) or as
 a LeaderWorkerSet (RecreateGroupOnPodRestart; delete it when training ends). Apply with ``kubectl apply -f -`` after
 creating the token Secret. ``--script PATH`` (a path inside the image; its arguments after ``--``) runs a user's
-script in every group pod instead of ``fthsdp fit``. The recipe's ``launch.chaos`` is refused (it is ``fthsdp
+script in every group pod instead of ``fthsdp fit``, its job's trainer (GPUs), ft and launch settings from ``--recipe
+R.yaml`` with ``--set key=value`` (``launch.job_args``). The recipe's ``launch.chaos`` is refused (it is ``fthsdp
 launch``'s). These manifests were not run on a cluster here; their structure is tested.
 """
 
@@ -13,12 +14,11 @@ import argparse
 
 from lightning_fthsdp.launch.cluster_args import (
     add_job_arguments,
-    job_recipe,
     ranks_per_node,
     refuse_chaos,
     refuse_one_advertise_host,
-    script_args,
 )
+from lightning_fthsdp.launch.job_args import job_recipe, script_args
 
 EXTRAS = ("launch",)
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.recipes.loader import RecipeError, to_yaml
 
     try:
-        recipe = job_recipe(args)
+        recipe = job_recipe(args, "fthsdp k8s")
         per = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per, node="pod")
         refuse_one_advertise_host(recipe.ft.advertise_host, "pod", "its pod IP, $FTHSDP_ADVERTISE_HOST")

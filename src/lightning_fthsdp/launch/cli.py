@@ -2,7 +2,8 @@
 
 Starts the lighthouse and one ``fthsdp fit`` launch per replica group (Lightning's launcher starts the group's
 ``--shard-count`` ranks), or with ``--script SCRIPT.py`` one launch of that script per group (arguments after
-``--`` go to the script, which follows the contract of docs/launch.md); restarts a group that dies (up to
+``--`` go to the script, which follows the contract of docs/launch.md; ``--recipe`` and ``--set`` give its job's
+recipe: ``launch.job_args``); restarts a group that dies (up to
 ``launch.max_restarts`` per ``launch.restart_window_s``), injects the ``--chaos`` schedule (grammar:
 ``lightning_fthsdp.launch.chaos``, docs/launch.md), shows a live view, and at the end writes ``DIR/report.json``,
 ``DIR/report.png`` and ``DIR/recipe.yaml`` (the resolved recipe) and prints a summary. Exit code 0 when the job
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import signal
 import string
@@ -34,11 +34,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_fthsdp.config.env import ENV_RESUME_STEP
 from lightning_fthsdp.config.renamed import deprecation
 from lightning_fthsdp.launch import multirun
-from lightning_fthsdp.launch.run_folder import checkpoint_folder, prepare, resume_point, usable
+from lightning_fthsdp.launch.job_args import add_arguments
+from lightning_fthsdp.launch.run_folder import prepare
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
-    from lightning_fthsdp.launch.commands import GroupCommand, ScriptCommand
+    from lightning_fthsdp.launch.commands import GroupCommand
     from lightning_fthsdp.launch.processes import Job
     from lightning_fthsdp.launch.supervisor import Placement
     from lightning_fthsdp.launch.view import ConsoleView
@@ -75,17 +76,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", type=Path, nargs="?", metavar="RECIPE.yaml",
-                        help="an omegaconf recipe (recipes/*.yaml); with --script, the script's first argument")
-    parser.add_argument("overrides", nargs="*", metavar="group=option | key=value",
-                        help="config group choices and recipe overrides, e.g. model=mlp trainer.max_steps=50; with "
-                             "--script, the script's arguments (after --)")
+    add_arguments(parser, script_help="run this script per replica group instead of a recipe (plain PyTorch, "
+                                      "Accelerate, Lightning); its arguments follow --")
     parser.add_argument("--print-config", action="store_true",
                         help="print the composed, validated recipe (YAML, every field; with --script: the script, its "
                              "arguments and the launch and ft settings) and exit without launching")
-    parser.add_argument("--script", type=Path, default=None, metavar="SCRIPT.py",
-                        help="run this script per replica group instead of a recipe (plain PyTorch, Accelerate, "
-                             "Lightning); its arguments follow --")
     parser.add_argument("--target-steps", type=int, default=None, metavar="N",
                         help="with --script: the committed step the script trains to, for the view, the chaos "
                              "schedule and the report (default: the highest step a group ended at)")
@@ -124,100 +119,24 @@ def run(args: argparse.Namespace) -> int:
     if args.multirun:
         return multirun.sweep(args, run)
     if args.script is not None:
-        return _run_script(args)
-    if args.recipe is None:
-        raise SystemExit("fthsdp launch: error: give a RECIPE.yaml, or --script SCRIPT.py")
-    if args.target_steps is not None:
-        raise SystemExit("fthsdp launch: error: --target-steps is for --script; a recipe's is trainer.max_steps")
-    from lightning_fthsdp.launch import chaos
-    from lightning_fthsdp.launch.catalog import recipe_path
-    from lightning_fthsdp.launch.commands import FitCommand
-    from lightning_fthsdp.recipes import components
-    from lightning_fthsdp.recipes.loader import RecipeError, load_recipe, to_yaml
+        from lightning_fthsdp.launch import script_launch
 
-    overrides = list(args.overrides)
-    for flag, key in ((args.replicas, "launch.replicas"), (args.shard_count, "launch.shard_count"),
-                      (args.chaos, "launch.chaos"), (args.hosts, "launch.hosts")):
-        if flag is not None:
-            overrides.append(f"{key}={json.dumps(flag)}")  # a JSON scalar is YAML: the chaos spec stays a string
-    try:
-        recipe = load_recipe(recipe_path(args.recipe), overrides)
-        replica_ids = group_ids(recipe.launch.replicas)
-        faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
-        components.verify(recipe.model, recipe.data)  # a class or argument that does not fit fails here, not in groups
-    except (RecipeError, ValueError) as err:
-        raise SystemExit(f"fthsdp launch: error: {err}") from None
-    if args.print_config:
+        return script_launch.run(args)
+    from lightning_fthsdp.launch import chaos, job_checks
+    from lightning_fthsdp.launch.commands import FitCommand
+    from lightning_fthsdp.recipes.loader import to_yaml
+
+    recipe, replica_ids, faults = job_checks.composed(args, "fthsdp launch")
+    if args.print_config:  # a launch's plan: it shows any recipe, startable here or not
         print(to_yaml(recipe), end="")
         return 0
-    hosts_available(recipe)
-    out = usable(args.out, "fthsdp launch")
-    try:  # every refusal before the run's folder is touched (a launch's plan: --print-config shows any recipe)
-        chaos.refuse_unreachable(faults, recipe.trainer.max_steps, "trainer.max_steps")
-        checkpoint_folder(recipe, out)
-        resume = resume_point(recipe, args.fresh)
-    except ValueError as err:
-        raise SystemExit(f"fthsdp launch: error: {err}") from None
+    out, resume = job_checks.startable(args, recipe, faults, "fthsdp launch")  # the sweep's pre-check runs the same
     prepare(out, "fthsdp launch")
     (out / "recipe.yaml").write_text(to_yaml(recipe))
     command = FitCommand(out / "recipe.yaml", out, recipe.launch.standby)
     report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
                       command, recipe.trainer.max_steps, {"recipe": str(out / "recipe.yaml")}, resume=resume)
     return write_report(report, out)
-
-
-def _run_script(args: argparse.Namespace) -> int:
-    """``--script``: the script per replica group, with the launch and fault-tolerance defaults of a recipe (those
-    of ``lightning_fthsdp.recipes.schema``) and the flags."""
-    from lightning_fthsdp.launch import chaos
-    from lightning_fthsdp.launch.catalog import script_path
-    from lightning_fthsdp.launch.commands import ScriptCommand
-    from lightning_fthsdp.recipes.schema import RecipeConfig
-
-    recipe = RecipeConfig()
-    recipe.launch.standby = False
-    for flag, key in ((args.replicas, "replicas"), (args.shard_count, "shard_count"), (args.chaos, "chaos"),
-                      (args.hosts, "hosts")):
-        if flag is not None:
-            setattr(recipe.launch, key, flag)
-    script_args = ([str(args.recipe)] if args.recipe is not None else []) + list(args.overrides)
-    try:
-        if recipe.launch.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {recipe.launch.replicas}")
-        if args.target_steps is not None and args.target_steps < 1:
-            raise ValueError(f"--target-steps must be >= 1, got {args.target_steps}")
-        command = ScriptCommand(script_path(args.script).resolve(), tuple(script_args), recipe.launch.shard_count)
-        replica_ids = group_ids(recipe.launch.replicas)
-        faults = chaos.parse(recipe.launch.chaos, replica_ids, hosts=recipe.launch.hosts)
-    except ValueError as err:
-        raise SystemExit(f"fthsdp launch: error: {err}") from None
-    if args.fresh:
-        raise SystemExit("fthsdp launch: error: --fresh is for a recipe's ft.checkpoint_dir; a script's checkpoints "
-                         "are its own")
-    if args.print_config:
-        print(_script_config(command, args.target_steps, recipe), end="")
-        return 0
-    if args.target_steps is not None:
-        try:
-            chaos.refuse_unreachable(faults, args.target_steps, "--target-steps")
-        except ValueError as err:
-            raise SystemExit(f"fthsdp launch: error: {err}") from None
-    hosts_available(recipe)
-    out = prepare(usable(args.out, "fthsdp launch"), "fthsdp launch")
-    meta = {"script": str(command.script), "script_args": list(command.args)}
-    report = run_job(recipe, replica_ids, chaos.ChaosSchedule(faults, recipe.launch.chaos_seed), out, args.live,
-                      command, args.target_steps, meta)
-    return write_report(report, out)
-
-
-def _script_config(command: ScriptCommand, target_steps: int | None, recipe: RecipeConfig) -> str:
-    """``--script --print-config``: what the launcher runs (YAML). The script configures its own training; of a
-    recipe, only the launch and fault-tolerance sections apply to it."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml({"script": str(command.script), "script_args": list(command.args),
-                              "target_steps": target_steps, "launch": dataclasses.asdict(recipe.launch),
-                              "ft": dataclasses.asdict(recipe.ft)})
 
 
 def hosts_available(recipe: RecipeConfig) -> None:

@@ -48,10 +48,12 @@ class ScriptCommand:
     """Scripts are started bare: what to import ahead is the script's own business."""
 
     def __post_init__(self) -> None:
+        # Named by the class, not a flag: every front end (launch, slurm's supervisor) builds one.
         if not self.script.is_file():
-            raise ValueError(f"fthsdp launch --script {self.script}: no such file")
+            raise ValueError(f"ScriptCommand.script {self.script}: no such file: give the script's path (--script)")
         if self.shard_count < 1:
-            raise ValueError(f"fthsdp launch --shard-count must be >= 1, got {self.shard_count}")
+            raise ValueError(f"ScriptCommand.shard_count must be >= 1, got {self.shard_count}: set launch.shard_count "
+                             f"(--shard-count) to the ranks of one group")
 
     def argv(self, jsonl: Path) -> list[str]:
         if self.shard_count == 1:

@@ -6,7 +6,9 @@ order, as LightningCLI's ``fit`` reads: ``--trainer.max_steps=5`` (or ``--traine
 ``--config`` file is the recipe when it looks like one (a ``defaults`` list, an ``ft`` or ``launch`` section: see
 ``sort_configs``), so ``fthsdp fit --config R.yaml --trainer.max_steps=5`` works; ``--recipe`` names it explicitly.
 The recipe (with its config group choices and Hydra-style overrides, docs/recipes.md) is validated and turned into a
-LightningCLI config (model, data, Trainer with ``FTHSDPStrategy``); ``--print-config`` prints the composed recipe. The
+LightningCLI config (model, data, Trainer with ``FTHSDPStrategy``); ``--print-config`` prints the composed recipe,
+before LightningCLI's configs and arguments apply over it (``--print_config`` shows the result). The model may come
+from LightningCLI instead (a ``-c`` config's ``model:``, ``--model=pkg.Module``): then the recipe needs none. The
 group's identity and the lighthouse come from the environment (``FTHSDP_REPLICA_ID``, ``FTHSDP_LIGHTHOUSE``,
 ``FTHSDP_REPLICAS``, ``FTHSDP_REPLICA_INDEX``, see docs/lightning.md); ``fthsdp launch`` sets them for each group it
 starts.
@@ -71,7 +73,8 @@ def options() -> argparse.ArgumentParser:
                              "no lighthouse: the floor that bench/bench_restart.py compares a restart with")
     parser.add_argument("--print-config", action="store_true",
                         help="print the composed, validated recipe (YAML, every field) and exit without training; "
-                             "--print_config prints LightningCLI's config instead")
+                             "LightningCLI's -c configs and --trainer.*/--model.*/--data.* arguments apply over it "
+                             "when training and are not in it: --print_config prints LightningCLI's resulting config")
     return parser
 
 
@@ -87,8 +90,11 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(recipe_file, overrides)
         if own.print_config or "--print-config" in lightning_args:  # also after the overrides, where natural
             print(to_yaml(recipe), end="")
+            _note_what_applies_over(lightning_configs, [a for a in lightning_args if a != "--print-config"])
             return 0
-        components.require("model", recipe.model)
+        model_elsewhere = lightning_may_name_model(lightning_configs, lightning_args)
+        if not model_elsewhere:
+            components.require("model", recipe.model)
     except (RecipeError, ValueError) as err:
         raise SystemExit(f"fthsdp fit: error: {err}") from None
     lightning_args = [*(f"--config={c}" for c in lightning_configs), *lightning_args]
@@ -96,8 +102,23 @@ def run(args: argparse.Namespace) -> int:
         _watch(_start_other_ranks(recipe.launch.shard_count))
     if os.environ.get(ENV_STANDBY):
         _stand_by(Path(os.environ[ENV_STANDBY]), recipe)
-    main(recipe, lightning_args, record=own.record, ft=not own.no_ft)
+    main(recipe, lightning_args, record=own.record, ft=not own.no_ft, model_elsewhere=model_elsewhere)
     return 0
+
+
+def _note_what_applies_over(lightning_configs: Sequence[Path], lightning_args: Sequence[str]) -> None:
+    """Say on stderr (stdout is the recipe, loadable as one) that the printed recipe is not all the run uses."""
+    applied = [*(f"-c {c}" for c in lightning_configs), *lightning_args]
+    if applied:
+        print(f"fthsdp fit: --print-config printed the recipe alone; training applies {' '.join(applied)} over "
+              "it: --print_config prints LightningCLI's resulting config", file=sys.stderr)
+
+
+def lightning_may_name_model(lightning_configs: Sequence[Path], lightning_args: Sequence[str]) -> bool:
+    """Whether LightningCLI may get the model from its own input (a config with ``model:``, ``--model=...``, a
+    ``--config`` after ``--``): then the recipe need not name one, and LightningCLI reports a missing or wrong one."""
+    return (any("model" in read_config(c) for c in lightning_configs)
+            or any(a.startswith("--model") or a.partition("=")[0] in ("-c", "--config") for a in lightning_args))
 
 
 def _help(lightning_args: Sequence[str], ours: bool) -> int:
@@ -159,38 +180,45 @@ def sort_configs(recipe: Path | None, configs: Sequence[Path]) -> tuple[Path | N
     the recipe's schema has and Lightning's Trainer does not), a LightningCLI config when it has a key only those have
     (``seed_everything``, ``ckpt_path``, a Trainer argument the recipe lacks); one with neither (only ``trainer``,
     ``model``, ``data``, meaning the same in both) is the recipe where no other is given. A file with both kinds of
-    key, or two recipes, is refused naming the keys."""
-    from lightning_fthsdp.launch.catalog import recipe_path
+    key, or two recipes, is refused naming the keys. Each path is resolved once (a shipped recipe's name is said
+    once), and returned resolved."""
+    from lightning_fthsdp.launch.catalog import RECIPES
 
-    recipes = [recipe_path(recipe)] if recipe is not None else []
-    kinds = [(config, config_kind(config)) for config in configs]
-    recipes += [recipe_path(config) for config, kind in kinds if kind == "recipe"]
-    either = [config for config, kind in kinds if kind == "either"]
+    recipes = [RECIPES.find(recipe, "--recipe")] if recipe is not None else []
+    kinds = [(path, config_kind(path)) for path in (RECIPES.find(config, "-c/--config") for config in configs)]
+    recipes += [path for path, kind in kinds if kind == "recipe"]
+    either = [path for path, kind in kinds if kind == "either"]
     if not recipes and either:  # only trainer/model/data, which mean the same in both: the recipe, validated
-        recipes.append(recipe_path(either[0]))
-    lightning = [config for config, _ in kinds if recipe_path(config) not in recipes]
+        recipes.append(either[0])
+    lightning = [path for path, _ in kinds if path not in recipes]
     if len(recipes) > 1:
         raise ValueError(f"{' and '.join(map(str, recipes))} are both recipes: give one (compose the other with "
                          "its defaults list)")
     return (recipes[0] if recipes else None), lightning
 
 
-def config_kind(path: Path) -> str:
-    """"recipe", "lightning" or "either" (see ``sort_configs``); ValueError for a file mixing both kinds of key."""
-    import dataclasses
-
+def read_config(path: Path) -> dict[str, Any]:
+    """The mapping in the ``-c/--config`` file at ``path`` (an existing file); ValueError naming it otherwise."""
     import yaml
 
-    from lightning_fthsdp.launch.catalog import recipe_path
+    try:
+        content = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"-c/--config {path}: {err}") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"-c/--config {path} must be a mapping (a recipe or a LightningCLI config), got "
+                         f"{type(content).__name__}")
+    return content
+
+
+def config_kind(path: Path) -> str:
+    """"recipe", "lightning" or "either" (see ``sort_configs``) of the file at ``path``; ValueError for a file mixing
+    both kinds of key."""
+    import dataclasses
+
     from lightning_fthsdp.recipes.schema import RecipeConfig, TrainerConfig
 
-    try:
-        content = yaml.safe_load(recipe_path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"--config {path}: {err}") from None
-    if not isinstance(content, dict):
-        raise ValueError(f"--config {path} must be a mapping (a recipe or a LightningCLI config), got "
-                         f"{type(content).__name__}")
+    content = read_config(path)
     sections = {f.name for f in dataclasses.fields(RecipeConfig)}
     shared = {"trainer", "model", "data"}  # the same words in both, and in both the same things
     trainer = content.get("trainer") if isinstance(content.get("trainer"), dict) else {}
@@ -199,18 +227,21 @@ def config_kind(path: Path) -> str:
     lightning_only = (set(content) - sections - {"defaults"}) | {  # seed_everything, ckpt_path, optimizer, ...
         f"trainer.{k}" for k in set(trainer) - {f.name for f in dataclasses.fields(TrainerConfig)}}
     if recipe_only and lightning_only:
-        raise ValueError(f"--config {path} mixes recipe keys ({', '.join(sorted(recipe_only))}) and LightningCLI "
+        raise ValueError(f"-c/--config {path} mixes recipe keys ({', '.join(sorted(recipe_only))}) and LightningCLI "
                          f"keys ({', '.join(sorted(lightning_only))}): split it into a recipe (--recipe) and a "
                          "LightningCLI config (-c)")
     return "recipe" if recipe_only else "lightning" if lightning_only else "either"
 
 
-def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool = True) -> dict[str, Any]:
+def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool = True,
+                     model_elsewhere: bool = False) -> dict[str, Any]:
     """The LightningCLI ``fit`` config of ``recipe`` (class paths and init args); ``ft=False``: Lightning's own
-    strategy instead of ``FTHSDPStrategy`` (``auto`` on one device, ``ddp`` over several)."""
+    strategy instead of ``FTHSDPStrategy`` (``auto`` on one device, ``ddp`` over several); ``model_elsewhere``:
+    LightningCLI's own input may name the model (``lightning_may_name_model``), so the recipe need not."""
     from lightning_fthsdp.recipes import components
 
-    components.require("model", recipe.model)
+    if not model_elsewhere:
+        components.require("model", recipe.model)
     trainer = recipe.trainer
     callbacks = []
     if record is not None or trainer.min_step_time_s:
@@ -233,7 +264,7 @@ def lightning_config(recipe: RecipeConfig, record: Path | None = None, ft: bool 
             "strategy": strategy,
             "callbacks": callbacks,
         },
-        "model": components.to_lightning(recipe.model),
+        **({"model": components.to_lightning(recipe.model)} if recipe.model is not None else {}),
         **({"data": components.to_lightning(recipe.data)} if recipe.data is not None else {}),
     }
 
@@ -254,9 +285,9 @@ def _address_args(recipe: RecipeConfig) -> dict[str, Any]:
 
 
 def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path | None = None,
-         ft: bool = True) -> None:
-    """Run LightningCLI ``fit`` on ``recipe``; ``lightning_args`` win over it; ``ft=False``: without fault
-    tolerance (see ``lightning_config``)."""
+         ft: bool = True, model_elsewhere: bool = False) -> None:
+    """Run LightningCLI ``fit`` on ``recipe``; ``lightning_args`` win over it; ``ft=False`` and ``model_elsewhere``:
+    see ``lightning_config``."""
     import warnings
 
     import lightning.pytorch as pl
@@ -267,7 +298,8 @@ def main(recipe: RecipeConfig, lightning_args: Sequence[str] = (), record: Path 
 
     anatomy.mark("imports")
 
-    config = json.dumps(lightning_config(recipe, record, ft))  # JSON is YAML: jsonargparse reads it as a config string
+    # JSON is YAML: jsonargparse reads it as a config string
+    config = json.dumps(lightning_config(recipe, record, ft, model_elsewhere))
     # We pass the translated recipe as args but must leave sys.argv alone: Lightning's launcher re-executes it to
     # start the group's other ranks. LightningCLI warns about exactly that combination.
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")

@@ -20,7 +20,7 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
 - ``unfinished``: each group that did not finish training (``replica_id``, ``status``: still ``starting`` or ``down``
   when the run ended, ``abandoned`` once no peer was left to catch up from, ``failed`` with its restarts used up,
   ``exited`` 0 without its ``end`` record (never restarted: its final parameters are unknown), ``start_failed``
-  when its starts failed the same way before a committed step (the job was stopped); ``last_step``: its last
+  when its starts failed the same way before its first committed step (the job was stopped); ``last_step``: its last
   committed step; ``job_step``: the job's committed step when training ended; ``restarts``). Empty when every group
   finished.
 - ``job_completed``: the job trained to its target step and ended as a fault-tolerant job should: every group
@@ -29,8 +29,9 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   training ended (``abandoned``, ``hung``) does not make it incomplete: the job's state is whole in the finished
   groups. The launcher's exit code is 0 exactly when this is true.
 - ``groups``: per group its ``final_step``, ``restarts``, ``exit_codes``, ``status``, ``discarded``, ``catch_ups``,
-  ``params_sha256`` and ``failed_starts`` (each incarnation that ended with an error before committing a step:
-  ``incarnation``, ``exit_code``, ``error``, the last error line of its ``log``).
+  ``params_sha256`` and ``failed_starts`` (each incarnation that ended with an error before the group's first
+  committed step, no fault of the chaos schedule, lost node or lighthouse outage overlapping it: ``incarnation``,
+  ``exit_code``, ``error``, the last error line of its ``log``).
 - ``diverged``: the finished groups whose final parameters differ from those most finished groups hold (all of them
   on a tie); empty when ``final_params_identical``.
 - ``restart_phases``: one per restart that trained again, the anatomy of the restart

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,32 +107,37 @@ def usable(given: Path, by: str) -> Path:
 def prepare(out: Path, by: str) -> Path:
     """The run's folder ``out`` (``usable``), marked as ``by``'s, its previous run's records moved to ``KEPT``
     (printed: where they went)."""
-    marker = out / MARKER
     out.mkdir(parents=True, exist_ok=True)
     kept = keep_previous(out)
     if kept is not None:
         print(f"{by}: the previous run's records in {out} moved to {kept}", flush=True)
-    marker.write_text(json.dumps({"by": by, "t": time.time()}) + "\n")
+    mark(out, by)
     (out / "logs").mkdir()
     return out
 
 
-def keep_previous(out: Path) -> Path | None:
+def mark(out: Path, by: str) -> None:
+    """Write ``MARKER`` in ``out``: ``by`` (a command) prepared it, now."""
+    (out / MARKER).write_text(json.dumps({"by": by, "t": time.time()}) + "\n")
+
+
+def keep_previous(out: Path, also: Sequence[Path] = ()) -> Path | None:
     """Move the records of the run that last prepared ``out`` (its ``OWNED`` folders' content, ``REPORTS``; a copy
-    of ``recipe.yaml``, which the caller rewrites or reads) to ``KEPT/TIME/``; that folder, None when there were no
-    records (a fresh folder, or one a start prepared whose run wrote nothing yet)."""
+    of ``recipe.yaml``, which the caller rewrites or reads; ``also``: other records of its, in ``out``) to
+    ``KEPT/TIME/``; that folder, None when there were no records (a fresh folder, or one a start prepared whose run
+    wrote nothing yet)."""
     owned = [out / name for name in OWNED if (out / name).is_symlink() or _holds_anything(out / name)]
     reports = [out / name for name in REPORTS if (out / name).is_file()]
     for name in OWNED:  # an empty one holds no record
         if (out / name).is_dir() and not (out / name).is_symlink() and out / name not in owned:
             (out / name).rmdir()
-    if not owned and not reports:
+    if not owned and not reports and not also:
         return None
     aside = _kept_folder(out)
     aside.mkdir(parents=True)
     if (out / "recipe.yaml").is_file():
         shutil.copy2(out / "recipe.yaml", aside / "recipe.yaml")
-    for path in [*owned, *reports]:
+    for path in [*owned, *reports, *also]:
         path.rename(aside / path.name)  # a link moves as a link: what it points at is never touched
     return aside
 

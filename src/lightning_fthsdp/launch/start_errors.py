@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 SAME_FAILED_STARTS = 2
-"""Starts of a group in a row that ended with the same error before a committed step: that error is the group's
-set-up, not chance, and restarting cannot mend it (the job ends, printing it once)."""
+"""Starts of a group in a row that ended with the same error before the group's first committed step, no fault
+overlapping them: that error is the group's set-up, not chance, and restarting cannot mend it (the job ends, printing
+it once). Once a group committed a step its set-up works: its failures use the restart budget instead."""
 TAIL_BYTES = 64 << 10
 """How much of the log's end is read: a start's last traceback is near it."""
 _ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")  # object addresses in reprs differ between processes, not the error

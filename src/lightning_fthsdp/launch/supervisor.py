@@ -1,11 +1,21 @@
 """Supervises the replica groups of one local job: starts each as one launch of its command (``fthsdp fit`` of a
 recipe, or a script: ``launch.commands``), follows its JSONL,
 restarts it when it dies, and injects the chaos schedule's failures by signalling its whole process group (or, for
-a network fault, on its host: ``launch.netchaos``, when ``Job.hosts`` places each group on a host of its own). A group
-that exits 0 is done (or, without its ``end`` record, ``exited``: reported, never restarted); one whose starts fail the
-same way twice in a row before a committed step sets ``start_failure``, on which the job ends. With
-``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart releases
-it (see ``launch.standby``).
+a network fault, on its host: ``launch.netchaos``, when ``Job.hosts`` places each group on a host of its own).
+
+- Exit 0: the group is over and never restarted: ``done`` with its ``end`` record, else ``exited`` (reported). Under a
+  placement the exit code may be the scheduler's (a SLURM step whose node was lost exits 0): the placement says
+  whether a node of the incarnation was lost, and only then is the group restarted.
+- Any other exit, or a lost node: restarted after ``restart_delay_s``, within ``max_restarts`` per
+  ``restart_window_s``; then ``failed``.
+- Fail fast: an incarnation that ends with an error before the group's first committed step (in any incarnation) is a
+  failed start, unless a fault overlapped it: a kill, hang or network fault of the chaos schedule (on any group), a
+  lost node, or the lighthouse down or restarted. Two failed starts in a row (consecutive incarnations) with the same
+  exit code and error line set ``start_failure``, on which the job ends; once the group has committed a step, its
+  failures only use its restart budget.
+
+With ``standby``, each training group's next incarnation is started ahead and waits after its imports; a restart
+releases it (see ``launch.standby``).
 
 Processes are started and ended through ``lightning_fthsdp.launch.processes.Job`` (own session each, ended by
 process-group id, SIGCONT before SIGKILL). The supervisor never blocks: ``poll()`` does one bounded round of work
@@ -31,13 +41,15 @@ from lightning_fthsdp.launch.processes import Group, Job, free_port
 from lightning_fthsdp.launch.start_errors import SAME_FAILED_STARTS, last_error
 
 if TYPE_CHECKING:
+    from subprocess import Popen
+
     from lightning_fthsdp.launch.netchaos import NetworkChaos
 
 # Group states, as shown in the live view and the report's timeline.
 STARTING, TRAINING, HUNG, DOWN, DONE, FAILED = "starting", "training", "hung", "down", "done", "failed"
 ABANDONED = "abandoned"  # not training when every other group had finished: no peer is left to catch up from
 EXITED = "exited"  # exited 0 without its end record (a script that writes none): over, but not compared
-START_FAILED = "start_failed"  # its starts failed the same way twice in a row before a committed step
+START_FAILED = "start_failed"  # its starts failed the same way twice in a row before its first committed step
 _ENDED = (DONE, FAILED, ABANDONED, EXITED, START_FAILED)
 MAX_STANDBY_DEATHS = 3  # per group: then its restarts start a fresh process, whose log shows what kills it
 
@@ -55,11 +67,17 @@ class Placement(Protocol):
         """The command and environment that run ``argv`` (one group's launch) where the incarnation belongs."""
         ...
 
+    def lost(self, replica_id: str) -> bool:
+        """Whether a node of the group's current incarnation was lost (down, or gone from the allocation): its exit
+        code, 0 included, is then the scheduler's, not the group's. Asked once the incarnation ended without its
+        ``end`` record; when the scheduler cannot tell, True (a group wrongly restarted is abandoned once the others
+        finish; one wrongly taken for finished is lost to the job)."""
+        ...
+
     def exited(self, replica_id: str, done: bool) -> bool:
-        """The group's incarnation ended (``done``: it wrote its completion record and exited 0; else the supervisor
-        restarts it, within its budget: under a placement an exit code 0 is not the group's own word, a SLURM step
-        whose node was lost exits 0); False when the group has nowhere left to run (it is then marked failed
-        instead of restarted)."""
+        """The group's incarnation ended (``done``: the group is over, it exited 0 on nodes that are up; else the
+        supervisor restarts it, within its budget); False when the group has nowhere left to run (it is then marked
+        failed instead of restarted)."""
         ...
 
     def poll(self) -> None:
@@ -96,14 +114,20 @@ class GroupState:
     records: list[dict[str, Any]] = field(default_factory=list)  # every incarnation's, with "incarnation" added
     exit_codes: list[int] = field(default_factory=list)
     failed_starts: list[dict[str, Any]] = field(default_factory=list)
-    """Incarnations that ended with an error before committing a step (``incarnation``, ``exit_code``, ``error``:
-    the log's last error line, ``log``); a kill or a network fault of the chaos schedule is no failed start."""
+    """Incarnations that ended with an error before the group's first committed step (``incarnation``,
+    ``exit_code``, ``error``: the log's last error line, ``log``); one that a fault overlapped (``disturbed``) is no
+    failed start."""
+    disturbed: bool = False
+    """A fault overlapped the current incarnation: an injection of the chaos schedule (on any group) while it ran,
+    or, when it started, a network fault in place, a group hung or the lighthouse down (a lighthouse restarted
+    meanwhile is told by ``_lighthouse``): its failure may be chance, not its set-up."""
     params_sha256: str | None = None
     process: Group | None = None
     standby: Standby | None = None  # the next incarnation, imported ahead (launch.standby)
     standby_deaths: int = 0  # standbys that died on their own: a broken environment is not forked forever
     restart_at: float | None = None
     resume_at: float | None = None
+    _lighthouse: Popen[bytes] | None = None  # the job's lighthouse process when the current incarnation started
     _offset: int = 0
     _base_discarded: int = 0
     _base_catch_ups: int = 0
@@ -134,8 +158,8 @@ class Supervisor:
     network: NetworkChaos | None = field(default=None, init=False)
     """The network faults in place (with ``job.hosts``: each group on a host of its own)."""
     start_failure: dict[str, Any] | None = field(default=None, init=False)
-    """The first group whose starts failed the same way ``SAME_FAILED_STARTS`` times in a row (its id and its last
-    ``failed_starts`` entry): the job cannot train, its caller ends it."""
+    """The first group whose starts failed the same way ``SAME_FAILED_STARTS`` times in a row before its first
+    committed step (its id and its last ``failed_starts`` entry): the job cannot train, its caller ends it."""
 
     def __post_init__(self) -> None:
         if self.standby and not self.command.standby:
@@ -190,6 +214,7 @@ class Supervisor:
             if self.network is None:
                 raise ValueError(f"Supervisor cannot inject a {injection.kind} ({injection.spec}): its groups run on "
                                  "this machine's loopback (Job.hosts is None); launch with --hosts")
+            self._disturb()
             detail = self.network.inject(injection)
             # Timed when the fault was in place (its duration counts from then), as a signal's after the signal.
             self.transitions.append({"t": self.network.active[-1].placed, "replica_id": injection.group,
@@ -197,6 +222,7 @@ class Supervisor:
                                      "spec": injection.spec, **self._where(injection.group), **detail})
             return
         state = self.groups[injection.group]
+        self._disturb()
         self._signal(state, signal.SIGKILL if injection.kind == "kill" else signal.SIGSTOP)
         # Timed after the signal: a record the target wrote before it has an earlier t, none can come after it.
         self.transitions.append({"t": time.time(), "replica_id": state.replica_id, "event": injection.kind,
@@ -216,13 +242,14 @@ class Supervisor:
                 self._record_heal(active.replica_id, healed)
 
     def abandon_stranded(self) -> list[str]:
-        """Once a group finished and none is training, end the groups still starting, down or hung.
+        """Once a group finished (``done``, or ``exited`` 0 without its ``end`` record) and none is training, end the
+        groups still starting, down or hung.
 
         They could only train alone from their own (old or initial) state and end with different parameters; the
         report shows them as abandoned. Returns their ids.
         """
         states = self.groups.values()
-        if not any(s.status == DONE for s in states) or any(s.status == TRAINING for s in states):
+        if not any(s.status in (DONE, EXITED) for s in states) or any(s.status == TRAINING for s in states):
             return []
         stranded = [s for s in states if s.status not in _ENDED]
         for state in stranded:
@@ -258,6 +285,7 @@ class Supervisor:
         state._offset = 0
         state.params_sha256 = None  # an earlier incarnation's completion record does not finish this one
         state._base_discarded, state._base_catch_ups = state.discarded, state.catch_ups
+        state.disturbed, state._lighthouse = self._fault_in_place(), self.job.lighthouse
         standby, state.standby = state.standby, None
         if standby is not None and standby.process.proc.poll() is None:
             standby.go.touch()  # it imported while the previous incarnation trained: it starts at set-up
@@ -329,16 +357,15 @@ class Supervisor:
         """The current incarnation ended with ``code`` (``injected``: killed by the chaos schedule)."""
         self._signal(state, signal.SIGKILL)  # its other ranks, if they outlived their leader
         state.exit_codes.append(code)
-        done = code == 0 and state.params_sha256 is not None
-        if done:
+        finished = code == 0 and state.params_sha256 is not None
+        # Exit 0 is the group's word that it is over, except from a scheduler's step whose node was lost (srun exits
+        # 0 then too): only the placement can tell. A lost node is a fault, never a failed start.
+        lost = not finished and self.placement is not None and self.placement.lost(state.replica_id)
+        if code == 0 and not lost:
             if self.placement is not None:
                 self.placement.exited(state.replica_id, done=True)
-            self._set(state, DONE)
-        # A process here that exits 0 says it is finished; under a placement the completion record decides, never
-        # the exit code alone (a SLURM step whose node was lost exits 0 without one).
-        elif code == 0 and self.placement is None:
-            self._set(state, EXITED)
-        elif not injected and self._failed_start(state, code):
+            self._set(state, DONE if finished else EXITED)
+        elif not (injected or lost) and self._failed_start(state, code):
             self._set(state, START_FAILED)
             if self.start_failure is None:
                 self.start_failure = {"replica_id": state.replica_id, **state.failed_starts[-1]}
@@ -351,12 +378,13 @@ class Supervisor:
             self._set(state, FAILED)
 
     def _failed_start(self, state: GroupState, code: int) -> bool:
-        """Record the ended incarnation in ``failed_starts`` if it committed no step; whether it and the ones before
-        it, in a row, failed the same way ``SAME_FAILED_STARTS`` times."""
-        if any(r["event"] == "commit" and r["incarnation"] == state.incarnation for r in state.records):
-            return False
-        if self.network is not None and self.network.active:
-            return False  # a network fault in place may have caused it: chance, not the set-up
+        """Record the ended incarnation in ``failed_starts`` if the group never committed a step and no fault
+        overlapped it; whether it and the ones before it, in a row, failed the same way ``SAME_FAILED_STARTS``
+        times."""
+        if any(r["event"] == "commit" for r in state.records):
+            return False  # it trained once, so its set-up works: later failures use the restart budget
+        if state.disturbed or self._fault_in_place() or self.job.lighthouse is not state._lighthouse:
+            return False  # chance, not the set-up
         log = state.process.log if state.process is not None else None
         state.failed_starts.append({"incarnation": state.incarnation, "exit_code": code,
                                     "error": last_error(log) if log is not None else None,
@@ -367,6 +395,19 @@ class Supervisor:
                                                                      state.incarnation + 1))
                 and recent[-1]["error"] is not None  # no error to compare: nothing says it is the same one
                 and len({(f["exit_code"], f["error"]) for f in recent}) == 1)
+
+    def _fault_in_place(self) -> bool:
+        """Whether a fault that can fail any group's start is in place now: the job's lighthouse exited (a job
+        without one, ``Job.lighthouse`` None, has none to lose), a network fault, a hung group."""
+        lighthouse = self.job.lighthouse
+        return ((lighthouse is not None and lighthouse.poll() is not None)
+                or (self.network is not None and bool(self.network.active))
+                or any(s.status == HUNG for s in self.groups.values()))
+
+    def _disturb(self) -> None:
+        """A fault is injected: no incarnation running now can fail a start by its set-up alone."""
+        for state in self.groups.values():
+            state.disturbed = True
 
     def _signal(self, state: GroupState, sig: signal.Signals) -> None:
         if state.process is not None:

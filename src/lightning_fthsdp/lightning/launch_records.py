@@ -2,7 +2,8 @@
 
 ``FTHSDPStrategy`` attaches one to every fit when ``$FTHSDP_RECORD`` is set (``fthsdp launch`` sets it for every
 script it starts), so an unchanged Lightning script is followed, reported on and known to have finished; a Trainer
-that already has one (``fthsdp fit``'s, or a script's own) keeps it. docs/launch.md, "A script's contract".
+that already has one that writes records (``fthsdp fit``'s, or a script's own) keeps it, and one that only paces
+(``LaunchRecorder(None, min_step_time_s=...)``) gets one that writes. docs/launch.md, "A script's contract".
 
 Records (``event``):
 
@@ -116,12 +117,13 @@ class LaunchRecorder(CommittedStepCallback):
 
 def attach_from_env(trainer: pl.Trainer) -> LaunchRecorder | None:
     """Add a ``LaunchRecorder`` writing to ``$FTHSDP_RECORD`` to a fit's callbacks, unless the variable is unset, the
-    run is no fit, or the Trainer has a recorder already (one is enough: a second would write every record twice).
-    Call it on every rank of the group (the ``end`` record's digest is a collective). Returns the one added."""
+    run is no fit, or the Trainer has a recorder that writes records already (one is enough: a second would write
+    every record twice; one without a ``jsonl`` only paces, and records nothing). Call it on every rank of the group
+    (the ``end`` record's digest is a collective). Returns the one added."""
     path = os.environ.get(ENV_RECORD)
     if not path or trainer.state.fn != TrainerFn.FITTING:
         return None
-    if any(isinstance(c, LaunchRecorder) for c in trainer.callbacks):
+    if any(isinstance(c, LaunchRecorder) and c.jsonl for c in trainer.callbacks):
         return None
     recorder = LaunchRecorder(path)
     trainer.callbacks.append(recorder)

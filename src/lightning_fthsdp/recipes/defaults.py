@@ -4,14 +4,13 @@ Entries of a recipe's ``defaults``: ``base`` (another recipe in its folder), ``g
 option), ``group@package: option`` (its keys placed under ``package``: ``_global_``, ``_group_`` or a dotted key),
 ``override group: option`` (replaces the choice an earlier entry, or a recipe it includes, made), ``optional group:
 option`` (nothing when the option does not exist), ``group: null`` (no option) and ``_self_`` (where the file's own
-keys merge; without it, last). One extension over Hydra, kept from earlier recipes: a group may be named more than
-once, each entry a layer merged over the one before (``llama_gpu.yaml`` puts ``ft: datacenter`` over base's
-``ft: loopback`` and keeps its checkpoint settings); the group's choice is its last layer.
+keys merge; without it, last). A group (at one package) has one entry in the whole tree, as in Hydra: a second one,
+in the same file or in a recipe it includes, is refused ("Multiple values"); ``override group: option`` replaces
+the earlier choice, and keys to keep from the option it replaced go in the recipe's own body.
 
-The command line, with Hydra's precedence over every file: ``group=option`` replaces the group's choice (its last
-layer: ``ft=datacenter`` on ``llama_gpu.yaml`` changes nothing, as in Hydra); for a group the tree never names it
-appends the option (Hydra would ask for ``+group=option``, which appends too and refuses a group already named);
-``~group`` (``~group=option``: only while that is its choice) drops every layer of the group. Where an option's
+The command line, with Hydra's precedence over every file: ``group=option`` replaces the group's choice; for a
+group the tree never names it is refused, naming ``+group=option``, which appends it (and is refused for a group
+already named); ``~group`` (``~group=option``: only while that is its choice) drops the group. Where an option's
 keys go: see ``place``.
 """
 
@@ -120,10 +119,25 @@ def override_in_file(node: Recipe, choice: Choice) -> None:
     target.option, target.source = choice.option, choice.source
 
 
+def refuse_repeats(top: Recipe) -> None:
+    """One entry per group and package in the tree under ``top``, as Hydra requires; the message names both and the
+    fix (``override``)."""
+    seen: list[Choice] = []
+    for choice in top.choices():
+        first = next((c for c in seen if c.matches(choice.group, choice.package)), None)
+        if first is not None:
+            name = choice.group + (f"@{choice.package}" if choice.package else "")
+            raise DefaultsError(f"{choice.source}: multiple values for {name} ({first.option} from {first.source}, "
+                                f"then {choice.option}): a group has one entry in a defaults list, as in Hydra; to "
+                                f"replace the earlier choice write 'override {name}: {choice.option}', and put the "
+                                "keys to keep from the option it replaces in the recipe's own body")
+        seen.append(choice)
+
+
 def apply_command_line(top: Recipe, overrides: Sequence[Override]) -> None:
     """The command line's group overrides, in order, over every file's choices (see the module's docstring)."""
     for override in overrides:
-        value = override.value
+        value = override.option
         matching = [c for c in top.choices() if c.matches(override.key, override.package)]
         if override.prefix == "~":
             dropped = [c for c in matching if value is None or c.option == value]
@@ -138,11 +152,14 @@ def apply_command_line(top: Recipe, overrides: Sequence[Override]) -> None:
             raise DefaultsError(f"{override.describe()}: group {override.key!r} is already in the defaults list "
                                 f"({matching[-1].option}, from {matching[-1].source}): choose with "
                                 f"{override.text.lstrip('+')}")
-        option = None if value == "null" else value  # Hydra's group=null: no option
         if matching:
-            matching[-1].option, matching[-1].source = option, override.describe()
+            matching[-1].option, matching[-1].source = value, override.describe()
+        elif override.prefix == "":
+            named = ", ".join(sorted({c.group for c in top.choices()})) or "none"
+            raise DefaultsError(f"{override.describe()}: could not override {override.key}: the defaults list names "
+                                f"no {override.key} (its groups: {named}); to append it: +{override.text}")
         else:
-            choice = Choice(override.key, override.package, option, override.describe())
+            choice = Choice(override.key, override.package, value, override.describe())
             top.entries.append(choice)  # after an explicit _self_; before the implicit one, which comes last
 
 

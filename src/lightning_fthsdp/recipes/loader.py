@@ -32,7 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.config.renamed import deprecation
-from lightning_fthsdp.recipes import defaults, groups
+from lightning_fthsdp.recipes import defaults, groups, retired
 from lightning_fthsdp.recipes.overrides import Override, OverrideError, sweep_refusal
 from lightning_fthsdp.recipes.overrides import parse as parse_override
 from lightning_fthsdp.recipes.schema import MAGNITUDE, RecipeConfig
@@ -101,13 +101,17 @@ def split_overrides(overrides: Sequence[str]) -> list[Override]:
     for text in overrides:
         try:
             override = parse_override(text)
+            if override.is_sweep:
+                raise RecipeError(sweep_refusal(override))
+            option = override.option if override.is_group else None  # a group's option parses here, or is refused
         except OverrideError as err:
             raise RecipeError(str(err)) from None
-        if override.is_sweep:
-            raise RecipeError(sweep_refusal(override))
+        old_form = retired.refusal([override.key.partition(".")[0]], override.describe())
+        if old_form is not None:
+            raise RecipeError(old_form)
         if override.is_group:
             same = [o for o in parsed if o.is_group and o.prefix == override.prefix == ""
-                    and (o.key, o.package) == (override.key, override.package) and o.value != override.value]
+                    and (o.key, o.package) == (override.key, override.package) and o.option != option]
             if same:
                 raise RecipeError(f"{override.describe()} contradicts {same[0].text} given before: choose once")
         elif not ("." in override.key or override.key in top_level or override.key in RENAMED_KEYS):
@@ -182,6 +186,9 @@ class _Composer:
         ``override`` entries already applied; ``stack``: the recipes that include it."""
         raw = self._load(path, stack)
         entries = raw.pop("defaults", [])
+        old_form = retired.refusal(map(str, raw), f"recipe {path}")
+        if old_form is not None:
+            raise RecipeError(old_form)
         _rename_keys(raw, f"recipe {path}")
         if not isinstance(entries, ListConfig) and entries != []:
             raise RecipeError(f"recipe {path}: defaults must be a list of recipe names and group: option entries, "
@@ -195,6 +202,8 @@ class _Composer:
                 defaults.override_in_file(node, typing.cast(defaults.Choice, parsed))
             else:
                 node.entries.append(parsed)
+        if not stack:  # the whole tree is built: one entry per group in it
+            defaults.refuse_repeats(node)
         return node
 
     def compose(self, node: defaults.Recipe) -> DictConfig:

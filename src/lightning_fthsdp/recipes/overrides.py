@@ -3,9 +3,11 @@
 ``key=value`` sets a key the config has; ``+key=value`` adds one it does not have (refused where it has a value);
 ``++key=value`` adds or sets; ``~key`` (or ``~key=value``: only while the value is that) removes what the recipe set,
 so the key falls back to the schema's default. The same prefixes on a config group edit the defaults list:
-``group=option`` chooses, ``+group=option`` appends a group the tree does not name, ``~group[=option]`` drops it;
-``group@package=option`` places the option's keys under ``package``. A value is YAML (quote it, Hydra's way, to keep
-a comma or a colon: ``key='a,b'``; ``[1,2]`` is a list). A value with top-level commas is a sweep
+``group=option`` replaces the choice the tree made (refused for a group it never names), ``+group=option`` appends
+a group the tree does not name, ``~group[=option]`` drops it; ``group@package=option`` places the option's keys
+under ``package``. A value is YAML (quote it, Hydra's way, to keep a comma or a colon: ``key='a,b'``; ``[1,2]`` is a
+list); a group's option is a YAML string (``trainer='gpu'`` is ``trainer=gpu``), one per group (``trainer=[gpu,cpu]``
+is refused). A value with top-level commas is a sweep
 (``model=mlp,tiny_gpt``), which only ``fthsdp launch -m`` expands, one job per combination. Hydra syntax beyond
 this (its sweep functions, its own ``hydra.*`` settings, package renames, nested groups) is refused as not
 supported.
@@ -17,6 +19,8 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import yaml
 
 from lightning_fthsdp.recipes import groups
 
@@ -61,6 +65,23 @@ class Override:
         if self.is_sweep:
             raise OverrideError(sweep_refusal(self))
         return self.values[0] if self.values else None
+
+    @property
+    def option(self) -> str | None:
+        """A group override's option, read as YAML as Hydra reads it (``'gpu'`` is ``gpu``; ``null``: no option, as
+        is ``~group`` without one); several options (``[gpu,cpu]``, ``{a: b}``) are refused."""
+        value = self.value
+        if value is None:
+            return None
+        try:
+            option = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value.strip()  # not YAML: the option's name as written, which the group's folder then judges
+        if isinstance(option, (list, dict)):
+            raise OverrideError(f"{self.describe()}: several options of one group are not supported: choose one "
+                                f"({self.key}=OPTION), or run one job per option with fthsdp launch -m "
+                                f"{self.key}=A,B")
+        return None if option is None else option if isinstance(option, str) else value.strip()
 
     def describe(self) -> str:
         return f"override {self.text!r}"
@@ -139,7 +160,10 @@ def _with_value(override: Override, value: str) -> str:
 
 
 def sweep_refusal(override: Override) -> str:
-    """Why a sweep is refused outside ``-m``, and the three ways on (Hydra's)."""
-    return (f"{override.describe()} has {len(override.values)} comma-separated values: a sweep runs one job per "
-            f"value with fthsdp launch -m; for one value that holds a comma, quote it ({override.key}='a,b'); for a "
-            f"list, bracket it ({override.key}=[a,b])")
+    """Why a sweep is refused outside ``-m``, and the ways on (Hydra's); a group takes one option, never a list."""
+    sweep = (f"{override.describe()} has {len(override.values)} comma-separated values: a sweep runs one job per "
+             f"value with fthsdp launch -m")
+    if override.is_group:
+        return f"{sweep}; without -m, choose one option ({override.key}={override.values[0]})"
+    return (f"{sweep}; for one value that holds a comma, quote it ({override.key}='a,b'); for a list, bracket it "
+            f"({override.key}=[a,b])")

@@ -8,7 +8,8 @@ allocation restarts only a failed group's step (within ``launch.max_restarts`` p
 spare nodes when its own are lost. ``OUT`` must be on a file system every node shares. Group choices and overrides
 come after the recipe, as for ``fthsdp launch``; ``launch.shard_count`` (``--shard-count``) is the ranks of a group
 over all its nodes. ``--script SCRIPT.py`` runs that script (its arguments after ``--``) under torchrun in every group's
-step instead of ``fthsdp fit`` of a recipe, as ``fthsdp launch --script`` does on one machine.
+step instead of ``fthsdp fit`` of a recipe, as ``fthsdp launch --script`` does on one machine; ``--recipe R.yaml``
+with ``--set key=value`` gives its job's trainer (GPUs), ft and launch settings (``launch.job_args``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.launch.cluster_args import (
     add_job_arguments,
-    job_recipe,
     ranks_per_node,
     refuse_chaos,
     refuse_one_advertise_host,
-    script_args,
 )
+from lightning_fthsdp.launch.job_args import job_recipe, script_args
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.commands import GroupCommand
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # A standby is a process on this machine; a step is started fresh.
-        recipe = job_recipe(args, "launch.standby=false")
+        recipe = job_recipe(args, "fthsdp slurm", "launch.standby=false")
         per_replica = args.nodes_per_replica
         ranks = ranks_per_node(recipe.launch.shard_count, per_replica, node="node")
         refuse_one_advertise_host(recipe.ft.advertise_host, "node",
@@ -146,7 +146,7 @@ def _script_job(args: argparse.Namespace) -> dict[str, Any] | None:
     """What ``SCRIPT_FILE`` holds with ``--script`` (None without)."""
     if args.script is None:
         return None
-    return {"script": str(args.script.resolve()), "args": script_args(args)}
+    return {"script": str(args.script.resolve()), "args": list(script_args(args))}
 
 
 def group_command(out: Path, script_job: dict[str, Any] | None) -> GroupCommand:

@@ -5,8 +5,9 @@
 - A group's incarnation: one ``srun`` step on the group's nodes (``nodes.NodePool``), one task per node running
   torchrun with a rendezvous of its own (id ``JOB-GROUP-INCARNATION``, a fresh port on the group's first node), and
   ``--kill-on-bad-exit=1``: a rank that dies ends the whole step, never a half-dead group. With the job submitted
-  ``--no-kill``, a lost node ends only the step on it, whose srun may exit 0: the supervisor takes a group for finished
-  only from its completion record, never from the exit code.
+  ``--no-kill``, a lost node ends only the step on it, whose srun may exit 0: an incarnation that ends without its
+  completion record is asked about (``lost``: is one of its nodes down, or gone from the job?), and only a group on a
+  lost node is restarted after an exit 0.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class SlurmPlacement:
 
         def usable(node: str) -> bool:
             try:
-                return node in queries.job_nodes(job_id) and queries.usable(node)
+                return queries.in_service(job_id, node)
             except queries.SlurmError as err:  # slurmctld is slowest while nodes fail: keep the node, ask next time
                 print(f"fthsdp slurm: cannot tell whether {node} is usable, keeping it: {err}", file=sys.stderr,
                       flush=True)
@@ -104,6 +105,14 @@ class SlurmPlacement:
         # (unset, for FTManager), each node advertises its own address on the route to the lighthouse.
         env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         return command, {**env, ENV_ADVERTISE_HOST: ""}
+
+    def lost(self, replica_id: str) -> bool:
+        try:
+            return not all(queries.in_service(self.job_id, node) for node in self.pool.assigned[replica_id])
+        except queries.SlurmError as err:  # see Placement.lost: restarting is the safe side
+            print(f"fthsdp slurm: cannot tell whether group {replica_id}'s nodes are up, taking them for lost: {err}",
+                  file=sys.stderr, flush=True)
+            return True
 
     def exited(self, replica_id: str, done: bool) -> bool:
         self.poll()

@@ -50,6 +50,12 @@ def job_nodes(job_id: str) -> list[str]:
     return hostnames(run("squeue", "--noheader", "--jobs", job_id, "--format=%N").strip())
 
 
+def in_service(job_id: str, node: str) -> bool:
+    """Whether ``node`` can still run a step of job ``job_id``: one of the job's nodes (a node lost under
+    ``--no-kill`` has left them) and ``usable``. Raises ``SlurmError`` when the job's nodes cannot be listed."""
+    return node in job_nodes(job_id) and usable(node)
+
+
 def step_ids(job_id: str) -> dict[str, str]:
     """Running steps of the job: step name -> step id (``JOB.STEP``)."""
     rows = run("squeue", "--noheader", "--steps", "--jobs", job_id, "--format=%i %j").splitlines()
