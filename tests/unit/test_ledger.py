@@ -117,3 +117,15 @@ def test_strays_are_forgotten_members_are_not() -> None:
 def test_an_invalid_incarnation_is_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="incarnation must be"):
         check_incarnation(bad)
+
+
+def test_a_holder_of_an_adopted_quorum_may_be_one_step_past_the_step_it_was_adopted_at() -> None:
+    """After a lighthouse restart a adopts quorum 0 at step 50, then commits step 51 in it with b (both trained on in
+    the quorum they hold); b, not answered by this lighthouse yet, asks holding step 51 committed in quorum 0."""
+    ledger = CommitLedger()
+    ledger.record(quorum(0, 50), adopted=True)
+    assert ledger.refusal(51, 0, -1, now=0.0, answered_in=-1) is None
+    ledger.record(quorum(1, 60))  # then quorum 1, formed here: quorum 0 committed steps 50..51 at most
+    assert "committed steps 50..51 only" in str(ledger.refusal(55, 0, -1, now=0.0, answered_in=-1))
+    formed_here = ledger_of((0, 50))  # a quorum this lighthouse formed: only its answered members committed in it
+    assert "was not answered quorum 0" in str(formed_here.refusal(51, 0, -1, now=0.0, answered_in=-1))

@@ -183,8 +183,10 @@ class CommitLedger:
         if steps is None:
             return None  # older than the ledger keeps, or from before a restart: behind the job, it will catch up
         first, last = steps
-        # Only the members answered a quorum commit in it (an adopted one's unanswered holders: up to its answers).
-        if answered_in < committed_in and (committed_in not in self._adopted or step > last):
+        # Only the members answered a quorum commit in it. An adopted one's holders that this lighthouse has not
+        # answered yet trained on in it while it was away, as its member that asked first did: they are held to its
+        # steps below, as any member is (one past its last answer at most).
+        if answered_in < committed_in and committed_in not in self._adopted:
             return (f"claims a commit in quorum {committed_in} but was not answered quorum {committed_in} (a new "
                     f"incarnation, or one that never joined it): only its members committed there; restart the group "
                     f"so it catches up")
