@@ -65,7 +65,7 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
 
     def start(replica_id: str, *extra: str) -> Group:
         return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=script, cwd=cwd,
-                                     extra=(*args, "--recorder.sleep_s=0.15", f"--recorder.pace_file={pace}", *extra))
+                                     extra=(*args, "--recorder.sleep_s=0.3", f"--recorder.pace_file={pace}", *extra))
 
     a = start("a")
     wait_for(lambda: a.records("commit"), 90, "group a's first step")
