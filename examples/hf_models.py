@@ -86,6 +86,16 @@ def warmup_cosine(steps: int) -> Callable[[int], float]:
     return factor
 
 
+def add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags both examples take: the model, the run's length, the batch and the data."""
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--steps", type=int, default=150, help="train until this many committed steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank")
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8192, help="sequences in the dataset")
+    parser.add_argument("--lr", type=float, default=3e-3)
+
+
 class StepPace:
     """Pads each step to ``min_step_time_s``: on one machine a tiny model's steps are shorter than a killed group's
     start (imports of torch, ``transformers`` and the front end), so without a pad the others would finish before it

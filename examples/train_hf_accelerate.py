@@ -24,19 +24,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
 
-from hf_models import ARCHS, MarkovTokens, StepPace, causal_lm, warmup_cosine
+from hf_models import MarkovTokens, StepPace, add_training_flags, causal_lm, warmup_cosine
 from lightning_fthsdp.accelerate import FaultTolerantHSDP
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--steps", type=int, default=150, help="train until this many committed steps")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=8192, help="sequences in the dataset")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_training_flags(parser)
     StepPace.add_flags(parser)
     args = parser.parse_args()
     pace = StepPace.from_flags(parser, args)

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
-from hf_models import ARCHS, MarkovTokens, StepPace, causal_lm, warmup_cosine
+from hf_models import MarkovTokens, StepPace, add_training_flags, causal_lm, warmup_cosine
 
 
 class HFCausalLM(pl.LightningModule):
@@ -64,14 +64,9 @@ class DemoPace(Callback):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
-    parser.add_argument("--steps", type=int, default=150, help="train until this many committed steps")
     parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                         help="ranks of this replica group (default: $LOCAL_WORLD_SIZE, else 1)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank")
-    parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=8192, help="sequences in the dataset")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_training_flags(parser)
     StepPace.add_flags(parser)
     args = parser.parse_args()
     pace = StepPace.from_flags(parser, args)
