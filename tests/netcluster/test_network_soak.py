@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 
 def test_network_soak_keeps_every_invariant(tmp_path: Path, netcluster: ClusterFactory) -> None:
-    # Each network fault as likely as a kill at a random phase: a short run sees every kind.
+    # Each kind gets its first turn before any repeats and network faults weigh as much as kills at a random phase.
     config = SoakConfig(duration_s=45, seed=3, mean_gap_s=2.5, ballast_mib=8, network=True,
                         collective_timeout_ms=5_000, weights={"phase": 3.0, "cut_lighthouse": 3.0, "cut_peers": 3.0,
                                                               "slowlink": 2.0, "flap": 2.0})

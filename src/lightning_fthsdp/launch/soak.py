@@ -188,6 +188,7 @@ class Soak:
         self.lighthouse_down: list[list[float]] = []
         self._lighthouse_back_at: float | None = None
         self._kill_lighthouse_on_ready: str | None = None
+        self._injected: set[str] = set()
         self.checks = 0
         self.cluster: Cluster | None = None
         self.network_faults: list[_NetworkFault] = []
@@ -304,11 +305,18 @@ class Soak:
     # ------------------------------------------------------------------------------------------- injections
 
     def _inject(self) -> bool:
-        """One injection of a scenario drawn by weight among those possible now; False if none is."""
+        """One injection among those possible now: a scenario not injected yet first (so a short run, whose number of
+        injections depends on the machine's pace, still sees every kind), then drawn by weight; False if none is."""
         scenarios = {**SCENARIOS, **(NETWORK_SCENARIOS if self.config.network else {}), **self.config.weights}
-        names = list(scenarios)
-        order = self.rng.choices(names, weights=[scenarios[n] for n in names], k=len(names) * 2)
-        return any(getattr(self, f"_inject_{scenario}")() for scenario in order)
+        names = [name for name, weight in scenarios.items() if weight > 0]
+        fresh = [name for name in names if name not in self._injected]
+        self.rng.shuffle(fresh)
+        order = fresh + self.rng.choices(names, weights=[scenarios[n] for n in names], k=len(names) * 2)
+        for scenario in order:
+            if getattr(self, f"_inject_{scenario}")():
+                self._injected.add(scenario)
+                return True
+        return False
 
     def _inject_cut_lighthouse(self) -> bool:
         return self._strike("cut_lighthouse", lambda cluster, rid: cut(cluster, rid, ["lighthouse"]))
