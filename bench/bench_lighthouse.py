@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import itertools
 import json
@@ -53,6 +54,7 @@ import urllib.request
 import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.client import quorum_request_body, with_members
@@ -357,76 +359,130 @@ async def _generator(pipe: Connection, gen: Generator) -> None:
 
 # ---- the driver ----
 
-def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds: int,
-          timeouts: Timeouts) -> dict[str, object]:
-    if ranks % group_size:
-        raise SystemExit(f"--ranks {ranks} is no multiple of --group-size {group_size}")
-    groups = ranks // group_size
-    proc, host, port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms)
-    ctx = mp.get_context("spawn")
-    pipes, workers = [], []
-    try:
-        share = -(-groups // generators)
+class Fleet:
+    """The real lighthouse (a subprocess) and ``generators`` processes standing in for the leaders of ``groups``
+    groups, each group connected, its first heartbeat answered and its long-polls started."""
+
+    def __init__(self, groups: int, group_size: int, generators: int, timeouts: Timeouts) -> None:
+        self.groups, self.group_size, self.timeouts = groups, group_size, timeouts
+        self.members = tuple(f"g{i:06d}" for i in range(groups))
+        """The groups still in the job (``leave`` takes the first out)."""
+        self.proc, self.host, self.port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms)
+        self.pipes: list[Connection] = []
+        self.workers: list[mp.Process] = []
+        try:
+            self._start_generators(generators)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_generators(self, generators: int) -> None:
+        ctx = mp.get_context("spawn")
+        share = -(-self.groups // generators)
         for g in range(generators):
-            first, count = g * share, min(share, groups - g * share)
+            first, count = g * share, min(share, self.groups - g * share)
             ours, theirs = ctx.Pipe()
-            worker = ctx.Process(target=generator_main, args=(theirs, host, port, first, count, groups, group_size,
-                                                              timeouts.heartbeat_interval_ms), daemon=True)
+            worker = ctx.Process(target=generator_main, args=(theirs, self.host, self.port, first, count, self.groups,
+                                                              self.group_size, self.timeouts.heartbeat_interval_ms),
+                                 daemon=True)
             worker.start()
-            pipes.append(ours)
-            workers.append(worker)
-        for pipe in pipes:
+            self.pipes.append(ours)
+            self.workers.append(worker)
+        for pipe in self.pipes:
             if not pipe.poll(600):
                 raise SystemExit("a generator did not connect its groups within 600 s")
             if (said := pipe.recv()) != "ready":
                 raise SystemExit(f"a generator failed: {said}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def tell(self, *command: object) -> list[Any]:
+        """Every generator's answer to ``command``."""
+        for pipe in self.pipes:
+            pipe.send(command)
+        return [pipe.recv() for pipe in self.pipes]
+
+    def quorum_round(self, round_no: int) -> dict[str, Any]:
+        """Every group still in the job asks at once; checks each generator rebuilt the membership expected, at the
+        step expected, in one quorum."""
+        lighthouse_cpu_before = cpu_seconds_of(self.proc.pid)
+        results = self.tell("quorum", round_no)
+        round_cpu = cpu_seconds_of(self.proc.pid) - lighthouse_cpu_before
+        for result in results:
+            assert result["members"] == self.members and result["max_step"] == round_no, result["quorum_id"]
+        assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
+        return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]),
+                "lighthouse_cpu_s": round(round_cpu, 3),
+                "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
+                "latency_s": max(r["last_answer"] for r in results) - max(r["last_sent"] for r in results)}
+
+    def leave(self) -> None:
+        """The first group still in the job leaves, as ``Heartbeat.leave`` does."""
+        group = self.groups - len(self.members)
+        self.pipes[0].send(("leave", group))
+        assert self.pipes[0].recv() == "left"
+        self.members = self.members[1:]
+
+    def status(self) -> dict[str, Any]:
+        request = urllib.request.Request(f"{self.url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(("stop",))
+        for worker in self.workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds: int,
+          timeouts: Timeouts) -> dict[str, object]:
+    if ranks % group_size:
+        raise SystemExit(f"--ranks {ranks} is no multiple of --group-size {group_size}")
+    with Fleet(ranks // group_size, group_size, generators, timeouts) as fleet:
         time.sleep(3 * timeouts.heartbeat_interval_ms / 1000)  # warm-up: the long-polls spread out
-        for pipe in pipes:
-            pipe.send(("cpu",))
-        gen_cpu_start = [pipe.recv() for pipe in pipes]
+        gen_cpu_start = fleet.tell("cpu")
         start = time.monotonic()
-        lighthouse_cpu_start = cpu_seconds_of(proc.pid)
-        for pipe, cpu in zip(pipes, gen_cpu_start, strict=True):
+        lighthouse_cpu_start = cpu_seconds_of(fleet.proc.pid)
+        for pipe, cpu in zip(fleet.pipes, gen_cpu_start, strict=True):
             pipe.send(("window", start, start + window_s, cpu))
-        reports = [pipe.recv() for pipe in pipes]
+        reports = [pipe.recv() for pipe in fleet.pipes]
         elapsed = time.monotonic() - start
-        lighthouse_cpu = (cpu_seconds_of(proc.pid) - lighthouse_cpu_start) / elapsed
+        lighthouse_cpu = (cpu_seconds_of(fleet.proc.pid) - lighthouse_cpu_start) / elapsed
         rtts = sorted(r for report in reports for r in report["rtts"])
-        quorum_rounds: list[dict[str, object]] = []
-        members = tuple(f"g{i:06d}" for i in range(groups))
+        quorum_rounds: list[dict[str, Any]] = []
         for round_no in range(rounds + 1):
             kind = "fresh" if round_no == 0 else "steady" if round_no < rounds else "change"
             if kind == "change":  # the first group leaves: every other leader gets the new membership as a delta
-                pipes[0].send(("leave", 0))
-                assert pipes[0].recv() == "left"
-                members = members[1:]
-            lighthouse_cpu_before = cpu_seconds_of(proc.pid)
-            for pipe in pipes:
-                pipe.send(("quorum", round_no))
-            results = [pipe.recv() for pipe in pipes]
-            round_cpu = cpu_seconds_of(proc.pid) - lighthouse_cpu_before
-            for result in results:  # every generator rebuilt the membership expected, at the step expected
-                assert result["members"] == members and result["max_step"] == round_no, (kind, result["quorum_id"])
-            assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
+                fleet.leave()
+            result = {"kind": kind, **fleet.quorum_round(round_no)}
             if quorum_rounds:
-                same = results[0]["quorum_id"] == quorum_rounds[-1]["quorum_id"]
-                assert same == (kind == "steady"), (kind, results[0]["quorum_id"], quorum_rounds[-1]["quorum_id"])
-            quorum_rounds.append({"kind": kind, "quorum_id": results[0]["quorum_id"],
-                                  "answer_bytes": len(results[0]["answer"]),
-                                  "lighthouse_cpu_s": round(round_cpu, 3),
-                                  "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
-                                  "latency_s": max(r["last_answer"] for r in results) -
-                                  max(r["last_sent"] for r in results)})
-        request = urllib.request.Request(f"http://{host}:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            status = json.loads(response.read())
-        dead = sum(1 for g in status["groups"] if g["dead"])
+                same = result["quorum_id"] == quorum_rounds[-1]["quorum_id"]
+                assert same == (kind == "steady"), (kind, result["quorum_id"], quorum_rounds[-1]["quorum_id"])
+            quorum_rounds.append(result)
+        dead = sum(1 for g in fleet.status()["groups"] if g["dead"])
         return {
-            "ranks": ranks, "group_size": group_size, "groups": groups, "generators": generators,
+            "ranks": ranks, "group_size": group_size, "groups": fleet.groups, "generators": generators,
             "heartbeat_interval_ms": timeouts.heartbeat_interval_ms,
             "heartbeat_timeout_ms": timeouts.heartbeat_timeout_ms, "window_s": round(elapsed, 3),
             "heartbeats_per_s": round(len(rtts) / elapsed, 1),
-            "ideal_heartbeats_per_s": round(groups * 1000 / timeouts.heartbeat_interval_ms, 1),
+            "ideal_heartbeats_per_s": round(fleet.groups * 1000 / timeouts.heartbeat_interval_ms, 1),
             "lighthouse_cpu": round(lighthouse_cpu, 3),
             "generator_cpu": [round(r["cpu_s"] / elapsed, 3) for r in reports],
             "heartbeat_errors": sum(r["errors"] for r in reports),
@@ -435,18 +491,77 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             "groups_dead": dead, "quorum_rounds": quorum_rounds,
             "load_average": os.getloadavg(),
         }
+
+
+def busy_loop() -> None:
+    """A process that wants a whole core."""
+    while True:
+        pass
+
+
+def renice(pid: int, nice: int) -> None:
+    """Give process ``pid``'s first thread (a Python process's event loop) the nice value ``nice``, and its session
+    too where the kernel groups sessions (autogroup: a nice value alone then weighs only within the session)."""
+    os.setpriority(os.PRIO_PROCESS, pid, nice)
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    if autogroup.exists():
+        autogroup.write_text(str(nice))
+
+
+def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: float) -> dict[str, Any]:
+    """Drive the lighthouse past its capacity twice, then let it recover: it is stopped (SIGSTOP) for ``stall_s``,
+    then for ``starve_s`` it shares one core, at the lowest priority (nice 19), with a busy loop (the generators on
+    the other cores). Nobody may be declared dead; ``/status`` is asked for under the load; then steady quorum rounds
+    run until one takes no longer than the ``bound`` from the rounds before the load (three times the slowest, at
+    least 0.5 s more than it), for at most ``recover_within_s``."""
+    before = [fleet.quorum_round(n)["latency_s"] for n in range(3)]  # a fresh round, then two steady ones
+    bound = max(3 * max(before[1:]), max(before[1:]) + 0.5)
+    fleet.proc.send_signal(signal.SIGSTOP)
+    time.sleep(stall_s)
+    fleet.proc.send_signal(signal.SIGCONT)
+    cpus = sorted(os.sched_getaffinity(0))
+    others = set(cpus[1:]) or set(cpus)
+    for worker in fleet.workers:
+        os.sched_setaffinity(worker.pid, others)
+    busy = mp.get_context("spawn").Process(target=busy_loop, daemon=True)
+    busy.start()
+    try:
+        os.sched_setaffinity(busy.pid, {cpus[0]})
+        os.sched_setaffinity(fleet.proc.pid, {cpus[0]})
+        renice(fleet.proc.pid, 19)
+        time.sleep(starve_s)
+        asked_at = time.monotonic()
+        status = fleet.status()  # answerable while starved, however slowly
+        status_s = time.monotonic() - asked_at
     finally:
-        for pipe in pipes:
-            pipe.send(("stop",))
-        for worker in workers:
-            worker.join(10)
-            if worker.is_alive():
-                worker.kill()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        busy.kill()
+        busy.join()
+    load_ended = time.monotonic()
+    with contextlib.suppress(PermissionError):  # lowering a nice value needs privilege: the core is its own again
+        renice(fleet.proc.pid, 0)
+    os.sched_setaffinity(fleet.proc.pid, set(cpus))
+    for worker in fleet.workers:
+        os.sched_setaffinity(worker.pid, set(cpus))
+    after: list[float] = []
+    while not after or (after[-1] > bound and time.monotonic() - load_ended < recover_within_s):
+        after.append(fleet.quorum_round(len(after) + 3)["latency_s"])
+    groups = fleet.status()["groups"]
+    return {"groups": fleet.groups, "heartbeat_interval_ms": fleet.timeouts.heartbeat_interval_ms,
+            "heartbeat_timeout_ms": fleet.timeouts.heartbeat_timeout_ms, "stall_s": stall_s, "starve_s": starve_s,
+            "rounds_before_s": [round(t, 3) for t in before], "bound_s": round(bound, 3),
+            "rounds_after_s": [round(t, 3) for t in after], "recovered": after[-1] <= bound,
+            "recovered_after_s": round(time.monotonic() - load_ended, 3),
+            "status_under_load_s": round(status_s, 3), "lag_under_load": status["lighthouse_lag"],
+            "deaths": sum(g["deaths"] for g in groups), "dead": sum(1 for g in groups if g["dead"])}
+
+
+def print_overload(row: dict[str, Any]) -> None:
+    print(f"{'groups':>6} {'hb ms':>11} {'stall s':>7} {'starve s':>8} {'deaths':>6} {'/status s':>9} "
+          f"{'rounds before s':>18} {'bound s':>7} {'rounds after s':>24} {'recovered in s':>14}")
+    print(f"{row['groups']:>6} {row['heartbeat_interval_ms']:>5}/{row['heartbeat_timeout_ms']:<5} "
+          f"{row['stall_s']:>7.1f} {row['starve_s']:>8.1f} {row['deaths']:>6} {row['status_under_load_s']:>9.2f} "
+          f"{' '.join(f'{t:.2f}' for t in row['rounds_before_s']):>18} {row['bound_s']:>7.2f} "
+          f"{' '.join(f'{t:.2f}' for t in row['rounds_after_s'][-4:]):>24} {row['recovered_after_s']:>14.2f}")
 
 
 def main() -> int:
@@ -465,11 +580,26 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="a short run for CI: 300 groups (more than the lighthouse lets one address hold before "
                              "they ask), one generator, a 1 s window, a fresh, a steady and a change round")
+    parser.add_argument("--overload", action="store_true",
+                        help="instead: the lighthouse stopped for 2.5 heartbeat timeouts, then starved for 4 beside a "
+                             "busy loop on one core, then quorum rounds until they are as fast as before (the first "
+                             "--ranks only)")
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.generators, args.window_s, args.rounds = [2400], 1, 1.0, 2
     timeouts = Timeouts(heartbeat_interval_ms=args.heartbeat_interval_ms,
                         heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    if args.overload:
+        timeout_s = timeouts.heartbeat_timeout_ms / 1000
+        with Fleet(args.ranks[0] // args.group_size, args.group_size, args.generators, timeouts) as fleet:
+            row = overload(fleet, stall_s=2.5 * timeout_s, starve_s=4 * timeout_s, recover_within_s=60)
+        print_overload(row)
+        out = args.out.with_name("lighthouse_overload.json") if args.out == RESULTS else args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), **row}, indent=2)
+                       + "\n")
+        print(f"wrote {out}")
+        return 0
     rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
     print(f"{'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
           f"{'dead':>4} {'quorum fresh/steady/change s':>28} {'generators CPU':>16}")

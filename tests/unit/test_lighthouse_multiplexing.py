@@ -387,8 +387,8 @@ class Transport(asyncio.Transport):
 
 
 def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_with_the_new_epoch() -> None:
-    """Its deadline's callback runs after the change but before the change's answers to every held heartbeat: it
-    must leave the heartbeat to those (which carry the new epoch), and the heartbeats due with it still get theirs."""
+    """Its deadline's callback runs after the change but before the change's wake of every held heartbeat: it answers
+    with the new epoch and the wake must not answer it again, while the heartbeats due with it still get theirs."""
     async def run() -> list[bytes]:
         lighthouse = Lighthouse(host="127.0.0.1", port=0, startup_grace_ms=0)
         await lighthouse.start()
@@ -401,7 +401,7 @@ def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_wit
             connection.data_received(b"POST /v1/heartbeat HTTP/1.1\r\nX-Request-Id: 1\r\nContent-Length: %d\r\n\r\n%s"
                                      % (len(body), body))
         first = next(iter(lighthouse._held))
-        lighthouse._bump_epoch()  # a death, say: every held heartbeat is answered on the next turn
+        lighthouse._bump_epoch(wake=True)  # a death, say: every held heartbeat is answered on the next turn
         lighthouse._release(first)  # its deadline, due earlier in this same turn
         await asyncio.sleep(0)
         await asyncio.sleep(0)

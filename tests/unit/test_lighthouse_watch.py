@@ -20,7 +20,7 @@ class Clock:
 
 
 EMPTY_STATUS = {"members": [], "participants": 0, "quorum_id": -1, "committed_step": -1, "step_rate": 0.0,
-                "groups": []}
+                "groups": [], "lighthouse_lag": {"max_s": 0.0, "behind": False}}
 
 
 def quorum(quorum_id: int, step: int, *members: str, behind: dict[str, str] | None = None) -> Quorum:

@@ -21,10 +21,12 @@ class Deadlines:
     """Callbacks due after a delay, run on the event loop of the first ``add``, in no particular order within one grid
     point."""
 
-    def __init__(self, resolution_s: float = 0.01) -> None:
+    def __init__(self, resolution_s: float = 0.01, ran: Callable[[float, float], None] | None = None) -> None:
+        """``ran(planned, now)``: told when each grid point fires, how late it runs (``lighthouse.lag``)."""
         if not resolution_s > 0:
             raise ValueError(f"Deadlines resolution_s must be > 0, got {resolution_s!r}")
         self._resolution_s = resolution_s
+        self._ran = ran
         self._due: dict[int, dict[int, Callable[[], None]]] = {}
         self._keys = itertools.count()
         self._timers: dict[int, asyncio.TimerHandle] = {}
@@ -58,6 +60,8 @@ class Deadlines:
 
     def _fire(self, slot: int) -> None:
         del self._timers[slot]
+        if self._ran is not None:
+            self._ran(slot * self._resolution_s, asyncio.get_running_loop().time())
         callbacks = self._due[slot]
         while callbacks:  # taken one at a time: a callback may cancel another of this grid point
             _, callback = callbacks.popitem()

@@ -83,6 +83,11 @@ class _StatusGauges(Collector):
         yield _gauge("fthsdp_committed_step", "The highest step a quorum was answered at (-1: none)",
                      status["committed_step"])
         yield _gauge("fthsdp_step_rate", "Committed steps per second over the last minute", status["step_rate"])
+        lag = status["lighthouse_lag"]
+        yield _gauge("fthsdp_lighthouse_lag_seconds", "How late the lighthouse's own timers ran, the largest over the "
+                     "last heartbeat timeout (its hang deadline is extended by twice this)", lag["max_s"])
+        yield _gauge("fthsdp_lighthouse_behind", "1 while the lighthouse runs behind (a closed heartbeat connection "
+                     "is then left to the extended hang deadline), else 0", int(lag["behind"]))
         states = GaugeMetricFamily("fthsdp_groups", "Replica groups the lighthouse knows, by state", labels=["state"])
         counts = dict.fromkeys(GROUP_STATES, 0)
         for group in status["groups"]:

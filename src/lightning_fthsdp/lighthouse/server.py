@@ -4,12 +4,16 @@ State is soft: replicas (last heartbeat, step, dead or not), pending quorum requ
 A restarted lighthouse rebuilds it from the groups' heartbeats and requests (``quorum.decide`` continues the
 numbering from the requests' ``quorum_id``/``members``; a request sends its members only when the lighthouse answers
 428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
-silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). A leader sends its quorum requests on its
-heartbeat connection (one connection per group), each with a request id, so they are handled while its heartbeat is
-held and answered as soon as decided (``http.Connection``). Every epoch change (death, revival, leave) answers all
-held heartbeat long-polls, which is how survivors learn to abort an in-flight allreduce. A new quorum is no epoch
-change: each member learns it from its own quorum answer (its leader relays it to the group's other ranks), so a round
-costs one answer per group, not two; the heartbeat answers after it carry it too.
+silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). Overload never makes a death: the lighthouse
+measures how far it runs behind (``lag``), extends the hang deadline by that, and while behind leaves a closed
+connection to the hang deadline. A leader sends its quorum requests on its heartbeat connection (one connection per
+group), each with a request id, so they are handled while its heartbeat is held and answered as soon as decided
+(``http.Connection``). A death or a leave answers the held heartbeat long-polls, which is how survivors learn to
+abort an in-flight allreduce: at once, and at most once per ``WAKE_WINDOW_S`` (a burst of deaths is one wake, not
+one per death). A revival changes the epoch but wakes nobody (the group's quorum request is its news): a storm of
+revivals must not answer every held request once per revival. A new quorum is no epoch change: each member learns it
+from its own quorum answer (its leader relays it to the group's other ranks), so a round costs one answer per group,
+not two; the heartbeat answers after it carry it too.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
@@ -64,6 +68,7 @@ from lightning_fthsdp.lighthouse.http import (
     Response,
     json_response,
 )
+from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
@@ -87,6 +92,11 @@ if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (
 log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_LONG_POLL_MS = 5_000
+WAKE_WINDOW_S = 0.02
+"""Shortest time between two wakes of the held heartbeats: deaths closer together than this are told in one."""
+BEHIND_SHARE = 0.5
+"""The lighthouse counts as behind (``lag.Lag``) when its timers run later than this share of the heartbeat timeout:
+a client gives up on a heartbeat answered a timeout late, and its connection's close is then no crash."""
 MAX_PARTITION_STAY_S = 300.0
 """Longest a group excluded for a partition stays out once it reaches its peers again (see ``_excluded_request``)."""
 MIN_STRAGGLER_HOLD_S = 0.01
@@ -188,7 +198,12 @@ class Lighthouse:
         # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
         # scanned on every timeout: O(groups^2) per interval at scale).
         self._held: dict[Pending, tuple[str, Deadline]] = {}
-        self._deadlines = Deadlines()
+        # Held at an epoch a death or a leave has changed since: answered at the next wake (see _bump_epoch).
+        self._stale: dict[Pending, tuple[str, Deadline]] = {}
+        self._wake_timer: asyncio.TimerHandle | None = None
+        self._woke_at = -WAKE_WINDOW_S
+        self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
+        self._deadlines = Deadlines(ran=self._lag.ran)
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -262,7 +277,7 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        for timer in (self._join_timer, self._lost_timer, self._startup_timer):
+        for timer in (self._join_timer, self._lost_timer, self._startup_timer, self._wake_timer):
             if timer is not None:
                 timer.cancel()
         self._deadlines.close()
@@ -295,8 +310,15 @@ class Lighthouse:
         self._admission.closed(conn)
         self._group_connections.closed(conn)
         key = self._heartbeat_connections.closed(conn)
-        if key is not None and not self._stopping:
-            self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
+        if key is None or self._stopping:
+            return
+        if self._lag.behind(time.monotonic()):
+            # Its client may only have given up on an answer this lighthouse was late with: the hang deadline,
+            # extended by the lag, tells a dead group from one that reconnects.
+            log.info("the heartbeat connection of replica %s rank %d closed while the lighthouse runs behind (%s): "
+                     "left to the heartbeat timeout", key[0], key[1], self._lag.to_json(time.monotonic()))
+            return
+        self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
     def _route(self, request: Request) -> Response | Pending:
         # The token was checked on the request's head (the connection's gate, see _connect).
@@ -358,16 +380,19 @@ class Lighthouse:
     def _release(self, waiter: Pending) -> None:
         """A held heartbeat's time is up."""
         replica_id = self._unhold(waiter)
-        if replica_id is not None:  # else the epoch changed earlier in this event-loop turn: _answer_held has it
+        if replica_id is not None:
             waiter.answer(self._heartbeat_answer(replica_id))
 
     def _unhold(self, waiter: Pending) -> str | None:
         """A held heartbeat is answered or its connection closed (see ``_settle``)."""
-        return self._settle(self._held, waiter)
+        return self._settle(self._held, waiter) or self._settle(self._stale, waiter)
 
-    def _answer_held(self, held: dict[Pending, tuple[str, Deadline]]) -> None:
-        """Answer the heartbeats held when the epoch changed, after every change of this event-loop turn."""
-        for waiter, (replica_id, deadline) in held.items():
+    def _wake(self) -> None:
+        """Answer the heartbeats held at an epoch a death or a leave changed, after every change of this event-loop
+        turn (or of the wake window)."""
+        self._wake_timer, self._woke_at = None, time.monotonic()
+        stale, self._stale = self._stale, {}
+        for waiter, (replica_id, deadline) in stale.items():
             self._deadlines.cancel(deadline)
             waiter.answer(self._heartbeat_answer(replica_id))
 
@@ -620,7 +645,7 @@ class Lighthouse:
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
         self._watch.left(replica_id)
-        self._bump_epoch()
+        self._bump_epoch(wake=True)
         self._schedule_decide(force=True)
         return json_response({})
 
@@ -676,7 +701,9 @@ class Lighthouse:
         ``heartbeat_connections`` (those whose close declares it dead: one per rank that heartbeats here),
         ``connections`` (every open connection that carried a request of its, of any kind), and its ``step_time_s``,
         ``waited_for_s`` and ``straggler`` (``Stragglers.group_json``); ``stragglers`` the job's side of those
-        (``Stragglers.to_json``); ``excluded`` the groups kept out while they live, and why."""
+        (``Stragglers.to_json``); ``excluded`` the groups kept out while they live, and why; ``lighthouse_lag`` how
+        late its own timers ran over the last heartbeat timeout (``lag.Lag``: the largest, the last, whether it runs
+        behind, and the grace its hang deadline has now)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         connections = self._heartbeat_connections.per_group()
@@ -709,6 +736,7 @@ class Lighthouse:
             "excluded": self._exclusions.to_json(now),
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
+            "lighthouse_lag": self._lag.to_json(now),
         }
 
     def _state(self, replica_id: str, record: GroupRecord) -> str:
@@ -824,7 +852,7 @@ class Lighthouse:
             log.info("replica %s is alive again at step %d", replica_id, step)
             if not restarted:
                 self._watch.alive(replica_id, step)
-            self._bump_epoch()
+            self._bump_epoch(wake=False)
         self._sync_alive(replica_id)
 
     def _declare_dead(self, replica_id: str, cause: str, reason: str) -> None:
@@ -841,7 +869,7 @@ class Lighthouse:
         self._watch.died(replica_id, cause, reason, record.step, record.last_seen if cause == "hang" else
                          record.dead_since, self._previous is not None and replica_id in self._previous,
                          record.member, self._ledger.committed_step)
-        self._bump_epoch()
+        self._bump_epoch(wake=True)
         self._schedule_decide(force=True)
 
     def _sync_alive(self, replica_id: str) -> None:
@@ -887,12 +915,17 @@ class Lighthouse:
         self._waiters.pop(replica_id, None)
         self._sync_alive(replica_id)
 
-    def _bump_epoch(self) -> None:
+    def _bump_epoch(self, wake: bool) -> None:
+        """A new epoch; ``wake``: the held heartbeats learn it now (a death or a leave), else at their deadline."""
         self._epoch += 1
         self._heartbeat_body = None
-        held, self._held = self._held, {}
-        if held:  # wakes every held long-poll
-            asyncio.get_running_loop().call_soon(self._answer_held, held)
+        if not wake or not self._held:
+            return
+        self._stale.update(self._held)
+        self._held = {}
+        if self._wake_timer is None:
+            delay = max(0.0, self._woke_at + WAKE_WINDOW_S - time.monotonic())
+            self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
     # ---- deciding ----
 
@@ -1026,10 +1059,16 @@ class Lighthouse:
     async def _expire_loop(self) -> None:
         timeout_s = self.heartbeat_timeout_ms / 1000
         while True:
+            planned = time.monotonic() + timeout_s / 10
+            self._lag.expect(planned)
             await asyncio.sleep(timeout_s / 10)
-            cutoff = time.monotonic() - timeout_s
+            now = time.monotonic()
+            self._lag.ran(planned, now)
+            grace_s = self._lag.grace_s(now)
+            cutoff = now - timeout_s - grace_s
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
-                self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms")
+                self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms"
+                                   + (f" (and {grace_s:.3f} s more: the lighthouse ran behind)" if grace_s else ""))
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
             ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
                      if rid in self._readiness.alive and rid not in self._waiters]
