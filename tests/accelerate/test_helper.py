@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from torch import nn
 
 from lightning_fthsdp.accelerate import FaultTolerantHSDP
@@ -155,3 +156,55 @@ def test_advertise_host_reaches_the_manager() -> None:
     ft = helper("http://127.0.0.1:1", advertise_host="127.0.0.2")  # the lighthouse is contacted at the first step
     with ft:
         assert ft.manager.advertise_host == "127.0.0.2"
+
+
+class WithUnusedHead(nn.Module):
+    """A model as people write them: a head the forward never calls (left from a variant, or used only sometimes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.spare_head = nn.Linear(FEATURES, 8), nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def adamw_job() -> tuple[Accelerator, nn.Module, torch.optim.Optimizer]:
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = WithUnusedHead()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def test_an_unused_parameter_is_not_stepped_and_the_job_ends_equal_to_plain_accelerate(lighthouse: str) -> None:
+    """AdamW's weight decay and moments would move a parameter stepped with a zero gradient: it must be skipped, as
+    plain Accelerate (no gradient, so no step) does."""
+    accelerator, model, optimizer = adamw_job()
+    spare_before = [p.detach().clone() for p in model.spare_head.parameters()]
+    seen = []
+    with FaultTolerantHSDP(accelerator, model, optimizer, dataset=dataset(64), batch_size=4, replica_id="a",
+                           lighthouse=lighthouse, replicas=2, replica_index=0, timeouts=TIMEOUTS) as ft:
+        batches = ft.batches()
+        for _ in range(4):
+            x, y = next(batches)
+            seen.append((x, y))
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                ft.sync_gradients()
+                accelerator_optimizer_step(ft)
+    with_ft = {name: p.detach().clone() for name, p in model.named_parameters()}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator, model, optimizer = adamw_job()
+    for x, y in seen:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    plain = {name: p.detach() for name, p in model.named_parameters()}
+    assert all(torch.equal(a, b) for a, b in zip(spare_before, model.spare_head.parameters(), strict=True))
+    for name, value in plain.items():
+        torch.testing.assert_close(with_ft[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(with_ft["head.weight"], spare_before[0])  # (the trained head did move)

@@ -72,8 +72,7 @@ def test_a_claim_of_a_step_its_quorum_discarded_is_refused_also_while_it_waits(
     """The same forger, one incarnation: it claims step 2 in quorum 0 before a and b report that they discarded it
     (its request waits for theirs), and again after. Neither is believed: a and b go on at step 1 without it."""
     url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0, join_timeout_s=0.5)
-    _quorum_0_at_step_1(url)
-    forged = Client(url)
+    forged = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with the claim
     forged.send("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, committed_in=0))
     wait_for(lambda: replica(Client(url).status(), "c")["pending"], 5, "c's claim held", interval_s=0.005)
     held = _discard(url, "a", "b")
@@ -94,10 +93,9 @@ def test_a_member_that_committed_the_next_step_is_believed(lighthouse: Callable[
     """The rule refuses nothing a real member does: the members that committed step 2 in quorum 0 claim it, also when
     another member's commit failed after the exchange succeeded (its lease ran out: it was stopped a while)."""
     url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0)
-    _quorum_0_at_step_1(url)
+    lapsed = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with its request
     answer = form(url, *MEMBERS, step=2, quorum_id=0, members=MEMBERS, committed_in=0)[0]
     assert answer["quorum_id"] == 0 and answer["max_step"] == 2 and answer["catch_up_from"] == {}
-    lapsed = Client(url)
     lapsed.send("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, commit_failed=True, committed_in=0))
     wait_for(lambda: replica(Client(url).status(), "c")["pending"], 5, "c's request held", interval_s=0.005)
     answer = form(url, "a", "b", step=3, quorum_id=0, members=MEMBERS, committed_in=0)[0]
@@ -110,9 +108,9 @@ def test_a_member_that_completed_a_collective_another_saw_fail_is_believed(light
     while a and b report that their exchange failed on the built group. That is no proof against c's claim, so it is
     believed and c becomes their catch-up source; only a group that was never built proves that nobody committed."""
     url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0, join_timeout_s=0.5)
-    _quorum_0_at_step_1(url)
+    c = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with its request
     held = _discard(url, "a", "b", rendezvous_failed=False)
-    code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, committed_in=0))
+    code, answer = c.call("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, committed_in=0))
     assert code == 200 and answer["max_step"] == 2, answer
     answers = [client.recv() for client in held]
     assert all(code == 200 for code, _ in answers), answers

@@ -35,12 +35,12 @@ from lightning_fthsdp.config.env import ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.manager.gradients import ExchangedGradients
 from lightning_fthsdp.recovery.scheduler_state import load_scheduler_state, scheduler_state
 from lightning_fthsdp.recovery.torch_state import (
     ModuleState,
     full_params_sha256,
     load_optimizer_state,
-    local,
     optimizer_state,
 )
 
@@ -110,6 +110,7 @@ class FaultTolerantHSDP:
         self._drawn = 0  # micro-batches of the current step handed out by batches()
         self._may_step = False  # the optimizer may step: a committed step (trained or replayed) is due
         self._norm: Any = None
+        self._exchanged = ExchangedGradients([], accelerator.device)  # the step's (a replayed one applies them)
         self._trained_once = False
         self.records = RunRecords(record, self.replica_id, accelerator.is_main_process)
         self._guards = AcceleratorGuards(accelerator, max_grad_norm=self.max_grad_norm, last_norm=lambda: self._norm,
@@ -185,7 +186,9 @@ class FaultTolerantHSDP:
                 "it when accelerator.sync_gradients is True, inside accelerator.accumulate(model), with batches from "
                 "ft.batches()")
         self._drawn = 0
-        grads = self._gradients()
+        self._exchanged = ExchangedGradients([p for p in self.model.parameters() if p.requires_grad],
+                                             self.accelerator.device)
+        grads = self._exchanged.tensors()
         saved = [g.clone() for g in grads]
         manager = self.manager
         catch_ups = len(manager.catch_up_log)
@@ -202,6 +205,7 @@ class FaultTolerantHSDP:
             failed_at = failed_at or time.monotonic()
             for grad, copy in zip(grads, saved, strict=True):
                 grad.copy_(copy)
+        self._exchanged.drop_missing()
         self._norm = self._clip()
         self._may_step = True
         self._record_commit(catch_ups, time.monotonic() - failed_at if failed_at is not None else 0.0)
@@ -231,15 +235,6 @@ class FaultTolerantHSDP:
         manager.register_update(self._apply_held)
         return manager
 
-    def _gradients(self) -> list[torch.Tensor]:
-        """This rank's gradient tensors (shards under FSDP2), one per trainable parameter; a parameter the step left
-        without a gradient gets zeros, so every group exchanges the same tensors."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [local(p.grad) for p in params]  # type: ignore[arg-type]
-
     def _clip(self) -> Any:
         if self.max_grad_norm is None:
             return None
@@ -248,6 +243,7 @@ class FaultTolerantHSDP:
     def _apply_held(self) -> None:
         """FTManager's update: apply one step the job committed while this group followed it (its averaged gradients
         in place), as a trained step is applied: clip, optimizer step, scheduler step."""
+        self._exchanged.drop_missing()
         self._clip()
         self._may_step = True
         self.optimizer.step()

@@ -6,9 +6,8 @@ optimizer step, on the same batch: the weights did not change, so the gradient i
 the first attempt (one copy of this rank's gradient shards per step), and a degraded step's extra batches are
 trained again.
 
-Every group must send the same tensors (gloo sizes must match): a missing gradient is sent as zeros, and a flag per
-parameter says whether a group had one, so a parameter no group had a gradient for is skipped by the optimizer (as
-without fault tolerance) instead of stepped with zeros (weight decay, momentum and Adam would move it).
+A parameter no contributing group had a gradient for is skipped by the optimizer, as without fault tolerance
+(``manager.gradients``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.manager.gradients import ExchangedGradients
 from lightning_fthsdp.recovery.torch_state import local
 
 
@@ -43,8 +43,7 @@ class StepCommit:
         """Whether the last commit loaded a peer's state (set through ``mark_caught_up``)."""
         self.resumed = False
         """Whether the last commit's quorum had this group load a durable checkpoint."""
-        self._synced: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # parameters and their exchanged gradient
-        self._had_grad = torch.zeros(0)  # per parameter: > 0 if a contributing group had a gradient for it
+        self._exchanged = ExchangedGradients([], device)  # the last step's
 
     def mark_caught_up(self) -> None:
         """Called by the loop-counter loader of catch-up, inside the commit that loads a peer's state."""
@@ -65,13 +64,10 @@ class StepCommit:
         started, stall_s = time.monotonic(), 0.0
         while True:
             train_extra_batches(manager.step_batches() - 1)
-            self._had_grad = torch.tensor([float(p.grad is not None) for p in params], device=self._device)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self._synced = [(p, p.grad) for p in params]
+            self._exchanged = ExchangedGradients(params, self._device)
+            tensors = self._exchanged.tensors()
             self._fire_fault("before")
-            manager.sync_gradients([local(p.grad) for p in params] + [self._had_grad])
+            manager.sync_gradients(tensors)
             if manager.quorum is not None:
                 self._topology.check_quorum(manager.quorum.member_ids, manager.replica_id)
             self.caught_up = False
@@ -95,9 +91,5 @@ class StepCommit:
         return stall_s
 
     def drop_missing_gradients(self) -> None:
-        """After the exchange: no gradient (None) for a parameter no contributing group had one for. The exchanged
-        tensor is attached again otherwise (a replayed step before this one may have dropped it)."""
-        for (p, grad), had in zip(self._synced, self._had_grad.tolist(), strict=True):
-            wanted = grad if had > 0.0 else None
-            if p.grad is not wanted:  # assigning a DTensor's gradient validates it: only where it changes
-                p.grad = wanted
+        """After the exchange (``ExchangedGradients.drop_missing``)."""
+        self._exchanged.drop_missing()
