@@ -44,3 +44,15 @@ def test_a_loss_the_heartbeat_saw_is_told_once_also_when_the_successor_has_the_s
     member.answered(answer(OLD, 3, 6), sent=0.0)
     member.answered(answer(OLD, 1, 7), sent=0.0)
     assert calls == [("quorum", (5, OLD)), ("lost", OLD), ("quorum", (6, OLD)), ("lost", OLD), ("quorum", (7, OLD))]
+
+
+def test_a_dead_set_is_news_again_as_of_a_newer_quorum() -> None:
+    """A revival wakes no held heartbeat, so the dead set a member holds may predate the quorum that took the revived
+    group back in; the same set as of a newer quorum (the group died again after it) must reach ``on_dead`` again."""
+    told: list[tuple[frozenset[str], int]] = []
+    member = Membership("a", TIMEOUTS, on_dead=lambda dead: told.append((dead, member.dead_as_of)),
+                        on_quorum=lambda *quorum: None, on_lost=lambda store: None)
+    member.answered({**answer(OLD, 1, 2), "dead": ["c"]}, sent=0.0)
+    member.answered({**answer(OLD, 1, 2), "dead": ["c"]}, sent=0.0)  # nothing new
+    member.answered({**answer(OLD, 3, 3), "dead": ["c"]}, sent=0.0)
+    assert told == [(frozenset({"c"}), 2), (frozenset({"c"}), 3)]

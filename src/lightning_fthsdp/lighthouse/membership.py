@@ -52,6 +52,10 @@ class Membership:
         self.epoch = -1
         """The lighthouse's epoch in the newest answer (-1: none yet)."""
         self.dead: frozenset[str] = frozenset()
+        self.dead_as_of = -1
+        """The id of the lighthouse's newest quorum when it answered with ``dead`` (-1: none). A revival wakes no held
+        heartbeat, so a dead set from before a quorum was decided may name a member that lives again: the quorum,
+        which the lighthouse formed of live groups, is the newer news. Written after ``dead``: read it first."""
         self.deaths = 0
         """How often the lighthouse declared this group dead, as of the newest answer."""
         self.lease_ms = timeouts.heartbeat_timeout_ms
@@ -89,8 +93,9 @@ class Membership:
         self._heard_from(str(answer.get("store", "")), _int(answer.get("epoch"), -1))
         dead_ids = answer.get("dead", ())
         dead = frozenset(str(d) for d in dead_ids) if isinstance(dead_ids, list | tuple) else frozenset()
-        if dead != self.dead:
-            self.dead = dead
+        as_of = _int(answer.get("quorum_id"), -1)
+        if dead != self.dead or as_of != self.dead_as_of:  # a dead set as of a newer quorum is news even unchanged
+            self.dead, self.dead_as_of = dead, as_of
             self._on_dead(dead)
         self.quorum(answer)
 
@@ -177,6 +182,10 @@ class MembershipView:
     @property
     def dead(self) -> frozenset[str]:
         return self.membership.dead
+
+    @property
+    def dead_as_of(self) -> int:
+        return self.membership.dead_as_of
 
     @property
     def deaths(self) -> int:

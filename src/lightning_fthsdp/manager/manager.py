@@ -526,7 +526,8 @@ class FTManager:
             # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.
             self._catchup.stop_serving(unless_read=True)
         self._comm.expect(quorum.quorum_id)
-        self._on_dead(self._heartbeat.dead)  # a member may have died before we got here
+        as_of = self._heartbeat.dead_as_of  # first: the heartbeat thread writes it after the dead set
+        self._abandon_for(self._heartbeat.dead, as_of)  # a member may have died before we got here
         return quorum
 
     def resume_from_checkpoint(self, step: int) -> None:
@@ -581,8 +582,13 @@ class FTManager:
     def _on_dead(self, dead: frozenset[str]) -> None:
         """Watchdog (heartbeat thread): abandon the in-flight exchange if a member of our quorum was declared
         dead; this is what turns a hang into a stall of about the heartbeat timeout."""
+        self._abandon_for(dead, self._heartbeat.dead_as_of)
+
+    def _abandon_for(self, dead: frozenset[str], as_of: int) -> None:
+        """Abandon the exchange of our quorum if ``dead`` (the lighthouse's answer when its newest quorum was
+        ``as_of``) names a member: only a dead set as new as the quorum counts (``Membership.dead_as_of``)."""
         quorum = self._quorum
-        if quorum is None:
+        if quorum is None or as_of < quorum.quorum_id:
             return
         gone = dead & set(quorum.member_ids)
         if gone:
