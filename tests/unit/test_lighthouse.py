@@ -282,7 +282,7 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "checkpoint", "waiting",
                            "min_replicas", "participants", "step_rate",
                            "declared", "members", "groups", "catch_up_from", "excluded", "stragglers", "store",
-                           "uptime_s", "lighthouse_lag", "event_loop"}
+                           "uptime_s", "lighthouse_lag"}
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None
     assert status["participants"] == 0 and status["step_rate"] == 0
@@ -413,23 +413,14 @@ def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_cli_without_uvloop_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # what an install without it imports
-    assert cli_main(["lighthouse", "--port", "0", "--event-loop", "uvloop"]) == 2
-    assert "pip install uvloop, or pass --event-loop asyncio" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("event_loop", "runs"), [("auto", "uvloop"), ("asyncio", "asyncio")])
-def test_cli_subprocess_listens_serves_and_exits_on_sigterm(event_loop: str, runs: str) -> None:
+def test_cli_subprocess_listens_serves_and_exits_on_sigterm() -> None:
     """Also: started at a soft open-files limit of 256 (many systems start a process at 1,024), it raises that to the
-    hard limit, since it holds a connection per group. By default it runs on uvloop (a dependency where it installs),
-    on asyncio's loop when told."""
+    hard limit, since it holds a connection per group."""
     env = {**os.environ, "FTHSDP_TOKEN": "from-env"}
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
-         "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000", "--event-loop", event_loop],
+         "--join-timeout-ms", "1000", "--heartbeat-timeout-ms", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
     )
@@ -447,7 +438,6 @@ def test_cli_subprocess_listens_serves_and_exits_on_sigterm(event_loop: str, run
         assert Client(url).call("GET", "/status")[0] == 401
         code, answer = Client(url, token="from-env").call("POST", "/v1/quorum", qr("solo"))
         assert code == 200 and answer["store"] == store and answer["members"][0]["replica_id"] == "solo"
-        assert Client(url, token="from-env").status()["event_loop"] == runs
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
         assert "quorum 0: members solo step 0" in proc.stderr.read()  # type: ignore[union-attr]

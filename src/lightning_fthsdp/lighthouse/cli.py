@@ -19,16 +19,13 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
 from lightning_fthsdp.config.timeouts import Timeouts, field_docs
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, check_replica_id
 from lightning_fthsdp.lighthouse.stragglers import MODES, StragglerPolicy
-
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -67,10 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help=f"{straggler_docs['factor']} (default %(default)s)")
     parser.add_argument("--straggler-window", type=int, default=straggler_defaults.window,
                         help=f"{straggler_docs['window']} (default %(default)s)")
-    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
-                        help="the event loop that serves the groups: uvloop (libuv's, a C loop: less CPU per request "
-                             "at thousands of groups), asyncio (the standard library's), or auto: uvloop where it is "
-                             "installed (default %(default)s)")
     parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
                         help=f"read the job's token from this file (default: ${ENV_TOKEN}); every request then "
                              f"needs 'Authorization: Bearer TOKEN', and the groups need the same token")
@@ -98,11 +91,6 @@ def run(args: argparse.Namespace) -> int:
             _check_token(token, f"--token-file {str(args.token_file)!r}" if args.token_file else f"${ENV_TOKEN}")
     except ValueError as e:
         return _fail(2, str(e))
-    try:
-        run_loop = _event_loop(args.event_loop)
-    except ImportError as e:
-        return _fail(2, f"--event-loop uvloop, but uvloop cannot be imported ({e}): pip install uvloop, or pass "
-                        f"--event-loop asyncio")
     try:
         stragglers = StragglerPolicy(args.straggler_policy, args.straggler_factor, args.straggler_window)
     except ValueError as e:
@@ -148,25 +136,11 @@ def run(args: argparse.Namespace) -> int:
             await lighthouse.stop()
 
     try:
-        run_loop(main())
+        asyncio.run(main())
     except OSError as e:
         return _fail(1, f"cannot listen on --host {args.host} (port {args.port}, store port {args.store_port}): {e}; "
                         f"give an address of this machine (0.0.0.0: all of them) and free ports")
     return 0
-
-
-def _event_loop(choice: str) -> Callable[[Coroutine[Any, Any, None]], None]:
-    """What runs the lighthouse's main coroutine for ``--event-loop choice``; ImportError for uvloop where it is
-    missing (auto then takes asyncio's)."""
-    if choice == "asyncio":
-        return asyncio.run
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return asyncio.run
-    return uvloop.run
 
 
 def _fail(code: int, message: str) -> int:

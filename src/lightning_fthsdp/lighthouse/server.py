@@ -215,7 +215,6 @@ class Lighthouse:
         self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._started_s = time.monotonic()
-        self._event_loop = ""  # the running loop's package (uvloop, asyncio), known at start
         self.store_address = ""
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/heartbeat": ("POST", self._heartbeat),
@@ -264,7 +263,6 @@ class Lighthouse:
             raise
         self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
-        self._event_loop = type(loop).__module__.split(".")[0]
         self._started_s = time.monotonic()
         # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
         # (and be believed) as a quorum below the committed step waits for them.
@@ -705,8 +703,7 @@ class Lighthouse:
         ``waited_for_s`` and ``straggler`` (``Stragglers.group_json``); ``stragglers`` the job's side of those
         (``Stragglers.to_json``); ``excluded`` the groups kept out while they live, and why; ``lighthouse_lag`` how
         late its own timers ran over the last heartbeat timeout (``lag.Lag``: the largest, the last, whether it runs
-        behind, and the grace its hang deadline has now); ``event_loop`` the event loop serving it (``uvloop`` or
-        ``asyncio``, ``fthsdp lighthouse --event-loop``)."""
+        behind, and the grace its hang deadline has now)."""
         now, quorum = time.monotonic(), self._previous
         members = set(quorum.member_ids) if quorum else set()
         connections = self._heartbeat_connections.per_group()
@@ -740,7 +737,6 @@ class Lighthouse:
             "store": self.store_address,
             "uptime_s": round(now - self._started_s, 3),
             "lighthouse_lag": self._lag.to_json(now),
-            "event_loop": self._event_loop,
         }
 
     def _state(self, replica_id: str, record: GroupRecord) -> str:
