@@ -29,6 +29,7 @@ from lightning_fthsdp.lighthouse.client import Heartbeat
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.member import MemberHeartbeat
 from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
+from lightning_fthsdp.lighthouse.server import REVIVAL_NEWS_S
 from tests.lighthouse_thread import LighthouseThread
 
 LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
@@ -194,9 +195,13 @@ def test_crash_is_declared_at_once_and_wakes_the_survivors_long_poll(lighthouse:
     assert code == 200 and answer["dead"] == ["a"] and answer["epoch"] == epoch + 1, answer
     assert elapsed < 0.2, f"crash took {elapsed:.3f} s to reach the survivor"
     assert replica(obs.status(), "a")["dead"]
-    # The dead replica heartbeats again: revived, another epoch.
-    code, answer = Client(url).call("POST", "/v1/heartbeat", hb("a", epoch + 1))
-    assert answer["dead"] == [] and answer["epoch"] == epoch + 2
+    # The dead replica heartbeats again: revived, no new epoch (nobody is woken), and out of the dead list soon after.
+    revived = Client(url)
+    assert revived.call("POST", "/v1/heartbeat", hb("a", epoch + 1))[0] == 200
+    assert not replica(obs.status(), "a")["dead"]
+    time.sleep(2 * REVIVAL_NEWS_S)
+    code, answer = revived.call("POST", "/v1/heartbeat", hb("a", epoch + 1))
+    assert answer["dead"] == [] and answer["epoch"] == epoch + 1
 
 
 def test_a_replaced_heartbeat_connection_declares_nothing(lighthouse: Callable[..., str]) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from lightning_fthsdp.lighthouse.http import Connection
 from lightning_fthsdp.lighthouse.lag import Lag
-from lightning_fthsdp.lighthouse.server import WAKE_WINDOW_S, Lighthouse
+from lightning_fthsdp.lighthouse.server import REVIVAL_NEWS_S, WAKE_WINDOW_S, Lighthouse
 from tests.unit.test_lighthouse import hb
 from tests.unit.test_lighthouse_multiplexing import Transport
 
@@ -127,11 +127,14 @@ def test_deaths_within_the_wake_window_wake_each_held_heartbeat_once_and_revival
         epoch = leaders["b"].answers()[-1]["epoch"]
         for rid in ("a", "b"):
             leaders[rid].beat(epoch)
-        for rid in ("c", "d"):  # revivals: a new epoch, no wake
+        for rid in ("c", "d"):  # revivals: no new epoch, no wake; the answers' dead list follows within a moment
             leaders[rid].beat(-1, wait_ms=0)
-        await asyncio.sleep(WAKE_WINDOW_S * 2)
+        await asyncio.sleep(REVIVAL_NEWS_S * 2)
         assert [len(leaders[rid].answers()) - before[rid] for rid in ("a", "b")] == [2, 2]
-        assert lighthouse.status()["epoch"] == epoch + 2 and not any(g["dead"] for g in lighthouse.status()["groups"])
+        assert lighthouse.status()["epoch"] == epoch and not any(g["dead"] for g in lighthouse.status()["groups"])
+        leaders["c"].beat(-1, wait_ms=0)
+        await asyncio.sleep(0)
+        assert leaders["c"].answers()[-1]["dead"] == []
         await lighthouse.stop()
 
     asyncio.run(run())

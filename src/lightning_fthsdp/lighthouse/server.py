@@ -10,8 +10,9 @@ connection to the hang deadline. A leader sends its quorum requests on its heart
 group), each with a request id, so they are handled while its heartbeat is held and answered as soon as decided
 (``http.Connection``). A death or a leave answers the held heartbeat long-polls, which is how survivors learn to
 abort an in-flight allreduce: at once, and at most once per ``WAKE_WINDOW_S`` (a burst of deaths is one wake, not
-one per death). A revival changes the epoch but wakes nobody (the group's quorum request is its news): a storm of
-revivals must not answer every held request once per revival. A new quorum is no epoch change: each member learns it
+one per death). A revival is no new epoch and wakes nobody (the group's quorum request is its news), and shows in the
+answers' dead list within ``REVIVAL_NEWS_S``: a storm of revivals must not answer every held request, nor rebuild
+the answer, once per revival. A new quorum is no epoch change: each member learns it
 from its own quorum answer (its leader relays it to the group's other ranks), so a round costs one answer per group,
 not two; the heartbeat answers after it carry it too.
 
@@ -94,6 +95,9 @@ log = logging.getLogger("fthsdp.lighthouse")
 MAX_LONG_POLL_MS = 5_000
 WAKE_WINDOW_S = 0.02
 """Shortest time between two wakes of the held heartbeats: deaths closer together than this are told in one."""
+REVIVAL_NEWS_S = 0.1
+"""Longest a revival waits to show in the heartbeat answers' dead list (``Membership.dead_as_of`` keeps a member from
+abandoning a quorum over a dead list older than the quorum)."""
 BEHIND_SHARE = 0.5
 """The lighthouse counts as behind (``lag.Lag``) when its timers run later than this share of the heartbeat timeout:
 a client gives up on a heartbeat answered a timeout late, and its connection's close is then no crash."""
@@ -201,6 +205,7 @@ class Lighthouse:
         # Held at an epoch a death or a leave has changed since: answered at the next wake (see _bump_epoch).
         self._stale: dict[Pending, tuple[str, Deadline]] = {}
         self._wake_timer: asyncio.TimerHandle | None = None
+        self._revival_timer: asyncio.TimerHandle | None = None
         self._woke_at = -WAKE_WINDOW_S
         self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
         self._deadlines = Deadlines(ran=self._lag.ran)
@@ -277,7 +282,7 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        for timer in (self._join_timer, self._lost_timer, self._startup_timer, self._wake_timer):
+        for timer in (self._join_timer, self._lost_timer, self._startup_timer, self._wake_timer, self._revival_timer):
             if timer is not None:
                 timer.cancel()
         self._deadlines.close()
@@ -645,7 +650,7 @@ class Lighthouse:
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
         self._watch.left(replica_id)
-        self._bump_epoch(wake=True)
+        self._bump_epoch()
         self._schedule_decide(force=True)
         return json_response({})
 
@@ -852,7 +857,7 @@ class Lighthouse:
             log.info("replica %s is alive again at step %d", replica_id, step)
             if not restarted:
                 self._watch.alive(replica_id, step)
-            self._bump_epoch(wake=False)
+            self._revived()
         self._sync_alive(replica_id)
 
     def _declare_dead(self, replica_id: str, cause: str, reason: str) -> None:
@@ -869,7 +874,7 @@ class Lighthouse:
         self._watch.died(replica_id, cause, reason, record.step, record.last_seen if cause == "hang" else
                          record.dead_since, self._previous is not None and replica_id in self._previous,
                          record.member, self._ledger.committed_step)
-        self._bump_epoch(wake=True)
+        self._bump_epoch()
         self._schedule_decide(force=True)
 
     def _sync_alive(self, replica_id: str) -> None:
@@ -915,11 +920,22 @@ class Lighthouse:
         self._waiters.pop(replica_id, None)
         self._sync_alive(replica_id)
 
-    def _bump_epoch(self, wake: bool) -> None:
-        """A new epoch; ``wake``: the held heartbeats learn it now (a death or a leave), else at their deadline."""
+    def _revived(self) -> None:
+        """A group lives again: no new epoch and no wake (its quorum request is its news to the others), and the
+        heartbeat answers' dead list is rebuilt at most once per ``REVIVAL_NEWS_S``: each rebuild is O(groups), and a
+        storm of revivals must not cost one per revival."""
+        if self._revival_timer is None:
+            self._revival_timer = asyncio.get_running_loop().call_later(REVIVAL_NEWS_S, self._revivals_told)
+
+    def _revivals_told(self) -> None:
+        self._revival_timer = None
+        self._heartbeat_body = None
+
+    def _bump_epoch(self) -> None:
+        """A new epoch (a death or a leave): the held heartbeats learn it now."""
         self._epoch += 1
         self._heartbeat_body = None
-        if not wake or not self._held:
+        if not self._held:
             return
         self._stale.update(self._held)
         self._held = {}
