@@ -214,6 +214,7 @@ def test_a_replaced_heartbeat_connection_declares_nothing(lighthouse: Callable[.
     new.call("POST", "/v1/heartbeat", hb("a"))  # a round trip on the loop after the close was processed
     status = obs.status()
     assert not replica(status, "a")["dead"] and status["epoch"] == old_epoch
+    assert replica(status, "a")["deaths"] == 0  # (a revival would leave the epoch as it was: the count tells)
     new.crash()
     wait_for(lambda: replica(obs.status(), "a")["dead"], 5, "a declared dead", interval_s=0.005)
 

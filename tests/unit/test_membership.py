@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.membership import Membership
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.manager import FTManager
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=1_000, collective_timeout_ms=2_000,
                     quorum_timeout_ms=3_000, connect_timeout_ms=4_000, join_timeout_ms=1_000)
@@ -56,3 +58,26 @@ def test_a_dead_set_is_news_again_as_of_a_newer_quorum() -> None:
     member.answered({**answer(OLD, 1, 2), "dead": ["c"]}, sent=0.0)  # nothing new
     member.answered({**answer(OLD, 3, 3), "dead": ["c"]}, sent=0.0)
     assert told == [(frozenset({"c"}), 2), (frozenset({"c"}), 3)]
+
+
+class _Comm:
+    def __init__(self) -> None:
+        self.aborted: list[int] = []
+
+    def abort(self, reason: str, quorum_id: int) -> None:
+        self.aborted.append(quorum_id)
+
+
+def test_a_member_abandons_its_quorum_only_for_a_dead_set_as_new_as_that_quorum() -> None:
+    """``FTManager``'s watchdog rule, on the manager alone: a dead set from before quorum 3 was decided may name c,
+    whom quorum 3 took back in (a revival wakes nobody), so it is no reason to abandon; as of quorum 3 or later, it
+    is."""
+    manager = object.__new__(FTManager)  # the rule reads the quorum and the communicator only
+    manager._comm = comm = _Comm()  # type: ignore[assignment]
+    manager._quorum = Quorum(3, tuple(Member(rid, 5) for rid in ("a", "b", "c")), max_step=5, shard_count=1)
+    manager._abandon_for(frozenset({"c"}), as_of=2)
+    manager._abandon_for(frozenset({"d"}), as_of=3)  # not a member
+    assert comm.aborted == []
+    manager._abandon_for(frozenset({"c"}), as_of=3)
+    manager._abandon_for(frozenset({"c", "d"}), as_of=4)
+    assert comm.aborted == [3, 3]

@@ -8,7 +8,7 @@ lighthouse that trusts its clock. Every timer of the lighthouse reports how late
 expected one tells of a stall before anything runs after it (``expect``): a timer overdue now means every request
 read in this event-loop turn waited at least that long.
 
-The lighthouse uses this twice: a group's hang deadline is extended by the lag of the last timeout (so overload
+The lighthouse uses this twice: a group's hang deadline is extended by twice the lag of the last timeout (so overload
 delays hang detection instead of inventing hangs), and while it is behind, a closed heartbeat connection is left to
 that deadline instead of declaring a crash at once (the client may only have given up on a late answer).
 """

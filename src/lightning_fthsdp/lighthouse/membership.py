@@ -20,7 +20,8 @@ _qlog = logging.getLogger(log.QUORUM)
 
 
 class Membership:
-    """``on_dead(dead_ids)`` runs whenever the set of dead groups changes; ``on_quorum(quorum_id, rank, size,
+    """``on_dead(dead_ids)`` runs whenever the set of dead groups changes, or the quorum it is as of
+    (``dead_as_of``); ``on_quorum(quorum_id, rank, size,
     store_address)`` when a new quorum with this group in it is decided; ``on_lost(store_address)`` when an answering
     lighthouse stops answering (it died or restarts, and its store at ``store_address`` with it), once per loss and
     always before the first news of its successor, whichever thread brings that news: a rendezvous on the successor's

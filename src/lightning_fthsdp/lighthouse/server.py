@@ -5,7 +5,7 @@ A restarted lighthouse rebuilds it from the groups' heartbeats and requests (``q
 numbering from the requests' ``quorum_id``/``members``; a request sends its members only when the lighthouse answers
 428 for them). Failure detection: a replica whose heartbeat connection closes is declared dead at once (crash); one
 silent for ``heartbeat_timeout_ms`` is declared dead by a timer (hang). Overload never makes a death: the lighthouse
-measures how far it runs behind (``lag``), extends the hang deadline by that, and while behind leaves a closed
+measures how far it runs behind (``lag``), extends the hang deadline by twice that, and while behind leaves a closed
 connection to the hang deadline. A leader sends its quorum requests on its heartbeat connection (one connection per
 group), each with a request id, so they are handled while its heartbeat is held and answered as soon as decided
 (``http.Connection``). A death or a leave answers the held heartbeat long-polls, which is how survivors learn to
@@ -185,7 +185,8 @@ class Lighthouse:
         self._deadline_of: dict[Pending, tuple[str, Deadline]] = {}  # each held quorum request's group, deadline
         self._exclusions = Exclusions()
         self._reports: dict[str, tuple[str, ...]] = {}  # pending requests that report groups they could not reach
-        self._probe_key: tuple[int, int, bool] = (-1, -1, False)  # (quorum id, epoch, every member alive)
+        self._probe_key: tuple[int, int, bool] = (-1, -1, False)  # (quorum id, liveness changes, all alive)
+        self._liveness_changes = 0  # deaths and revivals so far (a revival is no new epoch)
         self._excluded_held: dict[Pending, tuple[str, Deadline]] = {}  # excluded groups' requests: a probe interval
         # Each group's step times, always measured (O(1) a request) and shown; the policy flags or evicts only when
         # it is report or evict.
@@ -198,9 +199,9 @@ class Lighthouse:
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
         self._epoch = 0
-        # The held heartbeats (the group each answers, its deadline), each answered at the next epoch change or its
-        # deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a shared future is
-        # scanned on every timeout: O(groups^2) per interval at scale).
+        # The held heartbeats (the group each answers, its deadline), each answered at the next wake (a death or a
+        # leave) or its deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a
+        # shared future is scanned on every timeout: O(groups^2) per interval at scale).
         self._held: dict[Pending, tuple[str, Deadline]] = {}
         # Held at an epoch a death or a leave has changed since: answered at the next wake (see _bump_epoch).
         self._stale: dict[Pending, tuple[str, Deadline]] = {}
@@ -358,7 +359,7 @@ class Lighthouse:
         return self._heartbeat_answer(replica_id)
 
     def _heartbeat_answer(self, replica_id: str) -> Response:
-        if self._heartbeat_body is None:  # cached until the epoch or the quorum changes: a death wakes every long-poll
+        if self._heartbeat_body is None:  # cached until a death, a leave, a quorum or revivals (_revived) change it
             self._heartbeat_body = json.dumps({
                 "epoch": self._epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
@@ -448,15 +449,15 @@ class Lighthouse:
     def _probe_wanted(self, asked: QuorumRequest) -> bool:
         """Whether ``asked`` must first probe the members of its quorum: its cross-group collective failed while every
         member lived (no death explains it: a cut between members may). Whether every member lives is worked out once
-        per quorum and epoch (every death and revival changes the epoch), not per request."""
+        per quorum and change of liveness (a death or a revival), not per request."""
         previous = self._previous
         if not asked.exchange_failed or asked.unreachable is not None or previous is None \
                 or len(previous.members) < 2 or asked.replica_id not in previous \
                 or asked.quorum_id != previous.quorum_id:
             return False
-        if self._probe_key[:2] != (previous.quorum_id, self._epoch):
+        if self._probe_key[:2] != (previous.quorum_id, self._liveness_changes):
             records = [self._registry.get(rid) for rid in previous.member_ids]
-            self._probe_key = (previous.quorum_id, self._epoch,
+            self._probe_key = (previous.quorum_id, self._liveness_changes,
                                all(record is not None and not record.dead for record in records))
         return self._probe_key[2]
 
@@ -848,7 +849,7 @@ class Lighthouse:
         return record
 
     def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
-        """A sign of life: record it; revive a dead replica (epoch change) unless its leader reports a rank lost (the
+        """A sign of life: record it; revive a dead replica (``_revived``) unless its leader reports a rank lost (the
         leader's word is no sign of life of the whole group then)."""
         restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
         record.step, record.last_seen = step, time.monotonic()
@@ -868,6 +869,7 @@ class Lighthouse:
             return
         record.dead, record.dead_since, record.cause = True, time.monotonic(), cause
         record.deaths += 1
+        self._liveness_changes += 1
         self._sync_alive(replica_id)
         log.warning("replica %s declared dead at step %d: %s", replica_id, record.step, reason)
         # A hung process stopped at or after its last heartbeat; a crashed one as its connection closed.
@@ -924,6 +926,7 @@ class Lighthouse:
         """A group lives again: no new epoch and no wake (its quorum request is its news to the others), and the
         heartbeat answers' dead list is rebuilt at most once per ``REVIVAL_NEWS_S``: each rebuild is O(groups), and a
         storm of revivals must not cost one per revival."""
+        self._liveness_changes += 1
         if self._revival_timer is None:
             self._revival_timer = asyncio.get_running_loop().call_later(REVIVAL_NEWS_S, self._revivals_told)
 
