@@ -21,19 +21,19 @@ from tests.unit.test_lighthouse_multiplexing import Transport
 def test_lag_keeps_the_largest_of_its_window_and_counts_a_timer_overdue_now() -> None:
     lag = Lag(window_s=1.0, behind_s=0.3)
     lag.expect(10.0)
-    assert lag.now(9.0) == 0.0 and not lag.behind(9.0) and lag.grace_s(9.0) == 0.0
+    assert lag.largest_s(9.0) == 0.0 and not lag.behind(9.0) and lag.grace_s(9.0) == 0.0
     lag.ran(10.0, 10.5)  # half a second late: behind
     lag.ran(10.6, 10.7)
     lag.expect(10.8)
-    assert lag.last_s == pytest.approx(0.1) and lag.now(10.7) == pytest.approx(0.5) and lag.behind(10.7)
+    assert lag.last_s == pytest.approx(0.1) and lag.largest_s(10.7) == pytest.approx(0.5) and lag.behind(10.7)
     assert lag.grace_s(10.7) == pytest.approx(1.0)
-    assert lag.now(11.45) == pytest.approx(0.65) and lag.behind(11.45)  # overdue by 0.65 s: a stall under way
+    assert lag.largest_s(11.45) == pytest.approx(0.65) and lag.behind(11.45)  # overdue by 0.65 s: a stall under way
     lag.ran(10.8, 11.45)
     lag.expect(11.5)
-    assert lag.now(12.0) == pytest.approx(0.65) and lag.behind(12.0)
+    assert lag.largest_s(12.0) == pytest.approx(0.65) and lag.behind(12.0)
     lag.ran(11.5, 11.51)
     lag.expect(12.5)
-    assert lag.now(12.5) == pytest.approx(0.01) and not lag.behind(12.5)  # a window later: caught up
+    assert lag.largest_s(12.5) == pytest.approx(0.01) and not lag.behind(12.5)  # a window later: caught up
     assert lag.to_json(12.5) == {"last_s": 0.01, "max_s": 0.01, "behind": False, "grace_s": 0.02}
     with pytest.raises(ValueError, match="Lag window_s and behind_s must be > 0"):
         Lag(window_s=0.0, behind_s=0.1)

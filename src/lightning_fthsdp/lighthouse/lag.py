@@ -33,8 +33,6 @@ class Lag:
         self._expected = math.inf
         self.last_s = 0.0
         """The lag of the last timer that ran."""
-        self.behind_at = -math.inf
-        """When the lighthouse was last behind (a lag above ``behind_s``)."""
 
     def expect(self, at: float) -> None:
         """A timer of the lighthouse is due at ``at`` (the first overdue one is what ``now`` reads)."""
@@ -44,14 +42,12 @@ class Lag:
         """A timer planned for ``planned`` ran at ``now``."""
         lag = max(0.0, now - planned)
         self.last_s = lag
-        if lag > self.behind_s:
-            self.behind_at = now
         peaks = self._peaks
         while peaks and peaks[-1][1] <= lag:
             peaks.pop()
         peaks.append((now, lag))
 
-    def now(self, now: float) -> float:
+    def largest_s(self, now: float) -> float:
         """The largest lag of the window, counting a timer overdue now (a stall still under way)."""
         peaks = self._peaks
         while peaks and peaks[0][0] < now - self.window_s:
@@ -59,14 +55,14 @@ class Lag:
         return max(peaks[0][1] if peaks else 0.0, now - self._expected)
 
     def behind(self, now: float) -> bool:
-        """Whether the lighthouse was behind within the window, or is now."""
-        return now - self.behind_at < self.window_s or now - self._expected > self.behind_s
+        """Whether the lighthouse was behind (a lag above ``behind_s``) within the window, or is now."""
+        return self.largest_s(now) > self.behind_s
 
     def grace_s(self, now: float) -> float:
         """How much later than its timeout a group is declared hung now: twice the window's largest lag (a request
         that arrived as a late turn of the event loop began waits for that turn, then for its own)."""
-        return 2 * self.now(now)
+        return 2 * self.largest_s(now)
 
     def to_json(self, now: float) -> dict[str, object]:
-        return {"last_s": round(self.last_s, 4), "max_s": round(self.now(now), 4), "behind": self.behind(now),
+        return {"last_s": round(self.last_s, 4), "max_s": round(self.largest_s(now), 4), "behind": self.behind(now),
                 "grace_s": round(self.grace_s(now), 4)}

@@ -21,12 +21,11 @@ _qlog = logging.getLogger(log.QUORUM)
 
 class Membership:
     """``on_dead(dead_ids)`` runs whenever the set of dead groups changes, or the quorum it is as of
-    (``dead_as_of``); ``on_quorum(quorum_id, rank, size,
-    store_address)`` when a new quorum with this group in it is decided; ``on_lost(store_address)`` when an answering
-    lighthouse stops answering (it died or restarts, and its store at ``store_address`` with it), once per loss and
-    always before the first news of its successor, whichever thread brings that news: a rendezvous on the successor's
-    store, begun from that news, must never be taken for one on the lost store. All run on the thread that feeds the
-    answers.
+    (``dead_as_of``); ``on_quorum(quorum_id, rank, size, store_address)`` when a new quorum with this group in it is
+    decided; ``on_lost(store_address)`` when an answering lighthouse stops answering (it died or restarts, and its
+    store at ``store_address`` with it), once per loss and always before the first news of its successor, whichever
+    thread brings that news: a rendezvous on the successor's store, begun from that news, must never be taken for one
+    on the lost store. All run on the thread that feeds the answers.
 
     The lease lasts the lighthouse's heartbeat timeout (``lease_ms``, from every answer), not
     ``timeouts.heartbeat_timeout_ms``: the lighthouse is the one that declares a silent group dead, so only its

@@ -12,9 +12,9 @@ group), each with a request id, so they are handled while its heartbeat is held 
 abort an in-flight allreduce: at once, and at most once per ``WAKE_WINDOW_S`` (a burst of deaths is one wake, not
 one per death). A revival is no new epoch and wakes nobody (the group's quorum request is its news), and shows in the
 answers' dead list within ``REVIVAL_NEWS_S``: a storm of revivals must not answer every held request, nor rebuild
-the answer, once per revival. A new quorum is no epoch change: each member learns it
-from its own quorum answer (its leader relays it to the group's other ranks), so a round costs one answer per group,
-not two; the heartbeat answers after it carry it too.
+the answer, once per revival. A new quorum is no epoch change: each member learns it from its own quorum answer (its
+leader relays it to the group's other ranks), so a round costs one answer per group, not two; the heartbeat answers
+after it carry it too.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
 drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
@@ -318,11 +318,12 @@ class Lighthouse:
         key = self._heartbeat_connections.closed(conn)
         if key is None or self._stopping:
             return
-        if self._lag.behind(time.monotonic()):
+        now = time.monotonic()
+        if self._lag.behind(now):
             # Its client may only have given up on an answer this lighthouse was late with: the hang deadline,
             # extended by the lag, tells a dead group from one that reconnects.
             log.info("the heartbeat connection of replica %s rank %d closed while the lighthouse runs behind (%s): "
-                     "left to the heartbeat timeout", key[0], key[1], self._lag.to_json(time.monotonic()))
+                     "left to the heartbeat timeout", key[0], key[1], self._lag.to_json(now))
             return
         self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
 
