@@ -10,12 +10,16 @@ names every rank's state address as a real leader's does (``state_addresses``). 
 per group keeps the lighthouse within the 20,000 descriptors a process may hold on this machine at 12,500 groups. After
 a warm-up, a steady window measures heartbeats/s, the lighthouse's CPU share, the heartbeat round trip (which includes
 the lighthouse's hold of one interval) and the generators' CPU; then quorum rounds run under that load: round 1 a fresh
-quorum (decided when the last group asks), the next ones the steady state (every member asks again), and a last one
-after a membership change (one group leaves, as ``Heartbeat.leave`` does, so the quorum id changes; the leave, like a
-death, wakes every held heartbeat, so that round also carries an answer and a new long-poll per group). A round's time
-runs from the last request written to the last answer read, and its CPU seconds, the lighthouse's and each
-generator's, are counted over it; a round's answer bytes are one group's answer as sent (gzip- compressed when large).
-Groups dead at the end and deaths declared over the run (a false death revived since counts) are read from ``/status``.
+quorum (decided when the last group asks), then ``--rounds`` in the steady state (every member asks again), then
+``--rounds`` failure rounds: in each, one group's connection is dropped without a goodbye (a crash) and another group
+stops heartbeating with its connection open (a hang); the lighthouse wakes every held heartbeat with each death, and
+every other group asks for the next quorum as the news of both reaches it, with its commit failed, as ``FTManager``
+does. A steady round's time runs from the last request written to the last answer read; a failure round's from the
+first heartbeat answer naming both dead (the moment the lighthouse knew) to the last answer read. A round's CPU
+seconds, the lighthouse's and each generator's, are counted over it; its answer bytes are one group's answer as sent
+(gzip-compressed when large). ``rounds`` gives each kind's min / median / max. Deaths declared over the run among the
+groups that never failed (a false death revived since counts) and those of them dead at the end are read from
+``/status``.
 
 The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
@@ -26,8 +30,8 @@ groups: decoding each (O(groups) per group) would make the generators, not the l
 checks every generator rebuilt the same membership, the one expected.
 
 Usage: ``python bench/bench_lighthouse.py --ranks 100000 --group-size 8``; writes ``bench/results/lighthouse.json``.
-``--smoke``: 300 groups (more than one address may hold before they ask), one generator, a 1 s window and three
-rounds (tests/integration/test_bench_smoke.py runs it).
+``--smoke``: 300 groups (more than one address may hold before they ask), one generator, a 1 s window, 0.5 s / 2 s
+heartbeats, two rounds of each kind after the fresh one (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -146,7 +150,9 @@ class Leader(asyncio.Protocol):
         self.ids = itertools.count(1)
         self.beating = False  # a heartbeat is in flight
         self.epoch = -1
-        self.leaving: asyncio.Future[tuple[int, bytes]] | None = None
+        self.crashed = False  # its connection was dropped without a goodbye, as a killed process's is
+        self.hung = False  # it sends nothing more, its connection open, as a stopped process
+        self.asked_in = -1  # the failure round it asked in (it asks as the news of the failure reaches it)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Send the group's first heartbeat (answered at once) with the connection, as a leader's client writes its
@@ -168,7 +174,7 @@ class Leader(asyncio.Protocol):
             self.gen.answered(self, self.in_flight.pop(request_id), int(head[9:12]), body)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.leaving is None and not self.gen.stop:
+        if not self.gen.stop and not self.crashed:
             self.gen.errors += 1
             if not self.gen.ready.is_set():  # no heartbeat of it would ever be answered: fail now, not at a timeout
                 self.gen.lost_early = f"the lighthouse closed group {self.index}'s connection before it was started"
@@ -205,10 +211,13 @@ class Generator:
         self.answers: list[tuple[int, int, bytes]] = []
         self.asking = 0  # the groups asking in the round under way
         self.last_sent = self.last_answer = 0.0
+        self.failure: tuple[int, tuple[bytes, ...]] | None = None
+        """In a failure round: its number and the failed groups' quoted ids, which a heartbeat answer names (in its
+        dead list) once the lighthouse knows of them."""
 
     @property
     def staying(self) -> list[Leader]:
-        return [leader for leader in self.leaders if leader.leaving is None]
+        return [leader for leader in self.leaders if not leader.crashed and not leader.hung]
 
     def heartbeat(self, leader: Leader, wait_ms: int) -> None:
         leader.beating = True
@@ -234,10 +243,6 @@ class Generator:
         beside it."""
         done = time.monotonic()
         path, sent, asked = request
-        if path == "/v1/leave":
-            assert leader.leaving is not None
-            leader.leaving.set_result((status, body))
-            return
         if path == "/v1/quorum":
             self.answer(leader, status, body, asked)
             return
@@ -255,16 +260,20 @@ class Generator:
                     self.ready.set()
             elif self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
+            if self.failure is not None and leader.asked_in < self.failure[0] and all(
+                    failed in body for failed in self.failure[1]):
+                # As FTManager does when the news of a death ends its step's exchange: it asks again at once, its
+                # commit failed.
+                leader.asked_in = self.failure[0]
+                self.last_sent = min(self.last_sent, done)
+                self.ask(leader, self.request(leader, self.failure[0], True))
         self.beat(leader)
 
     def beat(self, leader: Leader) -> None:
-        """The next heartbeat long-poll, unless one is in flight (or the group leaves: then, once none is, its leave,
-        as ``Heartbeat.leave`` does). From the first answer on, as a real leader's: one that waited for every other
-        group to connect would be silent past the timeout at 12,500 groups, and rightly declared dead."""
-        if self.stop or leader.beating:
-            return
-        if leader.leaving is not None:
-            leader.send("/v1/leave", {"replica_id": self.ids[leader.index], "incarnation": INCARNATION, "rank": 0})
+        """The next heartbeat long-poll, unless one is in flight or the group failed. From the first answer on, as a
+        real leader's: one that waited for every other group to connect would be silent past the timeout at 12,500
+        groups, and rightly declared dead."""
+        if self.stop or leader.beating or leader.crashed or leader.hung:
             return
         self.heartbeat(leader, self.interval_ms)
 
@@ -283,20 +292,42 @@ class Generator:
         if len(self.answers) == self.asking:
             self.answered_all.set()
 
-    async def quorum_round(self, round_no: int) -> dict[str, object]:
-        """Every group still in the job asks at once (a leader asks as its step's forward starts), holding the quorum
-        of the last round and having committed step ``round_no`` in it."""
+    def request(self, leader: Leader, round_no: int, commit_failed: bool) -> dict[str, object]:
+        """The group's quorum request, holding the quorum of the last round and having committed step ``round_no``
+        in it."""
+        held = self.held
+        return quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size,
+                                   self.addresses[leader.index], commit_failed, held, held.quorum_id if held else -1,
+                                   False, QUORUM_TIMEOUT_MS)
+
+    async def quorum_round(self, round_no: int, failed: tuple[str, ...] = ()) -> dict[str, object]:
+        """Every group still in the job asks at once (a leader asks as its step's forward starts). With ``failed``
+        (the first crashes, the others hang; this generator fails those of its own groups), each group still in the
+        job asks as the news that all of them are dead reaches it, in a heartbeat answer, and the round's time runs
+        from the first such answer: from the moment the lighthouse knew."""
         self.answers, self.last_answer = [], 0.0
         cpu_start = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         self.answered_all.clear()
-        held, staying = self.held, self.staying
-        self.asking = len(staying)
-        for leader in staying:
-            self.ask(leader, quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size,
-                                                 self.addresses[leader.index],
-                                                 False, held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS))
-        self.last_sent = time.monotonic()
-        await asyncio.wait_for(self.answered_all.wait(), 300)
+        if failed:
+            for leader in self.leaders:
+                if self.ids[leader.index] == failed[0]:
+                    leader.crashed = True
+                    assert leader.transport is not None
+                    leader.transport.abort()
+                elif self.ids[leader.index] in failed:
+                    leader.hung = True
+            self.asking, self.last_sent = len(self.staying), float("inf")
+            self.failure = round_no, tuple(f'"{replica_id}"'.encode() for replica_id in failed)
+        else:
+            staying = self.staying
+            self.asking = len(staying)
+            for leader in staying:
+                self.ask(leader, self.request(leader, round_no, False))
+            self.last_sent = time.monotonic()
+        try:
+            await asyncio.wait_for(self.answered_all.wait(), 300)
+        finally:
+            self.failure = None
         bad = [(code, body[:200]) for code, _, body in self.answers if code != 200]
         assert not bad, bad[:3]
         assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
@@ -305,17 +336,6 @@ class Generator:
         return {"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu_start,
                 "last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
                 "quorum_id": self.held.quorum_id, "max_step": self.held.max_step, "members": self.held.member_ids}
-
-    async def leave(self, group: int) -> None:
-        """Group number ``group`` (one of this generator's) leaves as ``Heartbeat.leave`` does: its heartbeats stop,
-        the one in flight is answered, and ``POST /v1/leave`` follows on the same connection."""
-        leader = self.leaders[group - self.first]
-        leader.leaving = asyncio.get_running_loop().create_future()
-        self.beat(leader)  # at once if nothing is in flight, else after the held heartbeat's answer
-        status, body = await leader.leaving
-        assert status == 200, body[:200]
-        assert leader.transport is not None
-        leader.transport.close()
 
 
 def generator_main(pipe: Connection, host: str, port: int, first: int, count: int, total: int, group_size: int,
@@ -346,10 +366,7 @@ async def _generator(pipe: Connection, gen: Generator) -> None:
             usage = resource.getrusage(resource.RUSAGE_SELF)
             pipe.send(usage.ru_utime + usage.ru_stime)
         elif command[0] == "quorum":
-            pipe.send(await gen.quorum_round(command[1]))
-        elif command[0] == "leave":
-            await gen.leave(command[1])
-            pipe.send("left")
+            pipe.send(await gen.quorum_round(*command[1:]))
         else:
             gen.stop = True
             for leader in gen.leaders:
@@ -367,7 +384,7 @@ class Fleet:
     def __init__(self, groups: int, group_size: int, generators: int, timeouts: Timeouts) -> None:
         self.groups, self.group_size, self.timeouts = groups, group_size, timeouts
         self.members = tuple(f"g{i:06d}" for i in range(groups))
-        """The groups still in the job (``leave`` takes the first out)."""
+        """The groups still in the job (``quorum_round`` fails the first ones when asked to)."""
         self.proc, self.host, self.port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms)
         self.pipes: list[Connection] = []
         self.workers: list[mp.Process] = []
@@ -405,11 +422,17 @@ class Fleet:
             pipe.send(command)
         return [pipe.recv() for pipe in self.pipes]
 
-    def quorum_round(self, round_no: int) -> dict[str, Any]:
+    def quorum_round(self, round_no: int, fail: bool = False) -> dict[str, Any]:
         """Every group still in the job asks at once; checks each generator rebuilt the membership expected, at the
-        step expected, in one quorum."""
+        step expected, in one quorum. ``fail``: first the first group still in the job crashes (its connection
+        dropped without a goodbye) and the second hangs (silent, its connection open), and the others ask as the
+        news of both deaths reaches them (see ``Generator.quorum_round``); ``known_after_s`` is the time from the
+        failures to the first answer that brought it, the round's time runs from that answer."""
+        failed = self.members[:2] if fail else ()
+        self.members = self.members[len(failed):]
         lighthouse_cpu_before = cpu_seconds_of(self.proc.pid)
-        results = self.tell("quorum", round_no)
+        failed_at = time.monotonic()
+        results = self.tell("quorum", round_no, failed)
         round_cpu = cpu_seconds_of(self.proc.pid) - lighthouse_cpu_before
         for result in results:
             assert result["members"] == self.members and result["max_step"] == round_no, result["quorum_id"]
@@ -417,14 +440,9 @@ class Fleet:
         return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]),
                 "lighthouse_cpu_s": round(round_cpu, 3),
                 "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
-                "latency_s": max(r["last_answer"] for r in results) - max(r["last_sent"] for r in results)}
-
-    def leave(self) -> None:
-        """The first group still in the job leaves, as ``Heartbeat.leave`` does."""
-        group = self.groups - len(self.members)
-        self.pipes[0].send(("leave", group))
-        assert self.pipes[0].recv() == "left"
-        self.members = self.members[1:]
+                "latency_s": max(r["last_answer"] for r in results) - min(r["last_sent"] for r in results)
+                if fail else max(r["last_answer"] for r in results) - max(r["last_sent"] for r in results),
+                **({"known_after_s": round(min(r["last_sent"] for r in results) - failed_at, 3)} if fail else {})}
 
     def status(self) -> dict[str, Any]:
         request = urllib.request.Request(f"{self.url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -468,16 +486,15 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
         lighthouse_cpu = (cpu_seconds_of(fleet.proc.pid) - lighthouse_cpu_start) / elapsed
         rtts = sorted(r for report in reports for r in report["rtts"])
         quorum_rounds: list[dict[str, Any]] = []
-        for round_no in range(rounds + 1):
-            kind = "fresh" if round_no == 0 else "steady" if round_no < rounds else "change"
-            if kind == "change":  # the first group leaves: every other leader gets the new membership as a delta
-                fleet.leave()
-            result = {"kind": kind, **fleet.quorum_round(round_no)}
+        for round_no in range(2 * rounds + 1):
+            kind = "fresh" if round_no == 0 else "steady" if round_no <= rounds else "failure"
+            result = {"kind": kind, **fleet.quorum_round(round_no, fail=kind == "failure")}
             if quorum_rounds:
                 same = result["quorum_id"] == quorum_rounds[-1]["quorum_id"]
                 assert same == (kind == "steady"), (kind, result["quorum_id"], quorum_rounds[-1]["quorum_id"])
             quorum_rounds.append(result)
-        groups = fleet.status()["groups"]
+        staying = set(fleet.members)
+        groups = [g for g in fleet.status()["groups"] if g["replica_id"] in staying]
         dead, deaths = sum(1 for g in groups if g["dead"]), sum(g["deaths"] for g in groups)
         return {
             "ranks": ranks, "group_size": group_size, "groups": fleet.groups, "generators": generators,
@@ -491,8 +508,15 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             "rtt_p50_ms": round(statistics.median(rtts) * 1000, 1) if rtts else None,
             "rtt_p99_ms": round(rtts[int(len(rtts) * 0.99)] * 1000, 1) if rtts else None,
             "groups_dead": dead, "deaths": deaths, "quorum_rounds": quorum_rounds,
+            "rounds": {kind: spread([r["latency_s"] for r in quorum_rounds if r["kind"] == kind])
+                       for kind in ("fresh", "steady", "failure")},
             "load_average": os.getloadavg(),
         }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Min, median and max of ``values``, in seconds."""
+    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
 def busy_loop() -> None:
@@ -572,8 +596,9 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8, help="ranks per replica group")
     parser.add_argument("--generators", type=int, default=2, help="load-generator processes")
     parser.add_argument("--window-s", type=float, default=20.0, help="length of the steady window")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="quorum rounds (the first fresh, then steady), then one more after a group leaves")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="steady quorum rounds after the fresh one, and as many failure rounds (two groups fail "
+                             "in each: one crashes, one hangs)")
     defaults = Timeouts()
     parser.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=defaults.heartbeat_timeout_ms,
@@ -581,7 +606,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true",
                         help="a short run for CI: 300 groups (more than the lighthouse lets one address hold before "
-                             "they ask), one generator, a 1 s window, a fresh, a steady and a change round")
+                             "they ask), one generator, a 1 s window, a fresh round, two steady and two failure rounds")
     parser.add_argument("--overload", action="store_true",
                         help="instead: the lighthouse stopped for 2.5 heartbeat timeouts, then starved for 4 beside a "
                              "busy loop on one core, then quorum rounds until they are as fast as before (the first "
@@ -589,6 +614,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.generators, args.window_s, args.rounds = [2400], 1, 1.0, 2
+        args.heartbeat_interval_ms, args.heartbeat_timeout_ms = 500, 2000  # a hang is found in seconds
     timeouts = Timeouts(heartbeat_interval_ms=args.heartbeat_interval_ms,
                         heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     if args.overload:
@@ -604,22 +630,26 @@ def main() -> int:
         return 0
     rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
     print(f"{'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
-          f"{'dead':>4} {'deaths':>6} {'quorum fresh/steady/change s':>28} {'generators CPU':>16}")
+          f"{'dead':>4} {'deaths':>6} {'generators CPU':>16}")
     for row in rows:
-        rounds = row["quorum_rounds"]
-        steady = [r["latency_s"] for r in rounds if r["kind"] == "steady"]
         print(f"{row['ranks']:>7} {row['groups']:>6} {row['heartbeats_per_s']:>7.0f} "
               f"({row['ideal_heartbeats_per_s']:>5.0f})"
               f" {row['lighthouse_cpu'] * 100:>13.0f}% {row['rtt_p50_ms']:>7} / {row['rtt_p99_ms']:<6}"
-              f" {row['groups_dead']:>4} {row['deaths']:>6} {rounds[0]['latency_s']:>10.2f} / "
-              f"{(max(steady) if steady else float('nan')):<6.2f} / {rounds[-1]['latency_s']:<6.2f}"
+              f" {row['groups_dead']:>4} {row['deaths']:>6}"
               f" {'+'.join(f'{c * 100:.0f}%' for c in row['generator_cpu']):>16}")
-    print(f"\n{'ranks':>7} {'round':>5} {'kind':>6} {'quorum_id':>9} {'latency_s':>9} {'answer_bytes':>12} "
-          f"{'lighthouse CPU s':>16} {'generators CPU s':>16}")
+    print(f"\n{'ranks':>7} {'round':>7} {'rounds':>6} {'min s':>7} {'median s':>8} {'max s':>7}")
+    for row in rows:
+        for kind, figures in row["rounds"].items():
+            count = sum(1 for r in row["quorum_rounds"] if r["kind"] == kind)
+            print(f"{row['ranks']:>7} {kind:>7} {count:>6} {figures['min']:>7.3f} {figures['median']:>8.3f} "
+                  f"{figures['max']:>7.3f}")
+    print(f"\n{'ranks':>7} {'round':>5} {'kind':>7} {'quorum_id':>9} {'latency_s':>9} {'known after s':>13} "
+          f"{'answer_bytes':>12} {'lighthouse CPU s':>16} {'generators CPU s':>16}")
     for row in rows:
         for number, rnd in enumerate(row["quorum_rounds"]):
-            print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>6} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
-                  f"{rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
+            known = f"{rnd['known_after_s']:.3f}" if "known_after_s" in rnd else "-"
+            print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>7} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
+                  f"{known:>13} {rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
                   f"{'+'.join(f'{c:.2f}' for c in rnd['generator_cpu_s']):>16}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},
