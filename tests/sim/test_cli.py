@@ -119,7 +119,7 @@ def test_from_report_projects_measured_times_at_scale(tmp_path: Path, capsys: py
     out = run_json(capsys, "--preset", "paper", "--closed-form", "--from-report", str(report))
     assert out["inputs"]["stall_min"] == pytest.approx(1.0)
     assert out["inputs"]["group_restart_min"] == pytest.approx(5.0)
-    assert out["calibration"]["measured_ett"] == 0.8
+    assert out["projection"]["calibration"]["measured_ett"] == 0.8
     expected = closed_form(SimConfig(**{**PRESETS["paper"], "stall_min": 1.0, "group_restart_min": 5.0}))
     assert out["fthsdp"]["ett"] == pytest.approx(expected.fthsdp)
     assert out["sync"]["ett"] == pytest.approx(expected.sync)  # the whole-job restart stays an input

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fthsdp.sim import PRESETS, SimConfig
+from lightning_fthsdp.sim.projection import project
 from lightning_fthsdp.sim.report import read_report
 
 REPORT = {
@@ -30,7 +31,9 @@ def test_means_of_measured_stalls_and_recoveries_become_minutes(tmp_path: Path) 
     assert calibration.group_restart_min == pytest.approx(120.0 / 60)
     assert (calibration.stalls, calibration.recovery_count, calibration.failures_injected) == (3, 2, 3)
     assert calibration.measured_ett == 0.91
-    cfg = calibration.apply(SimConfig(**PRESETS["paper"]))
+    assert (calibration.replicas, calibration.step_s, calibration.restart_phases_s) == (None, None, {})
+    # Without the run's shape nothing is scaled: the projection is the measured means.
+    cfg = project(calibration, 12).apply(SimConfig(**PRESETS["paper"]))
     assert (cfg.stall_min, cfg.group_restart, cfg.restart_min) == (0.5, 2.0, 10.0)
 
 
@@ -47,6 +50,10 @@ def test_means_of_measured_stalls_and_recoveries_become_minutes(tmp_path: Path) 
         ({"recoveries": [{"recovery_s": 10.0}]}, "mean stall .* outlasts the mean recovery"),
         ({"failures_injected": -2}, "'failures_injected' must be a non-negative integer"),
         ({"effective_training_time": 1.5}, "'effective_training_time' must be a fraction"),
+        ({"replicas": 0}, "'replicas' must be a positive integer"),
+        ({"step_s": -1}, "step_s must be a finite number of seconds"),
+        ({"restart_phases": [{"phases": {"warp": 1.0}}]}, r"restart_phases\[0\].phases has 'warp'"),
+        ({"restart_phases": [{"phases": {"fetch": "x"}}]}, r"restart_phases\[0\].phases.fetch must be"),
     ],
 )
 def test_bad_reports_are_refused_naming_the_field(tmp_path: Path, change: dict, fragment: str) -> None:

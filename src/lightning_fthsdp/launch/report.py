@@ -44,6 +44,8 @@ Times are seconds. ``t0`` is the job's first committed step (start-up and import
   group's first start (no failure: the in-run reference).
 - ``val_loss``: the held-out validation loss at the last step any group validated (``final``: the mean over the
   groups that validated it; they hold identical parameters) and ``val_losses`` every group's evaluations.
+- ``step_s``: the median duration of a fault-free step (every replica participating), the job's typical step
+  (``fthsdp simulate --from-report`` replaces it by the projected job's step time).
 - ``effective_training_time``: useful work / wall time between the first and the last committed step, where a
   step's useful work is (participants / replicas) x the median duration of fault-free steps (all replicas
   participating). 1.0 is a fault-free run; a stall earns nothing, a step with k of R groups earns k/R.
@@ -112,6 +114,7 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         "diverged": _diverged(finals),
         "restart_phases": [s for s in starts if s["incarnation"] > 0],
         "start_phases": [s for s in starts if s["incarnation"] == 0],
+        "step_s": _typical_step(steps, replicas),
         "effective_training_time": _ett(steps, replicas),
         "effective_training_time_definition": ETT_DEFINITION,
         "loss": {"first": _mean(head), "last": _mean(tail), "fell": bool(head and tail and _mean(tail) < _mean(head))},
@@ -180,19 +183,33 @@ def _loss_by_step(steps: list[dict[str, Any]]) -> list[float]:
     return [statistics.fmean(v) for _, v in sorted(by_step.items())]
 
 
-def _ett(steps: list[dict[str, Any]], replicas: int) -> float:
+def _durations(steps: list[dict[str, Any]]) -> tuple[list[tuple[float, int]], float]:
+    """Each committed step's duration (since the job's previous step) with its participants; the wall time from the
+    first committed step to the last."""
     first: dict[int, tuple[float, int]] = {}  # step -> (when the job first committed it, its participants)
     for r in sorted(steps, key=lambda r: r["t"]):
         first.setdefault(r["step"], (r["t"], len(r.get("participants", [])) or 1))
     ordered = sorted(first.items())
-    if len(ordered) < 2:
-        return 0.0
     durations = [(b[1][0] - a[1][0], b[1][1]) for a, b in itertools.pairwise(ordered)]
+    return durations, ordered[-1][1][0] - ordered[0][1][0] if ordered else 0.0
+
+
+def _typical_step(steps: list[dict[str, Any]], replicas: int) -> float | None:
+    """The median fault-free step (every replica participating; any step if none was); None under two steps."""
+    durations, _ = _durations(steps)
+    if not durations:
+        return None
     healthy = [d for d, n in durations if n >= replicas] or [d for d, _ in durations]
-    typical = statistics.median(healthy)
-    wall = ordered[-1][1][0] - ordered[0][1][0]
+    return round(statistics.median(healthy), 5)
+
+
+def _ett(steps: list[dict[str, Any]], replicas: int) -> float:
+    typical = _typical_step(steps, replicas)
+    durations, wall = _durations(steps)
+    if typical is None or wall <= 0:
+        return 0.0
     useful = sum(min(n, replicas) / replicas * typical for _, n in durations)
-    return round(min(1.0, useful / wall), 4) if wall > 0 else 0.0
+    return round(min(1.0, useful / wall), 4)
 
 
 def _mean(values: list[float]) -> float | None:

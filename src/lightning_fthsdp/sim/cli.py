@@ -15,7 +15,8 @@ from typing import Any
 from lightning_fthsdp.sim.closed_form import closed_form
 from lightning_fthsdp.sim.config import OVERLAP_MODES, PRESETS, SimConfig, field_type
 from lightning_fthsdp.sim.output import format_table, to_json
-from lightning_fthsdp.sim.report import Calibration, read_report
+from lightning_fthsdp.sim.projection import Projection, project, read_control_plane
+from lightning_fthsdp.sim.report import read_report
 
 FAILURE_LAWS = ("mtbf_min", "failures_per_kserver_day")
 
@@ -39,8 +40,14 @@ def add_parser(subparsers: Any) -> None:
                      "replicas=4,8,12,16,24")
     run.add_argument("--out", type=Path, metavar="DIR", help="with --sweep: write sweep.csv, sweep.json and PNGs here")
     run.add_argument("--from-report", type=Path, metavar="REPORT_JSON",
-                     help="take stall_min and group_restart_min from a launch report's stalls_s and recoveries "
-                     "(they override the flags)")
+                     help="take stall_min and group_restart_min from a launch report's stalls_s and recoveries, "
+                     "projected phase by phase to the simulated job's replica groups (they override the flags)")
+    run.add_argument("--control-plane", type=Path, metavar="BENCH_JSON",
+                     help="with --from-report: the lighthouse's failure round measured at scale "
+                     "(bench/bench_lighthouse.py's JSON), read at the job's group count")
+    run.add_argument("--step-s", type=float, metavar="SECONDS",
+                     help="with --from-report: the simulated job's training step in seconds (the paper's: ~20), "
+                     "in place of the measured run's (the retrained step and the restarted group's first step)")
     run.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     model = parser.add_argument_group("model (SimConfig; defaults: the paper's scale, 6.5 failures/1k servers/day)")
@@ -66,17 +73,17 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    calibration = read_report(args.from_report) if args.from_report else None
-    if calibration:
-        cfg = calibration.apply(cfg)
+    projection = _projection(args, cfg)
+    if projection:
+        cfg = projection.apply(cfg)
     if args.out and not args.sweep:
         raise ValueError("--out DIR writes a sweep's CSV, JSON and PNGs; add --sweep FIELD=VALUES")
     if args.sweep:
         return _sweep(args, cfg)
 
     payload: dict[str, Any] = {"inputs": {**dataclasses.asdict(cfg), "resolved": cfg.resolved()}}
-    if calibration:
-        payload["calibration"] = dataclasses.asdict(calibration)
+    if projection:
+        payload["projection"] = projection.to_json()
     if args.closed_form:
         closed = closed_form(cfg)
         payload.update(sync={"ett": closed.sync}, fthsdp={"ett": closed.fthsdp})
@@ -105,8 +112,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(to_json(payload))
         return 0
     print(_describe(cfg, args))
-    if calibration:
-        print(_describe_calibration(calibration))
+    if projection:
+        print(_describe_projection(projection))
     print(format_table(rows))
     for note in notes:
         print(f"- {note}")
@@ -133,6 +140,16 @@ def _sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
     return 0
 
 
+def _projection(args: argparse.Namespace, cfg: SimConfig) -> Projection | None:
+    if not args.from_report:
+        for flag, value in (("--control-plane", args.control_plane), ("--step-s", args.step_s)):
+            if value is not None:
+                raise ValueError(f"{flag} scales a measured run: add --from-report runs/launch/report.json")
+        return None
+    control_plane = read_control_plane(args.control_plane) if args.control_plane else None
+    return project(read_report(args.from_report), cfg.replicas, control_plane, args.step_s)
+
+
 def _config(args: argparse.Namespace) -> SimConfig:
     values: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig) if getattr(args, f.name) is not None}
@@ -155,13 +172,18 @@ def _describe(cfg: SimConfig, args: argparse.Namespace) -> str:
     )
 
 
-def _describe_calibration(calibration: Calibration) -> str:
-    measured = "" if calibration.measured_ett is None else f"; measured ETT {calibration.measured_ett:.3f}"
+def _describe_projection(projection: Projection) -> str:
+    calibration = projection.calibration
+    measured = "" if calibration.measured_ett is None else f", measured ETT {calibration.measured_ett:.3f}"
     injected = ""
     if calibration.failures_injected is not None:
         injected = f" over {calibration.failures_injected} injected failures"
-    return (
-        f"calibrated from {calibration.source}: stall {60 * calibration.stall_min:.1f} s (mean of "
-        f"{calibration.stalls}), group restart {60 * calibration.group_restart_min:.1f} s (mean of "
-        f"{calibration.recovery_count}){measured}{injected}"
-    )
+    groups = "" if calibration.replicas is None else f" on {calibration.replicas} groups"
+    lines = [f"calibrated from {calibration.source}: mean of {calibration.stalls} stalls and "
+             f"{calibration.recovery_count} recoveries{groups}{injected}{measured}; projected to "
+             f"{projection.groups:,} groups:",
+             f"  {'cost':<13} {'part':<52} {'measured s':>10} {'projected s':>11}  rule"]
+    lines += [f"  {p.cost:<13} {p.part:<52} {p.measured_s:>10.2f} {p.projected_s:>11.2f}  {p.rule}"
+              for p in projection.parts]
+    lines.append(f"  stall {60 * projection.stall_min:.1f} s, group restart {60 * projection.group_restart_min:.1f} s")
+    return "\n".join(lines)

@@ -9,6 +9,9 @@ Fields read from ``report.json`` (everything else is ignored):
   stall included. Their mean becomes ``group_restart_min``.
 - ``failures_injected`` (optional): a non-negative integer, echoed next to the projection.
 - ``effective_training_time`` (optional): the ETT measured on the small run, a fraction in [0, 1], echoed.
+- ``replicas``, ``step_s``, ``restart_phases`` (optional, a launch writes them): the run's replica groups, its median
+  fault-free step and each restart's phases (``lightning_fthsdp.config.anatomy``); with them the measured times are
+  projected to the simulated job's scale (``sim.projection``) rather than taken as they are.
 
 The whole-job restart (``restart_min``) and the failure law stay inputs: a small launch cannot measure how long
 a 100,000-GPU relaunch takes or how often such a job fails.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.sim.config import SimConfig
+from lightning_fthsdp.config.anatomy import PHASES
 
 RECOVERY_FIELDS = ("recovery_s", "duration_s")
 
@@ -40,10 +43,12 @@ class Calibration:
     recovery_count: int
     failures_injected: int | None
     measured_ett: float | None
-
-    def apply(self, cfg: SimConfig) -> SimConfig:
-        """`cfg` with the measured stall and group restart (ValueError if they contradict its other inputs)."""
-        return dataclasses.replace(cfg, stall_min=self.stall_min, group_restart_min=self.group_restart_min)
+    replicas: int | None = None
+    """The replica groups of the measured run."""
+    step_s: float | None = None
+    """Its median fault-free step, in seconds."""
+    restart_phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each restart phase's mean over its restarts, in seconds (``anatomy.PHASES`` order); empty if none trained."""
 
 
 def read_report(path: str | Path) -> Calibration:
@@ -75,6 +80,13 @@ def read_report(path: str | Path) -> Calibration:
     if measured is not None and not (_is_number(measured) and 0 <= measured <= 1):
         raise ValueError(f"{path}: 'effective_training_time' must be a fraction in [0, 1], got {measured!r}")
 
+    replicas = report.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ValueError(f"{path}: 'replicas' must be a positive integer, got {replicas!r}")
+    step = report.get("step_s")
+    step_s = None if step is None else _seconds(path, "step_s", step)
+    restart_phases = _restart_phases(path, report.get("restart_phases", []))
+
     stall_min = sum(stall_s) / len(stall_s) / 60.0
     group_restart_min = sum(recovery_s) / len(recovery_s) / 60.0
     if stall_min > group_restart_min:
@@ -90,7 +102,27 @@ def read_report(path: str | Path) -> Calibration:
         recovery_count=len(recovery_s),
         failures_injected=failures,
         measured_ett=measured,
+        replicas=replicas,
+        step_s=step_s,
+        restart_phases_s=restart_phases,
     )
+
+
+def _restart_phases(path: Path, restarts: Any) -> dict[str, float]:
+    """Each phase's mean over ``restarts`` (the report's ``restart_phases``), in ``anatomy.PHASES`` order."""
+    if not isinstance(restarts, list):
+        raise ValueError(f"{path}: 'restart_phases' must be a list of restarts, got {restarts!r}")
+    sums: dict[str, list[float]] = {}
+    for i, restart in enumerate(restarts):
+        phases = restart.get("phases") if isinstance(restart, dict) else None
+        if not isinstance(phases, dict):
+            raise ValueError(f"{path}: restart_phases[{i}] must be an object with 'phases', got {restart!r}")
+        for name, value in phases.items():
+            if name not in PHASES:
+                raise ValueError(f"{path}: restart_phases[{i}].phases has {name!r}, no phase of a restart; known: "
+                                 f"{', '.join(PHASES)}")
+            sums.setdefault(name, []).append(_seconds(path, f"restart_phases[{i}].phases.{name}", value))
+    return {name: sum(sums[name]) / len(sums[name]) for name in PHASES if name in sums}
 
 
 def _recovery_seconds(path: Path, index: int, entry: Any) -> float:
