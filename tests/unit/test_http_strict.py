@@ -281,3 +281,40 @@ def test_outsider_caps_leave_most_descriptors_to_the_groups_and_bad_caps_are_ref
         OutsiderLimits(4, 8)
     with pytest.raises(ValueError, match=r"finite grace_s >= 0, got -1"):
         OutsiderLimits(4, 4, grace_s=-1)
+
+
+def test_bytes_the_loop_has_not_read_yet_count_as_unread() -> None:
+    """What keeps a lighthouse that runs behind from declaring a group hung whose heartbeat waits in the kernel."""
+    async def run() -> list[bool]:
+        made: list[Connection] = []
+
+        def protocol() -> Connection:
+            made.append(Connection(ok, lambda _: None))
+            return made[-1]
+
+        server = await asyncio.get_running_loop().create_server(protocol, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await wait_until(lambda: bool(made))
+        (connection,) = made
+        seen = [connection.unread()]
+        connection.pause_writing()  # reads nothing now: as a loop that has not polled this socket yet
+        writer.write(b"GET /x HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        await wait_until(connection.unread)
+        seen.append(connection.unread())
+        connection.resume_writing()
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        seen.append(connection.unread())
+        writer.close()
+        server.close()
+        return seen
+
+    assert asyncio.run(run()) == [False, True, False]
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

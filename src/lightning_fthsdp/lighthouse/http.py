@@ -28,11 +28,14 @@ connection with no request in flight and none arriving is closed after ``idle_ti
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import functools
 import json
 import logging
 import re
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -227,6 +230,22 @@ class Connection(asyncio.Protocol):
         for pending in in_flight:
             pending.cancel()
         self._on_close(self)
+
+    def unread(self) -> bool:
+        """Whether bytes from the client wait to be handled: in this connection's buffer, or in the kernel's for its
+        socket, not read yet because the event loop is behind (a loop that runs its timers before it polls, as libuv's
+        does, sees a deadline pass before it reads what arrived in time)."""
+        if self._buffer:
+            return True
+        sock = self._transport.get_extra_info("socket") if self._transport is not None else None
+        if sock is None or self.closed:
+            return False
+        waiting = array.array("i", [0])
+        try:
+            fcntl.ioctl(sock.fileno(), termios.FIONREAD, waiting)
+        except OSError:
+            return False
+        return waiting[0] > 0
 
     def close(self) -> None:
         if self._transport is not None:

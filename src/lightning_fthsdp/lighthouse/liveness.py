@@ -47,6 +47,11 @@ class HeartbeatConnections:
         for connection in self._connection.pop(replica_id, {}).values():
             self._key.pop(connection, None)
 
+    def unread(self, replica_id: str) -> bool:
+        """Whether a heartbeat connection of the group holds bytes not handled yet (``Connection.unread``): the group
+        spoke, however late the lighthouse is to read it."""
+        return any(connection.unread() for connection in self._connection.get(replica_id, {}).values())
+
     def per_group(self) -> Counter[str]:
         """Replica id -> how many heartbeat connections of its ranks are open."""
         return Counter({replica_id: len(ranks) for replica_id, ranks in self._connection.items()})

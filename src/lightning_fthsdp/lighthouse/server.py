@@ -1087,6 +1087,8 @@ class Lighthouse:
             grace_s = self._lag.grace_s(now)
             cutoff = now - timeout_s - grace_s
             for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
+                if self._heartbeat_connections.unread(replica_id):
+                    continue  # it spoke in time; this lighthouse has not read it yet
                 self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms"
                                    + (f" (and {grace_s:.3f} s more: the lighthouse ran behind)" if grace_s else ""))
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
