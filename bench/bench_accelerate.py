@@ -9,6 +9,8 @@ path is enabled on CPU by the tests' fixture (``tests/accelerate/cpu_fsdp.py``).
 speed: compare the ratio only. Prints a table, writes bench/results/accelerate.json::
 
     .venv/bin/python bench/bench_accelerate.py --steps 40
+
+``--smoke``: blocks of 6 steps, 2 of them warm-up, width 64 (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -122,7 +124,13 @@ def main() -> None:
                         help="the MLP's width (the step's compute grows with its square, the helper's cost hardly)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "accelerate.json",
+                        help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short run for CI: blocks of 6 steps, 2 of them warm-up, width 64")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.width = 6, 2, 64
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if args.worker:
@@ -160,9 +168,9 @@ def main() -> None:
     print(f"{'without the helper (mean of both blocks)':<44} {plain * 1000:>10.1f}")
     print(f"{'with FaultTolerantHSDP':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / plain:>10.3f}")
-    out = ROOT / "bench" / "results" / "accelerate.json"
-    out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

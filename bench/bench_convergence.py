@@ -11,6 +11,8 @@ is no fair comparison (after a failure the groups' streams are at other position
 bench/results/convergence.json::
 
     .venv/bin/python bench/bench_convergence.py --seeds 0 1 2 --steps 600
+
+``--smoke``: the fault-free runs of 2 seeds, 20 steps each (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES),
                         help="which schedules to run (fault-free is always run: it is the baseline)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "convergence.json",
+                        help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short run for CI: the fault-free runs of 2 seeds, 20 steps each")
     args = parser.parse_args()
+    if args.smoke:
+        args.seeds, args.steps, args.schedules = [0, 1], 20, ["fault-free"]
     names = ["fault-free", *(n for n in args.schedules if n != "fault-free")]
     if len(args.seeds) < 2:
         parser.error(f"--seeds needs at least 2 seeds for a seed-to-seed spread, got {args.seeds}")
@@ -95,9 +103,9 @@ def main() -> None:
               "schedules": {name: SCHEDULES[name] for name in names},
               "fault_free_spread": spread, "summary": summary, "runs": runs,
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = ROOT / "bench" / "results" / "convergence.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ Ratio = median FT step time / median baseline step time, measured in the same ru
 
 Stall: 3 replica groups of lightning_fthsdp.demo.train_plain against a real lighthouse; one group is killed (SIGKILL) or
 stopped (SIGSTOP) from outside; stall = time from the signal to the survivors' next committed step.
+
+``--smoke``: 2 blocks of 4 steps on 10,000 elements, one stall trial per signal (tests/integration/test_bench_smoke.py
+runs it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import signal
 import statistics
 import sys
@@ -34,7 +38,7 @@ from lightning_fthsdp.manager import FTManager
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _worker(rank: int, groups: int, store_port: int, lighthouse: str, args: argparse.Namespace,
+def _worker(rank: int, groups: int, store_port: int, lighthouse: str, token: str | None, args: argparse.Namespace,
             out: mp.Queue) -> None:  # type: ignore[type-arg]
     torch.set_num_threads(1)
     sizes = [args.numel // 4] * 4
@@ -42,7 +46,7 @@ def _worker(rank: int, groups: int, store_port: int, lighthouse: str, args: argp
     compute_s = args.compute_ms / 1000
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=groups)
-    manager = FTManager(replica_id=f"g{rank}", lighthouse=lighthouse, timeouts=Timeouts())
+    manager = FTManager(replica_id=f"g{rank}", lighthouse=lighthouse, timeouts=Timeouts(), token=token)
     times: dict[str, list[float]] = {"baseline": [], "baseline_flat": [], "fthsdp": []}
 
     def baseline_step() -> None:
@@ -90,11 +94,11 @@ def overhead(args: argparse.Namespace) -> dict[str, object]:
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
-            procs = [ctx.Process(target=_worker, args=(r, args.groups, store.port, lighthouse, args, out))
+            procs = [ctx.Process(target=_worker, args=(r, args.groups, store.port, lighthouse, job.token, args, out))
                      for r in range(args.groups)]
             for p in procs:
                 p.start()
-            results = dict(out.get(timeout=600) for _ in procs)
+            results = dict(_result(out, procs) for _ in procs)
             for p in procs:
                 p.join(60)
         finally:
@@ -105,6 +109,19 @@ def overhead(args: argparse.Namespace) -> dict[str, object]:
     return {"groups": args.groups, "numel": args.numel, "compute_ms": args.compute_ms,
             "steps_per_mode": args.steps * args.blocks, "baseline_median_s": base, "baseline_flat_median_s": flat,
             "fthsdp_median_s": ft, "ratio": ft / base, "ratio_vs_flat": ft / flat, "target": 1.02}
+
+
+def _result(out: mp.Queue, procs: list[mp.Process]) -> tuple[int, dict[str, list[float]]]:  # type: ignore[type-arg]
+    """The next worker's times; SystemExit as soon as a worker ended without giving them (its error is above)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"a worker failed (exit codes {failed}): see its traceback above") from None
+    raise SystemExit("the workers gave no times within 600 s")
 
 
 def one_stall(args: argparse.Namespace, sig: signal.Signals, phase_s: float) -> float:
@@ -143,15 +160,20 @@ def main() -> int:
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=1_000)
     parser.add_argument("--stall-step-ms", type=int, default=50)
     parser.add_argument("--only", choices=("overhead", "stall"), default=None)
+    parser.add_argument("--out", type=Path, default=RESULTS / "ftar.json", help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a short run for CI: 2 blocks of 4 steps on 10,000 elements, one stall trial per signal")
     args = parser.parse_args()
+    if args.smoke:
+        args.numel, args.steps, args.blocks, args.warmup, args.trials = 10_000, 4, 2, 1, 1
     report: dict[str, object] = {}
     if args.only in (None, "overhead"):
         report["overhead"] = overhead(args)
     if args.only in (None, "stall"):
         report["stall_sigkill"] = stall(args, signal.SIGKILL)
         report["stall_sigstop"] = stall(args, signal.SIGSTOP)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ftar.json").write_text(json.dumps(report, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
     print(f"{'measure':<28}{'value':>12}{'target':>10}")
     if "overhead" in report:
         o = report["overhead"]
@@ -164,7 +186,7 @@ def main() -> int:
         if key in report:
             s = report[key]
             print(f"{key + ' median':<28}{s['median_s']:>11.2f}s{'<= ' + format(s['target_s'], '.1f'):>10}")
-    print(f"wrote {RESULTS / 'ftar.json'}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -6,6 +6,8 @@ dp_shard=2) mesh. The step time is the mean interval between rank 0's optimizer 
 CPU timings say nothing of GPU speed: compare the ratio only. Prints a table, writes bench/results/lightning.json::
 
     .venv/bin/python bench/bench_lightning.py --steps 40
+
+``--smoke``: 8 steps, 2 of them warm-up (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.launch.processes import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,14 +69,27 @@ def worker(mode: str, steps: int, jsonl: str) -> None:
 def step_time(jsonl: Path, warmup: int) -> float:
     times = [r["t"] for r in read_jsonl(jsonl)
              if r["event"] == "commit" and r["rank"] == 0 and r["global_step"] > warmup]
+    if len(times) < 2:
+        raise SystemExit(f"{jsonl.name}: {len(times)} steps recorded after the warm-up of {warmup}: run more --steps")
     return (times[-1] - times[0]) / (len(times) - 1)
 
 
-def launch(mode: str, steps: int, workdir: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    jsonl = workdir / f"{mode}-{env.get('FTHSDP_REPLICA_ID', 'all')}.jsonl"
+def launch(mode: str, steps: int, workdir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """One Lightning launch of ``mode``; its process and its log."""
+    name = f"{mode}-{env.get('FTHSDP_REPLICA_ID', 'all')}"
+    jsonl, log = workdir / f"{name}.jsonl", workdir / f"{name}.log"
     cmd = [sys.executable, __file__, "--worker", mode, "--steps", str(steps), "--jsonl", str(jsonl)]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()), **env)
-    return [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), log
+
+
+def finish(launched: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
+    """Wait for every launch; SystemExit with the log's end of one that failed."""
+    for proc, log in launched:
+        if proc.wait(timeout=600) != 0:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"{log.stem} exited {proc.returncode}; the end of its log:\n{tail}")
 
 
 def main() -> None:
@@ -82,7 +98,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--worker", choices=("fthsdp", "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--jsonl", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lightning.json",
+                        help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: 8 steps, 2 of them warm-up")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup = 8, 2
     if args.worker:
         worker(args.worker, args.steps, args.jsonl)
         return
@@ -90,17 +111,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        for proc in launch("baseline", args.steps, workdir, {}):
-            proc.wait(timeout=600)
+        finish([launch("baseline", args.steps, workdir, {})])
         baseline = step_time(workdir / "baseline-all.jsonl", args.warmup)
         job = Job(workdir, min_replicas=2)
         try:
             url = job.start_lighthouse()
-            procs = [p for rid in ("a", "b") for p in launch("fthsdp", args.steps, workdir, {
+            finish([launch("fthsdp", args.steps, workdir, {
                 "FTHSDP_REPLICA_ID": rid, "FTHSDP_LIGHTHOUSE": url, "FTHSDP_REPLICAS": "2",
-                "FTHSDP_REPLICA_INDEX": str(ord(rid) - ord("a"))})]
-            for proc in procs:
-                proc.wait(timeout=600)
+                "FTHSDP_REPLICA_INDEX": str(ord(rid) - ord("a")), ENV_TOKEN: job.token or ""}) for rid in ("a", "b")])
         finally:
             job.close()
         fthsdp = step_time(workdir / "fthsdp-a.jsonl", args.warmup)
@@ -111,9 +129,9 @@ def main() -> None:
     print(f"{'ModelParallelStrategy, HSDP mesh (2, 2)':<44} {baseline * 1000:>10.1f}")
     print(f"{'FTHSDPStrategy, 2 groups x 2 ranks':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / baseline:>10.3f}")
-    out = ROOT / "bench" / "results" / "lightning.json"
-    out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Prints a table, writes bench/results/restart.json::
 
     .venv/bin/python bench/bench_restart.py                      # both paths, recipes/mlp.yaml
     .venv/bin/python bench/bench_restart.py --path lightning --recipe recipes/tiny_gpt.yaml --shard-count 2
+
+``--smoke``: the plain path, b killed at step 30 of 400 (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -164,7 +166,12 @@ def main() -> None:
                              "without (a bare process), or both")
     parser.add_argument("--step-ms", type=int, default=50, help="pace of a step (both paths)")
     parser.add_argument("--repeats", type=int, default=1, help="floor and restart pairs per path (median ratio)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "restart.json", help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: the plain path, b killed at step "
+                                                             "30 of 400")
     args = parser.parse_args()
+    if args.smoke:
+        args.path, args.kill_at, args.steps = "plain", 30, 400
     rows: list[dict[str, Any]] = []
     paths = ("lightning", "plain") if args.path == "both" else (args.path,)
     ratios: dict[str, list[float]] = {}
@@ -190,11 +197,12 @@ def main() -> None:
     summary = {p: statistics.median(v) for p, v in ratios.items()}
     for path, ratio in summary.items():
         print(f"{path}: {ratio:.2f} x the floor (median of {len(ratios[path])}; target <= 1.5)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"recipe": str(args.recipe), "shard_count": args.shard_count, "replicas": args.replicas,
               "kill_at": args.kill_at, "step_ms": args.step_ms, "rows": rows, "median_ratio": summary,
               "target": 1.5, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (RESULTS / "restart.json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 Run: ``.venv/bin/python bench/bench_sim.py`` (prints two tables, writes bench/results/sim.json).
 Speed is wall time of one trial of ``simulate`` (failure trace plus both policies); the goal is under 2 s.
+``--smoke``: one timed trial per case and 2 trials of 2 days per agreement case (tests/integration/test_bench_smoke.py
+runs it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -41,12 +44,12 @@ AGREEMENT_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def bench_speed() -> list[dict[str, Any]]:
+def bench_speed(repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name, values in SPEED_CASES.items():
         cfg = SimConfig(**values)
         times = []
-        for repeat in range(SPEED_REPEATS):
+        for repeat in range(repeats):
             start = time.perf_counter()
             result = simulate(cfg, days=30.0, trials=1, seed=repeat)
             times.append(time.perf_counter() - start)
@@ -58,12 +61,12 @@ def bench_speed() -> list[dict[str, Any]]:
     return rows
 
 
-def bench_agreement() -> list[dict[str, Any]]:
+def bench_agreement(days: float, trials: int) -> list[dict[str, Any]]:
     rows = []
     for name, values in AGREEMENT_CASES.items():
         cfg = SimConfig(**values)
         closed = closed_form(cfg)
-        result = simulate(cfg, days=AGREEMENT_DAYS, trials=AGREEMENT_TRIALS, seed=SEED)
+        result = simulate(cfg, days=days, trials=trials, seed=SEED)
         for policy in ("sync", "fthsdp"):
             measured = getattr(result, policy)
             low, high = measured.ci95
@@ -75,21 +78,27 @@ def bench_agreement() -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: one timed trial per case, 2 trials "
+                                                             "of 2 days per agreement case")
+    args = parser.parse_args()
+    repeats, days, trials = (1, 2.0, 2) if args.smoke else (SPEED_REPEATS, AGREEMENT_DAYS, AGREEMENT_TRIALS)
     if hasattr(os, "sched_setaffinity"):  # one core, as the goal says
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    speed = bench_speed()
-    agreement = bench_agreement()
-    print(f"speed: one trial (failure trace + both policies) of 30 simulated days, {SPEED_REPEATS} runs on one core")
+    speed = bench_speed(repeats)
+    agreement = bench_agreement(days, trials)
+    print(f"speed: one trial (failure trace + both policies) of 30 simulated days, {repeats} runs on one core")
     print(format_table(speed))
-    print(f"\nagreement: {AGREEMENT_TRIALS} trials x {AGREEMENT_DAYS:g} days, seed {SEED}")
+    print(f"\nagreement: {trials} trials x {days:g} days, seed {SEED}")
     print(format_table(agreement))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
         "speed": speed,
-        "agreement": {"days": AGREEMENT_DAYS, "trials": AGREEMENT_TRIALS, "seed": SEED, "rows": agreement},
+        "agreement": {"days": days, "trials": trials, "seed": SEED, "rows": agreement},
     }, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

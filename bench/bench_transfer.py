@@ -17,6 +17,7 @@ The ratio fetch / loopback is what the protocol costs over the wire itself: HTTP
 the XXH3-64 digest of every byte (computed ahead, verified on arrival on ``VERIFY_WORKERS`` threads).
 
 Usage: ``python bench/bench_transfer.py [--mib 64 512] [--repeat 5]``; writes ``bench/results/transfer.json``.
+``--smoke``: 4 MiB, 2 rounds (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -137,7 +138,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[64, 512], help="state sizes in MiB")
     parser.add_argument("--repeat", type=int, default=7, help="timed fetch + loopback rounds per size")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: 4 MiB, 2 rounds")
     args = parser.parse_args()
+    if args.smoke:
+        args.mib, args.repeat = [4], 2
     rows = [measure(mib, args.repeat) for mib in args.mib]
     print(f"{'size':>8} {'prepare_s':>9} {'cold_s':>7} {'fetch_s':>7} {'fetch_GBps':>10} {'loopback_GBps':>13} "
           f"{'ratio':>5} {'warm_loopback_GBps':>18} {'warm_ratio':>10}")
@@ -145,12 +150,12 @@ def main() -> None:
         print(f"{row['mib']:>4} MiB {row['prepare_s']:>9.3f} {row['cold_s']:>7.3f} {row['fetch_s']:>7.3f} "
               f"{row['fetch_GBps']:>10.2f} {row['loopback_GBps']:>13.2f} {row['ratio']:>5.2f} "
               f"{row['warm_loopback_GBps']:>18.2f} {row['warm_ratio']:>10.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "tensors": TENSORS, "verify_workers": VERIFY_WORKERS, "digest_workers": DIGEST_WORKERS, "rows": rows,
     }, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from tests.paths import ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def smoke(bench: str, out: Path) -> str:
+def smoke(bench: str, out: Path, timeout_s: float = 170) -> str:
     """Run ``bench/BENCH --smoke --out OUT``; its stdout (a failure shows its output)."""
     done = subprocess.run([sys.executable, str(ROOT / "bench" / bench), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=170, cwd=ROOT, check=False)
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, check=False)
     assert done.returncode == 0, f"{bench} --smoke exited {done.returncode}:\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
     print(done.stdout)
@@ -63,4 +63,94 @@ def test_bench_lighthouse_smoke_serves_every_group_without_a_death(tmp_path: Pat
     assert all(r["known_after_s"] >= 1.5 for r in row["quorum_rounds"] if r["kind"] == "failure"), row
     assert set(row["rounds"]) == {"fresh", "steady", "failure"}, row["rounds"]
     assert row["heartbeats_per_s"] > 0, row
+    assert str(out) in printed
+
+
+def test_bench_sim_smoke_times_a_trial_and_sets_monte_carlo_beside_the_closed_form(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    printed = smoke("bench_sim.py", out)
+    result = json.loads(out.read_text())
+    assert [row["median_s"] > 0 for row in result["speed"]] == [True, True], result["speed"]
+    rows = result["agreement"]["rows"]
+    assert {row["policy"] for row in rows} == {"sync", "fthsdp"} and len(rows) == 18, rows
+    assert all(0 <= row["monte_carlo"] <= 1 and 0 <= row["closed_form"] <= 1 for row in rows), rows
+    assert str(out) in printed
+
+
+def test_bench_transfer_smoke_fetches_the_state_and_copies_it_raw(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    printed = smoke("bench_transfer.py", out)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mib"] == 4 and row["bytes"] == 4 << 20, row
+    assert row["fetch_s"] > 0 and row["loopback_s"] > 0 and row["ratio"] > 0, row
+    assert str(out) in printed
+
+
+def test_bench_ftar_smoke_times_both_paths_and_both_stalls(tmp_path: Path) -> None:
+    out = tmp_path / "ftar.json"
+    printed = smoke("bench_ftar.py", out)
+    report = json.loads(out.read_text())
+    overhead = report["overhead"]
+    assert overhead["steps_per_mode"] == 8 and overhead["fthsdp_median_s"] > 0 and overhead["ratio"] > 0, overhead
+    # A killed group is found by its closed connection, a stopped one only after the heartbeat timeout (1 s).
+    assert len(report["stall_sigkill"]["stalls_s"]) == 1 and len(report["stall_sigstop"]["stalls_s"]) == 1, report
+    assert report["stall_sigstop"]["median_s"] >= 0.9, report["stall_sigstop"]
+    assert str(out) in printed
+
+
+def test_bench_lightning_smoke_runs_both_strategies(tmp_path: Path) -> None:
+    out = tmp_path / "lightning.json"
+    printed = smoke("bench_lightning.py", out)
+    result = json.loads(out.read_text())
+    assert result["steps"] == 8 and result["baseline_step_s"] > 0 and result["fthsdp_step_s"] > 0, result
+    assert "ratio (target <= 1.05)" in printed and str(out) in printed
+
+
+def test_bench_accelerate_smoke_runs_the_loop_with_and_without_the_helper(tmp_path: Path) -> None:
+    out = tmp_path / "accelerate.json"
+    printed = smoke("bench_accelerate.py", out)
+    report = json.loads(out.read_text())
+    assert report["steps"] == 6 and report["model"]["width"] == 64, report
+    assert report["plain_step_s"] > 0 and report["fthsdp_step_s"] > 0, report
+    assert "with FaultTolerantHSDP" in printed and str(out) in printed
+
+
+def test_bench_catchup_smoke_admits_a_restarted_group_once(tmp_path: Path) -> None:
+    out = tmp_path / "catchup.json"
+    printed = smoke("bench_catchup.py", out)
+    result = json.loads(out.read_text())
+    (admission,) = result["admissions"]
+    assert admission["state_mib"] == 1 and admission["admit_ratio"] > 0, admission
+    (summary,) = result["summary"]
+    assert summary["admissions"] == 1, summary
+    assert str(out) in printed
+
+
+def test_bench_restart_smoke_splits_a_restart_into_its_phases(tmp_path: Path) -> None:
+    out = tmp_path / "restart.json"
+    printed = smoke("bench_restart.py", out)
+    result = json.loads(out.read_text())
+    runs = {row["run"]: row for row in result["rows"]}
+    assert set(runs) == {"floor", "restart"}, result["rows"]
+    assert runs["restart"]["total_s"] > 0 and runs["restart"]["phases"]["imports"] > 0, runs["restart"]
+    assert "plain restart" in result["median_ratio"], result["median_ratio"]
+    assert str(out) in printed
+
+
+@pytest.mark.timeout(420)
+def test_bench_convergence_smoke_validates_both_seeds(tmp_path: Path) -> None:
+    out = tmp_path / "convergence.json"
+    printed = smoke("bench_convergence.py", out, timeout_s=400)  # two launches of six processes
+    result = json.loads(out.read_text())
+    runs = result["runs"]["fault-free"]
+    assert set(runs) == {"0", "1"} and all(run["identical"] for run in runs.values()), runs
+    assert result["fault_free_spread"] >= 0, result
+    assert str(out) in printed
+
+
+def test_bench_soak_smoke_injects_failures_and_finds_nothing_broken(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    printed = smoke("bench_soak.py", out)
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["failures"] >= 1, (result["failures"], result["findings"])
     assert str(out) in printed
