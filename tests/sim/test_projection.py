@@ -101,3 +101,12 @@ def test_the_command_prints_each_part_and_simulates_the_projection(tmp_path: Pat
     assert out["inputs"]["stall_min"] * 60 == pytest.approx(4.0 + 19.5 + 0.06 * 9 / 300)
     assert main(["simulate", "--preset", "paper", "--control-plane", str(bench)]) == 2
     assert "--control-plane scales a measured run: add --from-report" in capsys.readouterr().err
+
+
+def test_a_stall_shorter_than_a_step_holds_a_whole_step_at_scale(tmp_path: Path) -> None:
+    """A failure after the survivors' step began stalls them less than a step; the parts still sum to the stall."""
+    calibration = read_report(write(tmp_path, "report.json", {**REPORT, "stalls_s": [0.2]}))
+    scaled = project(calibration, 3, step_s=20.0)
+    stall = [p for p in scaled.parts if p.cost == "stall"]
+    assert sum(p.measured_s for p in stall) == pytest.approx(0.2)
+    assert 60 * scaled.stall_min == pytest.approx(20.0)

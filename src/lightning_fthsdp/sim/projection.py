@@ -30,7 +30,7 @@ from lightning_fthsdp.config.anatomy import PHASES
 from lightning_fthsdp.sim.config import SimConfig
 from lightning_fthsdp.sim.report import Calibration
 
-AS_MEASURED = "as measured: each rank's own work, all ranks at once"
+AS_MEASURED = "as measured (per rank, all ranks at once)"
 
 
 @dataclass(frozen=True)
@@ -143,29 +143,31 @@ def project(calibration: Calibration, groups: int, control_plane: ControlPlane |
     if control_plane is not None:
         assert calibration.replicas is not None
         round_then, round_now = control_plane.round_s(calibration.replicas), control_plane.round_s(groups)
-        round_rule = (f"the lighthouse's failure round at {calibration.replicas} -> {groups:,} groups "
-                      f"({control_plane.source})")
+        round_rule = f"failure round at {calibration.replicas} -> {groups:,} groups ({control_plane.source})"
     step_then = calibration.step_s or 0.0
     step_now = step_then if step_s is None else step_s
     step_rule = "the job's step: as measured (give --step-s)" if step_s is None else "the job's step (--step-s)"
 
-    rest = max(0.0, stall_s - step_then - round_then)  # a failure late in a step stalls less than a step
+    # A stall shorter than a step (the survivors' step had begun before the failure) held part of one: at the job's
+    # step it holds the whole discarded step again.
+    round_part = min(round_then, stall_s)
+    step_part = min(step_then, stall_s - round_part)
+    rest = stall_s - round_part - step_part
     parts = [
         Part("stall", "detection, retry and reconfiguration", rest, rest, AS_MEASURED),
-        Part("stall", "failure round", round_then, round_now, round_rule),
-        Part("stall", "the discarded step retrained", step_then, step_now, step_rule),
+        Part("stall", "failure round", round_part, round_now, round_rule),
+        Part("stall", "the discarded step retrained", step_part, step_now, step_rule),
     ]
     phases = calibration.restart_phases_s
-    scaled = {"join": (round_then, round_now, f"{AS_MEASURED}; its admission round: {round_rule}"),
+    scaled = {"join": (round_then, round_now, f"{AS_MEASURED}, its admission round: {round_rule}"),
               "first_commit": (step_then, step_now, step_rule)}
-    floors = {"setup": "a floor: the communicator of a group at scale takes longer to build",
-              "fetch": "a floor: the state per rank at scale is larger"}
+    floors = {"setup": "a floor at scale: a larger communicator", "fetch": "a floor at scale: more state per rank"}
     before = recovery_s - sum(phases.values())
     parts.append(Part("group restart", "detection and the launcher's wait", before, before, AS_MEASURED))
     for name in PHASES:
         if name not in phases:
             continue
-        then, now, rule = scaled.get(name, (0.0, 0.0, f"{AS_MEASURED}; {floors[name]}" if name in floors
+        then, now, rule = scaled.get(name, (0.0, 0.0, f"{AS_MEASURED}, {floors[name]}" if name in floors
                                             else AS_MEASURED))
         parts.append(Part("group restart", PHASES[name], phases[name], phases[name] - then + now, rule))
     if not phases:  # no anatomy: the recovery as one part, its join round and first step in it
