@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RANGES, RENDEZVOUS, VOTE
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.manager import FTManager
@@ -85,3 +86,14 @@ def test_a_restored_position_is_where_the_next_commit_counts_from(manager: FTMan
     assert manager.sync_gradients([torch.ones(1)])
     assert manager.commit()
     assert (manager.step, manager.batches_committed, manager.contributions) == (6, {"a": 8}, {"a": 7})
+
+
+def test_a_profiled_step_shows_where_its_fault_tolerance_time_goes(manager: FTManager) -> None:
+    """A user's torch profiler trace names the quorum wait, the exchange and the commit (``config.ranges``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        manager.begin_step()
+        assert manager.sync_gradients([torch.ones(4)])
+        assert manager.commit()
+    names = {event.name for event in prof.events()}
+    assert {QUORUM, RENDEZVOUS, ALLREDUCE, COMMIT, VOTE} <= names, sorted(n for n in names if "fthsdp" in n)
+    assert names & set(RANGES) == {QUORUM, RENDEZVOUS, ALLREDUCE, COMMIT, VOTE}  # no catch-up in this step

@@ -34,6 +34,7 @@ from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.addresses import advertise_host as advertised_host
 from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
+from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, REPLAY, VOTE, span
 from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
@@ -360,12 +361,14 @@ class FTManager:
             self._follower.start(quorum, source)
         built = False
         try:
-            self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
-                                 self._store_address)
+            with span(RENDEZVOUS):
+                self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
+                                     self._store_address)
             built = True
             # Never real gradients while catching up: our weights are not the job's until the state is loaded.
-            average_gradients(self._comm, tensors, divisor=sum(self._shares.values()),
-                              contribute=self.replica_id in self._shares and not self._follower.active)
+            with span(ALLREDUCE):
+                average_gradients(self._comm, tensors, divisor=sum(self._shares.values()),
+                                  contribute=self.replica_id in self._shares and not self._follower.active)
         except CollectiveAborted as exc:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
@@ -384,6 +387,10 @@ class FTManager:
         Raises CommitsFailed, on every rank of the group alike, when this is the ``Timeouts.max_failed_commits``-th
         failed commit in a row (steps followed during a catch-up are progress, not failures).
         """
+        with span(COMMIT):
+            return self._commit()
+
+    def _commit(self) -> bool:
         state, self._current = self._current or StepState(), None
         failure, self._failure = self._failure, ""
         self._timing = state.timing() or self._timing
@@ -391,9 +398,10 @@ class FTManager:
         if not lease_ok and not failure:
             failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
                        f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
-        ok, exchanged, fetch_ok, collective_ok, built = self._agreement.vote(
-            state.ready and lease_ok, state.exchanged and lease_ok, not self._follower.failed,
-            not state.collective_failed, not state.rendezvous_failed)
+        with span(VOTE):
+            ok, exchanged, fetch_ok, collective_ok, built = self._agreement.vote(
+                state.ready and lease_ok, state.exchanged and lease_ok, not self._follower.failed,
+                not state.collective_failed, not state.rendezvous_failed)
         self._exchange_failed = not collective_ok  # the lighthouse may ask the leader to probe the members
         self._rendezvous_failed = not built
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
@@ -403,7 +411,8 @@ class FTManager:
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
         if ok and self._follower.active:
-            self._replay(state.tensors)
+            with span(REPLAY):
+                self._replay(state.tensors)
         if ok:
             assert state.quorum is not None, "a step commits only inside a quorum"
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
@@ -501,7 +510,8 @@ class FTManager:
             self.begin_step()
             assert self._current is not None
             asked = time.monotonic()
-            agreed = self._agreement.quorum(self._requester.answer if self._requester is not None else None)
+            with span(QUORUM):
+                agreed = self._agreement.quorum(self._requester.answer if self._requester is not None else None)
             self._current.agree_s += time.monotonic() - asked  # waiting, not the group's own work
             self._current.quorum = self._adopt(*agreed) if agreed is not None else None
             self._current.agreed = True

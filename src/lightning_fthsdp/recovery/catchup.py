@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
+from lightning_fthsdp.config.ranges import FETCH, SNAPSHOT, span
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
 from lightning_fthsdp.recovery.expected import Expected, expect
 from lightning_fthsdp.recovery.server import PreparedState, StateServer
@@ -130,7 +131,8 @@ class CatchUp:
     def _take(self, serving: _Serving) -> None:
         """Executor thread: copy (the only part the live state waits for), then digest, then publish if due."""
         try:
-            copy = snapshot(self.capture(), into=self._take_spare())
+            with span(SNAPSHOT):
+                copy = snapshot(self.capture(), into=self._take_spare())
         except Exception as exc:
             serving.error = exc  # wait_snapshot reports it
             return
@@ -251,8 +253,9 @@ class CatchUp:
             if abort.is_set():
                 break
             try:
-                tree = fetch_state(source.address, step, token=self._token, timeout_s=timeout_s, abort=abort,
-                                   expected=expected)
+                with span(FETCH):
+                    tree = fetch_state(source.address, step, token=self._token, timeout_s=timeout_s, abort=abort,
+                                       expected=expected)
             except StateFetchError as exc:
                 self._log.warning("fetching the state of step %d from %s failed: %s", step, source.replica_id, exc)
             except Exception:  # a bug, not the source's doing; still only this source's failure
