@@ -6,7 +6,7 @@ them with its first trained step, so the launcher's report and ``bench/bench_res
 spends its time. Milestones a start does not pass (``fetched`` and ``replayed`` when there was no peer to catch up
 from) make their phase 0.
 
-Costs nothing when nobody reads it: a dict of a few floats, no imports beyond the standard library.
+Costs nothing when nobody reads it: a dict of a few floats, no imports beyond the standard library and ``config.env``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ import os
 import sys
 import time
 
-ENV_SPAWNED_AT = "FTHSDP_SPAWNED_AT"
-"""Unix time at which the launcher started this process (``fthsdp launch`` and the benches set it); unset: the
-``process`` phase is unknown (0)."""
+from lightning_fthsdp.config.env import ENV_SPAWNED_AT
 
 MILESTONES = ("spawned", "interpreter", "imports", "released", "setup", "model", "joined", "fetched", "replayed",
               "trained")

@@ -41,6 +41,14 @@ ENV_RESUME_STEP = "FTHSDP_RESUME_STEP"
 group's first incarnation only: a restarted group catches up from a peer). Unset: the group starts from its own
 state."""
 
+ENV_STANDBY = "FTHSDP_STANDBY"
+"""A path: import everything, create ``PATH.ready`` (rank 0), then wait until ``PATH`` exists before training (how
+``fthsdp launch`` keeps a group's next incarnation ready, see ``launch.standby``); unset: train at once."""
+
+ENV_SPAWNED_AT = "FTHSDP_SPAWNED_AT"
+"""Unix time at which the launcher started this process (``fthsdp launch`` and the benches set it); unset: the
+``process`` phase of a start's anatomy (``config.anatomy``) is unknown (0)."""
+
 RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
 """Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
 

@@ -18,9 +18,13 @@ import itertools
 from dataclasses import dataclass, fields
 from datetime import timedelta
 
-QUORUM_CLIENT_SLACK_MS = 10_000
-"""Beyond connect + quorum timeouts, what the leader's last quorum request may still take (its HTTP timeout adds 5 s
-to the quorum timeout, and a retry may start just before the connect deadline)."""
+ANSWER_SLACK_MS = 5_000
+"""How much longer than the lighthouse's own bound on a request (a quorum request's timeout, a report's heartbeat
+timeout) a client waits for its answer: the answer's transit, and a lighthouse running late."""
+
+QUORUM_CLIENT_SLACK_MS = 2 * ANSWER_SLACK_MS
+"""Beyond connect + quorum timeouts, what the leader's last quorum request may still take (its HTTP timeout adds
+ANSWER_SLACK_MS to the quorum timeout, and a retry may start just before the connect deadline)."""
 
 
 @dataclass(frozen=True)

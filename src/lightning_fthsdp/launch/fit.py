@@ -27,13 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_fthsdp.config.env import ENV_STANDBY
+
 if TYPE_CHECKING:  # the recipes need omegaconf (extra "launch"): importing them here would break `fthsdp --help`
     from lightning_fthsdp.recipes.schema import RecipeConfig
 
 STRATEGY = "lightning_fthsdp.FTHSDPStrategy"
-ENV_STANDBY = "FTHSDP_STANDBY"
-"""A path: import everything, create ``PATH.ready`` (rank 0), then wait until ``PATH`` exists before training (how
-``fthsdp launch`` keeps a group's next incarnation ready, see ``launch.standby``); unset: train at once."""
 _LAUNCH_OPTIONS = ("--trainer.devices", "--trainer.num_nodes", "--trainer.strategy", "--trainer.accelerator",
                    "--print_config", "--config")  # a group started with any of these (a LightningCLI config may set
 # the devices) is left to Lightning's own launcher

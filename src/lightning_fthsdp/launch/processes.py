@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_fthsdp.config.anatomy import ENV_SPAWNED_AT
-from lightning_fthsdp.config.env import ENV_TOKEN
+from lightning_fthsdp.config.env import ENV_SPAWNED_AT, ENV_TOKEN
 
 if TYPE_CHECKING:
     from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy

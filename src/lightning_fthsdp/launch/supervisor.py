@@ -33,10 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICAS
+from lightning_fthsdp.config.env import (
+    ENV_LIGHTHOUSE,
+    ENV_REPLICA_ID,
+    ENV_REPLICA_INDEX,
+    ENV_REPLICAS,
+    ENV_STANDBY,
+)
 from lightning_fthsdp.launch.chaos import NETWORK_KINDS, Injection
 from lightning_fthsdp.launch.commands import GroupCommand
-from lightning_fthsdp.launch.fit import ENV_STANDBY
 from lightning_fthsdp.launch.processes import Group, Job, free_port
 from lightning_fthsdp.launch.start_errors import SAME_FAILED_STARTS, last_error
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.config.timeouts import ANSWER_SLACK_MS, Timeouts
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.membership import Membership, MembershipView
 from lightning_fthsdp.lighthouse.quorum import Quorum
@@ -458,13 +458,14 @@ class QuorumClient:
             body["rendezvous_failed"] = True
         if timing is not None:
             body.update(timing)
+        wait_s = (timeout_ms + ANSWER_SLACK_MS) / 1000
         with self._asking:
             try:
-                answer = self._conn.post("/v1/quorum", body, timeout_s=timeout_ms / 1000 + 5, stop=self._closed)
+                answer = self._conn.post("/v1/quorum", body, timeout_s=wait_s, stop=self._closed)
             except LighthouseRejected as exc:
                 if exc.status != HTTPStatus.PRECONDITION_REQUIRED or current is None:
                     raise
-                answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=timeout_ms / 1000 + 5,
+                answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=wait_s,
                                          stop=self._closed)
         if "excluded" in answer:
             raise Excluded(dict(answer["excluded"]), {str(k): str(v) for k, v in dict(answer["probe"]).items()})
@@ -526,7 +527,7 @@ class CheckpointReporter:
         with self._lock:  # one connection, reports from whichever writer thread finished
             try:
                 self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
-                                timeout_s=self._timeouts.heartbeat_timeout_ms / 1000 + 5)
+                                timeout_s=(self._timeouts.heartbeat_timeout_ms + ANSWER_SLACK_MS) / 1000)
             finally:  # reports are rare: no connection of the group's but the leader's stays open between them
                 self._conn.close()
 
