@@ -1,12 +1,14 @@
 """Step time of an Accelerate FSDP2 loop with ``FaultTolerantHSDP`` against the same loop without it, one group.
 
 One launch of ``--shard-count`` ranks and a lighthouse; every rank runs, in one process and on one prepared model,
-``--steps`` plain Accelerate steps, then as many with the helper (its exchange with itself, the commit vote, the
-quorum request overlapped with compute, the copy kept for a retry), then the plain loop again (plain = the mean of both
-blocks, so drift over the run cancels). A step is ``--accumulate`` micro-batches, backward, clipping and the optimizer
-step; its time is rank 0's mean after ``--warmup`` steps of each block. On a machine without CUDA, Accelerate's FSDP2
-path is enabled on CPU by the tests' fixture (``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU
-speed: compare the ratio only. Prints a table, writes bench/results/accelerate.json::
+``--steps`` plain Accelerate steps, then as many with the helper (its exchange with itself, the commit vote, the quorum
+request overlapped with compute, the copy kept for a retry) and as many again under ``torch.profiler`` (untimed: the
+milliseconds per step of each of the helper's ranges, ``config.ranges``, inclusive: the vote is inside the commit), then
+the plain loop again (plain = the mean of both plain blocks, so drift over the run cancels). A step is ``--accumulate``
+micro-batches, backward, clipping and the optimizer step; its time is rank 0's mean after ``--warmup`` steps of each
+block. On a machine without CUDA, Accelerate's FSDP2 path is enabled on CPU by the tests' fixture
+(``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU speed: compare the ratio only. Prints a table, writes
+bench/results/accelerate.json::
 
     .venv/bin/python bench/bench_accelerate.py --steps 40
 
@@ -37,6 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_fthsdp.accelerate import FaultTolerantHSDP
+    from lightning_fthsdp.config.ranges import RANGES
 
     if not torch.cuda.is_available():
         sys.path.insert(0, str(ROOT))
@@ -79,26 +82,35 @@ def worker(args: argparse.Namespace) -> None:
                 return times
         return times
 
-    def fault_tolerant() -> list[float]:
+    def fault_tolerant(ft: FaultTolerantHSDP, batches: Iterator[Any]) -> list[float]:
         times, started = [], time.perf_counter()
-        ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data, batch_size=BATCH,
-                               max_grad_norm=1.0, replica_id="a", replicas=1)
-        with ft:
-            for x, y in ft.batches():
-                with accelerator.accumulate(model):
-                    accelerator.backward(nn.functional.mse_loss(model(x), y))
-                    if accelerator.sync_gradients:
-                        ft.sync_gradients()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    if accelerator.sync_gradients:
-                        times.append(time.perf_counter() - started)
-                        started = time.perf_counter()
-                if len(times) == args.steps:
-                    break
+        for x, y in batches:
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                if accelerator.sync_gradients:
+                    ft.sync_gradients()
+                optimizer.step()
+                optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    times.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+            if len(times) == args.steps:
+                break
         return times
 
-    blocks = {"plain_before": plain(), "fthsdp": fault_tolerant(), "plain_after": plain()}
+    blocks: dict[str, Any] = {"plain_before": plain()}
+    ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data, batch_size=BATCH,
+                           max_grad_norm=1.0, replica_id="a", replicas=1)
+    with ft:
+        batches = iter(ft.batches())
+        blocks["fthsdp"] = fault_tolerant(ft, batches)
+        # The same steps again under the profiler, apart from the timed ones (it records every op, which slows the
+        # step): how much of a step each of the fault-tolerant path's ranges takes (config.ranges).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            profiled = fault_tolerant(ft, batches)
+    blocks["ranges_ms"] = {event.key: event.cpu_time_total / 1000 / len(profiled) for event in prof.key_averages()
+                           if event.key in RANGES}
+    blocks["plain_after"] = plain()
     if accelerator.is_main_process:
         Path(args.result).write_text(json.dumps(blocks))
     accelerator.end_training()
@@ -161,6 +173,7 @@ def main() -> None:
               "model": {"width": args.width, "blocks": BLOCKS, "batch_per_rank": BATCH}, "steps": args.steps,
               "warmup": args.warmup, "plain_before_step_s": before, "plain_after_step_s": after,
               "plain_step_s": plain, "fthsdp_step_s": fthsdp, "ratio": fthsdp / plain,
+              "ranges_ms_per_step": blocks["ranges_ms"],
               "target": 1.05, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{'Accelerate FSDP2 loop, 1 group x ' + str(args.shard_count) + ' ranks':<44} {'step (ms)':>10}")
     print(f"{'without the helper, first block':<44} {before * 1000:>10.1f}")
@@ -168,6 +181,9 @@ def main() -> None:
     print(f"{'without the helper (mean of both blocks)':<44} {plain * 1000:>10.1f}")
     print(f"{'with FaultTolerantHSDP':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / plain:>10.3f}")
+    print(f"\n{'where a step goes (a profiled block; inclusive)':<44} {'ms/step':>10}")
+    for name, ms in sorted(blocks["ranges_ms"].items(), key=lambda item: -item[1]):
+        print(f"{name:<44} {ms:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

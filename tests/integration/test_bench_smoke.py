@@ -112,7 +112,11 @@ def test_bench_accelerate_smoke_runs_the_loop_with_and_without_the_helper(tmp_pa
     report = json.loads(out.read_text())
     assert report["steps"] == 6 and report["model"]["width"] == 64, report
     assert report["plain_step_s"] > 0 and report["fthsdp_step_s"] > 0, report
-    assert "with FaultTolerantHSDP" in printed and str(out) in printed
+    ranges = report["ranges_ms_per_step"]
+    assert {"fthsdp::manager::quorum", "fthsdp::exchange::allreduce", "fthsdp::manager::commit",
+            "fthsdp::manager::vote"} <= set(ranges), ranges
+    assert ranges["fthsdp::manager::commit"] >= ranges["fthsdp::manager::vote"] > 0, ranges  # the vote is inside
+    assert "with FaultTolerantHSDP" in printed and "where a step goes" in printed and str(out) in printed
 
 
 def test_bench_catchup_smoke_admits_a_restarted_group_once(tmp_path: Path) -> None:
