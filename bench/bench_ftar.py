@@ -94,8 +94,9 @@ def overhead(args: argparse.Namespace) -> dict[str, object]:
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
-            procs = [ctx.Process(target=_worker, args=(r, args.groups, store.port, lighthouse, job.token, args, out))
-                     for r in range(args.groups)]
+            # Daemons: when one fails, the others (blocked on its collectives) end with this process.
+            procs = [ctx.Process(target=_worker, args=(r, args.groups, store.port, lighthouse, job.token, args, out),
+                                 daemon=True) for r in range(args.groups)]
             for p in procs:
                 p.start()
             results = dict(_result(out, procs) for _ in procs)

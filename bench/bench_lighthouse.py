@@ -133,6 +133,13 @@ def state_addresses(group: int, group_size: int) -> str:
 _CONTENT_LENGTH = re.compile(rb"Content-Length: (\d+)")
 _REQUEST_ID = re.compile(rb"X-Request-Id: (\d+)")
 _EPOCH = re.compile(rb'"epoch": ?(\d+)')
+_DEAD = re.compile(rb'"dead": ?\[[^\]]*\]')
+
+
+def dead_list(answer: bytes) -> bytes:
+    """The ``dead`` list of a heartbeat answer, as sent (its ``deaths`` counts name groups revived since too)."""
+    found = _DEAD.search(answer)
+    return found.group() if found else b""
 
 
 class Leader(asyncio.Protocol):
@@ -260,8 +267,8 @@ class Generator:
                     self.ready.set()
             elif self.window[0] <= done <= self.window[1]:  # answered in the window: the rate is answers per second
                 self.rtts.append(done - sent)
-            if self.failure is not None and leader.asked_in < self.failure[0] and all(
-                    failed in body for failed in self.failure[1]):
+            if self.failure is not None and leader.asked_in < self.failure[0] and not leader.hung and all(
+                    failed in dead_list(body) for failed in self.failure[1]):
                 # As FTManager does when the news of a death ends its step's exchange: it asks again at once, its
                 # commit failed.
                 leader.asked_in = self.failure[0]
@@ -333,7 +340,7 @@ class Generator:
         assert len({crc for _, crc, _ in self.answers}) == 1, "members got different answers"
         answer = self.answers[0][2]
         self.held = Quorum.from_json(read_json(answer), self.held)
-        return {"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu_start,
+        return {"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu_start, "errors": self.errors,
                 "last_sent": self.last_sent, "last_answer": self.last_answer, "answer": answer,
                 "quorum_id": self.held.quorum_id, "max_step": self.held.max_step, "members": self.held.member_ids}
 
@@ -438,7 +445,7 @@ class Fleet:
             assert result["members"] == self.members and result["max_step"] == round_no, result["quorum_id"]
         assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
         return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]),
-                "lighthouse_cpu_s": round(round_cpu, 3),
+                "lighthouse_cpu_s": round(round_cpu, 3), "heartbeat_errors": sum(r["errors"] for r in results),
                 "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
                 "latency_s": max(r["last_answer"] for r in results) - min(r["last_sent"] for r in results)
                 if fail else max(r["last_answer"] for r in results) - max(r["last_sent"] for r in results),
@@ -504,7 +511,8 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
             "ideal_heartbeats_per_s": round(fleet.groups * 1000 / timeouts.heartbeat_interval_ms, 1),
             "lighthouse_cpu": round(lighthouse_cpu, 3),
             "generator_cpu": [round(r["cpu_s"] / elapsed, 3) for r in reports],
-            "heartbeat_errors": sum(r["errors"] for r in reports),
+            # Over the whole run, the rounds' too: a heartbeat refused or a connection lost (but the crashed ones).
+            "heartbeat_errors": quorum_rounds[-1]["heartbeat_errors"],
             "rtt_p50_ms": round(statistics.median(rtts) * 1000, 1) if rtts else None,
             "rtt_p99_ms": round(rtts[int(len(rtts) * 0.99)] * 1000, 1) if rtts else None,
             "groups_dead": dead, "deaths": deaths, "quorum_rounds": quorum_rounds,
@@ -612,6 +620,8 @@ def main() -> int:
                              "busy loop on one core, then quorum rounds until they are as fast as before (the first "
                              "--ranks only)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (steady and failure rounds each), got {args.rounds}")
     if args.smoke:
         args.ranks, args.generators, args.window_s, args.rounds = [2400], 1, 1.0, 2
         args.heartbeat_interval_ms, args.heartbeat_timeout_ms = 500, 2000  # a hang is found in seconds

@@ -85,11 +85,26 @@ def launch(mode: str, steps: int, workdir: Path, env: dict[str, str]) -> tuple[s
 
 
 def finish(launched: list[tuple[subprocess.Popen[bytes], Path]]) -> None:
-    """Wait for every launch; SystemExit with the log's end of one that failed."""
+    """Wait for every launch; SystemExit with the log's end of the first that failed (the others are ended)."""
+    deadline = time.monotonic() + 600
+    while any(proc.poll() is None for proc, _ in launched):
+        failed = [(proc, log) for proc, log in launched if proc.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for proc, log in launched:
-        if proc.wait(timeout=600) != 0:
+        if proc.poll() not in (None, 0):
+            for other, _ in launched:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
             tail = log.read_text(errors="replace")[-3000:]
             raise SystemExit(f"{log.stem} exited {proc.returncode}; the end of its log:\n{tail}")
+    if any(proc.poll() is None for proc, _ in launched):
+        for proc, _ in launched:
+            proc.kill()
+            proc.wait()
+        raise SystemExit("the launches did not end within 600 s")
 
 
 def main() -> None:

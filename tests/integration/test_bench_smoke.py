@@ -5,6 +5,7 @@ beyond noise on 2 shared cores."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +60,9 @@ def test_bench_lighthouse_smoke_serves_every_group_without_a_death(tmp_path: Pat
     assert row["heartbeat_errors"] == 0, row
     kinds = [r["kind"] for r in row["quorum_rounds"]]
     assert kinds == ["fresh", "steady", "steady", "failure", "failure"], row["quorum_rounds"]
-    # A hang is known only after the heartbeat timeout (2 s in the smoke run): the round cannot start before.
-    assert all(r["known_after_s"] >= 1.5 for r in row["quorum_rounds"] if r["kind"] == "failure"), row
+    # A hang is known only after the heartbeat timeout (2 s in the smoke run, the last heartbeat up to an interval of
+    # 0.5 s before the stop): the round cannot start before.
+    assert all(r["known_after_s"] >= 1.2 for r in row["quorum_rounds"] if r["kind"] == "failure"), row
     assert set(row["rounds"]) == {"fresh", "steady", "failure"}, row["rounds"]
     assert row["heartbeats_per_s"] > 0, row
     assert str(out) in printed
@@ -148,7 +150,7 @@ def test_bench_convergence_smoke_validates_both_seeds(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     runs = result["runs"]["fault-free"]
     assert set(runs) == {"0", "1"} and all(run["identical"] for run in runs.values()), runs
-    assert result["fault_free_spread"] >= 0, result
+    assert all(math.isfinite(run["val_loss"]) and run["failures"] == 0 for run in runs.values()), runs
     assert str(out) in printed
 
 

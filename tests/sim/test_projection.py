@@ -110,3 +110,29 @@ def test_a_stall_shorter_than_a_step_holds_a_whole_step_at_scale(tmp_path: Path)
     stall = [p for p in scaled.parts if p.cost == "stall"]
     assert sum(p.measured_s for p in stall) == pytest.approx(0.2)
     assert 60 * scaled.stall_min == pytest.approx(20.0)
+
+
+def test_without_scaling_inputs_nothing_moves_even_where_a_part_is_shorter_than_a_step(tmp_path: Path) -> None:
+    report = {**REPORT, "stalls_s": [0.2], "recoveries": [{"recovery_s": 30.0}],
+              "restart_phases": [{"phases": {**REPORT["restart_phases"][0]["phases"], "first_commit": 0.1}}]}
+    same = project(read_report(write(tmp_path, "report.json", report)), 3)
+    assert all(p.projected_s == p.measured_s for p in same.parts), same.parts
+    assert 60 * same.stall_min == pytest.approx(0.2) and 60 * same.group_restart_min == pytest.approx(30.0)
+
+
+def test_phases_from_other_restarts_than_the_recoveries_make_one_part_never_a_negative_one(tmp_path: Path) -> None:
+    """A run whose recoveries include a network fault healed in a step has phases that outlast its mean recovery."""
+    report = {**REPORT, "recoveries": [{"recovery_s": 5.0}]}  # shorter than the phases' 24 s
+    scaled = project(read_report(write(tmp_path, "report.json", report)), 3, step_s=20.0)
+    (restart,) = [p for p in scaled.parts if p.cost == "group restart"]
+    assert restart.measured_s == 5.0 and restart.projected_s == pytest.approx(5.0 - 0.5 + 20.0), restart
+    assert all(p.projected_s >= 0 for p in scaled.parts), scaled.parts
+
+
+def test_a_sweep_over_the_group_count_cannot_take_one_projected_round(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    report = write(tmp_path, "report.json", REPORT)
+    bench = write(tmp_path, "lighthouse.json", bench_json({300: 0.06, 12_500: 2.0}))
+    assert main(["simulate", "--preset", "paper", "--closed-form", "--from-report", str(report), "--control-plane",
+                 str(bench), "--sweep", "replicas=4,12"]) == 2
+    assert "sweep replicas without it" in capsys.readouterr().err

@@ -233,17 +233,17 @@ class Connection(asyncio.Protocol):
 
     def unread(self) -> bool:
         """Whether bytes from the client wait to be handled: in this connection's buffer, or in the kernel's for its
-        socket, not read yet because the event loop is behind (a loop that runs its timers before it polls, as libuv's
-        does, sees a deadline pass before it reads what arrived in time)."""
+        socket, not read yet because the event loop is behind (a timer that wakes a task runs it before the loop polls
+        the sockets again, so a deadline can pass with a heartbeat that arrived in time still unread)."""
         if self._buffer:
             return True
-        sock = self._transport.get_extra_info("socket") if self._transport is not None else None
-        if sock is None or self.closed:
+        if self.closed or self._transport is None or self._transport.is_closing():
             return False
+        sock = self._transport.get_extra_info("socket")
         waiting = array.array("i", [0])
         try:
             fcntl.ioctl(sock.fileno(), termios.FIONREAD, waiting)
-        except OSError:
+        except (OSError, ValueError, AttributeError):  # closed under us (fileno -1), or no socket at all
             return False
         return waiting[0] > 0
 

@@ -147,6 +147,10 @@ def _projection(args: argparse.Namespace, cfg: SimConfig) -> Projection | None:
                 raise ValueError(f"{flag} scales a measured run: add --from-report runs/launch/report.json")
         return None
     control_plane = read_control_plane(args.control_plane) if args.control_plane else None
+    swept = {axis.partition("=")[0].strip().replace("-", "_") for axis in args.sweep or ()}
+    if control_plane is not None and "replicas" in swept:
+        raise ValueError("--control-plane reads the failure round at one group count, --replicas's: sweep replicas "
+                         "without it, or run one projection per replica count")
     return project(read_report(args.from_report), cfg.replicas, control_plane, args.step_s)
 
 

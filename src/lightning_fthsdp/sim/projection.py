@@ -149,30 +149,41 @@ def project(calibration: Calibration, groups: int, control_plane: ControlPlane |
     step_rule = "the job's step: as measured (give --step-s)" if step_s is None else "the job's step (--step-s)"
 
     # A stall shorter than a step (the survivors' step had begun before the failure) held part of one: at the job's
-    # step it holds the whole discarded step again.
+    # step (--step-s) it holds the whole discarded step again; without one nothing moves.
     round_part = min(round_then, stall_s)
     step_part = min(step_then, stall_s - round_part)
     rest = stall_s - round_part - step_part
     parts = [
         Part("stall", "detection, retry and reconfiguration", rest, rest, AS_MEASURED),
         Part("stall", "failure round", round_part, round_now, round_rule),
-        Part("stall", "the discarded step retrained", step_part, step_now, step_rule),
+        Part("stall", "the discarded step retrained", step_part, step_part if step_s is None else step_now,
+             step_rule),
     ]
     phases = calibration.restart_phases_s
-    scaled = {"join": (round_then, round_now, f"{AS_MEASURED}, its admission round: {round_rule}"),
-              "first_commit": (step_then, step_now, step_rule)}
+    # Phase -> (what of it grows: the measured value, the projected one or None when not scaled; the rule).
+    scaled = {"join": (round_then, round_now if control_plane is not None else None,
+                       f"{AS_MEASURED}, its admission round: {round_rule}"),
+              "first_commit": (step_then, step_s, step_rule)}
     floors = {"setup": "a floor at scale: a larger communicator", "fetch": "a floor at scale: more state per rank"}
     before = recovery_s - sum(phases.values())
-    parts.append(Part("group restart", "detection and the launcher's wait", before, before, AS_MEASURED))
-    for name in PHASES:
-        if name not in phases:
-            continue
-        then, now, rule = scaled.get(name, (0.0, 0.0, f"{AS_MEASURED}, {floors[name]}" if name in floors
-                                            else AS_MEASURED))
-        parts.append(Part("group restart", PHASES[name], phases[name], phases[name] - then + now, rule))
-    if not phases:  # no anatomy: the recovery as one part, its join round and first step in it
-        parts[-1] = Part("group restart", "detection, restart and catch-up", recovery_s,
-                         recovery_s - round_then - step_then + round_now + step_now,
-                         f"{AS_MEASURED}; its admission round and first step scaled as above")
+    if phases and before >= 0:
+        parts.append(Part("group restart", "detection and the launcher's wait", before, before, AS_MEASURED))
+        for name in PHASES:
+            if name not in phases:
+                continue
+            then, now, rule = scaled.get(name, (0.0, None, f"{AS_MEASURED}, {floors[name]}" if name in floors
+                                                else AS_MEASURED))
+            # A measured phase shorter than the round or step it holds held only part of it.
+            measured = phases[name]
+            parts.append(Part("group restart", PHASES[name], measured,
+                              measured if now is None else measured - min(then, measured) + now, rule))
+    else:
+        # No anatomy, or phases from other restarts than the recoveries (a run whose failures were not all kills,
+        # or restarts no injection caused): the recovery as one part, its join round and first step in it.
+        held = min(round_then + step_then, recovery_s)
+        parts.append(Part("group restart", "detection, restart and catch-up", recovery_s,
+                          recovery_s if control_plane is None and step_s is None else
+                          recovery_s - held + round_now + step_now,
+                          f"{AS_MEASURED}; its admission round and first step scaled as above"))
     return Projection(calibration, groups, step_s, control_plane.source if control_plane else None,
                       tuple(parts))
