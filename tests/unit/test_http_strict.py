@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import select
 import socket
@@ -318,3 +319,35 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def test_a_group_whose_heartbeat_is_still_arriving_is_not_declared_hung(lighthouse: Callable[..., str]) -> None:
+    """The expiry check asks the connection (``Connection.unread``) before it declares a hang: a heartbeat that has
+    begun to arrive is the group speaking, however late the lighthouse is to read the rest of it."""
+    url = lighthouse(heartbeat_timeout_ms=300, request_timeout_s=5.0)
+    body = (b'{"replica_id":"a","incarnation":"i1","rank":0,"step":0,"shard_count":1,"known_epoch":-1,'
+            b'"wait_ms":0,"losses":0,"lost":[]}')
+    head = (b"POST /v1/heartbeat HTTP/1.1\r\nHost: x\r\n" + AUTH +
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    with socket.create_connection(address(url), timeout=10) as sock:
+        sock.sendall(head + body)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.sendall(head + body[:20])  # the next heartbeat, its body still on its way
+        time.sleep(1.5)  # five heartbeat timeouts
+        assert not group_dead(url, "a")
+        sock.sendall(body[20:])
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)  # silent now: a hang
+        assert group_dead(url, "a")
+
+
+def group_dead(url: str, replica_id: str) -> bool:
+    """Whether the lighthouse holds ``replica_id`` dead, or forgot it (a group that died before it joined a quorum is
+    forgotten once dead)."""
+    with socket.create_connection(address(url), timeout=10) as sock:
+        sock.sendall(b"GET /status HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Connection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status = json.loads(answer.partition(b"\r\n\r\n")[2])
+    return next((g["dead"] for g in status["groups"] if g["replica_id"] == replica_id), True)
