@@ -128,3 +128,17 @@ def test_phases_missing_milestones_count_in_the_next_phase() -> None:
     assert anatomy.phases({"spawned": 0.0}) == {}
     with pytest.raises(ValueError, match="milestone 'nope'"):
         anatomy.mark("nope")
+
+
+def test_the_typical_step_is_the_median_of_the_steps_every_group_took_part_in() -> None:
+    """``step_s``, what ``fthsdp simulate --from-report`` replaces by the projected job's step: steps with a group
+    missing (slower or faster) do not count."""
+    groups = [_group(r, range(1, 11), digest="x", status="done") for r in "abc"]
+    for record in groups[0].records:  # a's steps 1-10, one a second; 6-10 without c, at 3 s each from step 6 on
+        if record["event"] == "commit" and record["step"] > 5:
+            record["participants"], record["t"] = ["a", "b"], T0 + 5 + 3 * (record["step"] - 5)
+    for group in groups[1:]:
+        group.records = [r for r in group.records if r["event"] != "commit" or r["step"] <= 5]
+    report = _report(groups)
+    assert report["step_s"] == 1.0
+    assert _report([_group("a", range(1, 2), digest="x", status="done")])["step_s"] is None  # one step: no interval
