@@ -30,6 +30,7 @@ class Transfer:
         self.finished = 0
         self.loaded: list[tuple[StateTree, bool]] = []
         self.sources: list[Source] = []
+        self.progress = Progress()
 
     def start_fetch(self, sources: list[Source], step: int, timeout_s: float) -> None:
         self.fetches.append((sources[0].address, step))
@@ -46,11 +47,14 @@ class Transfer:
         self.cancelled += 1
 
     def load(self, tree: StateTree, *, keep_memory: bool) -> None:
+        """As the manager's own state loads with the rest: the step transferred (10) and a committed_in."""
         self.loaded.append((tree, keep_memory))
+        self.progress.load({"step": 10, "batches_committed": {"a": 10, "b": 7}})
 
 
 def follower(budget: int = 1 << 20) -> tuple[Follower, Transfer, Progress]:
     transfer, progress = Transfer(), Progress(step=3, committed_in=4)
+    transfer.progress = progress
     rlog = log.ReplicaLogger(log.RECOVERY, "b", 1, lambda: progress.step)
     return Follower(cast(CatchUp, transfer), progress, 1, Timeouts(), rlog, replay_budget=budget,
                     keep_memory=True), transfer, progress
@@ -108,22 +112,22 @@ def test_holding_a_step_keeps_its_gradients_and_counts_it() -> None:
     grad.zero_()  # the caller's tensors change: what is held does not
     follow.hold([grad], {"a": 1}, 12)
     assert (progress.step, progress.committed_in) == (12, 12)
-    applied: list[tuple[dict[str, int], list[float]]] = []
     follow.poll(can_replay=False)
-    current = torch.full((2,), 7.0)
-    follow.replay([current], lambda shares: applied.append((shares, current.tolist())))
-    assert applied == [({"a": 2}, [5.0, 5.0]), ({"a": 1}, [0.0, 0.0])]
+    held = follow.load()
+    assert [(h.step, h.shares, h.participants, [g.tolist() for g in h.grads]) for h in held] == [
+        (11, {"a": 2}, ("a",), [[5.0, 5.0]]), (12, {"a": 1}, ("a",), [[0.0, 0.0]])]
 
 
-def test_replay_loads_the_state_applies_the_held_steps_and_gives_the_tensors_back() -> None:
-    follow, transfer, _ = follower()
+def test_load_loads_the_state_then_counts_the_held_steps_from_it() -> None:
+    follow, transfer, progress = follower()
     follow.start(QUORUM, "a")
     follow.hold([torch.ones(2)], {"a": 1}, 9)
     assert follow.poll(can_replay=False)
-    current = torch.full((2,), 3.0)
-    follow.replay([current], lambda shares: None)
+    held = follow.load()
     assert transfer.loaded == [(TREE, True)]
-    assert torch.equal(current, torch.full((2,), 3.0))
+    assert [h.step for h in held] == [11]
+    # The transferred position (step 10, a's 10 batches) plus the held step's share.
+    assert (progress.step, progress.batches_committed) == (11, {"a": 11, "b": 7})
     assert not follow.active
     assert [(r["source"], r["step"], r["replayed"]) for r in follow.catch_up_log] == [("a", 10, 1)]
 

@@ -10,8 +10,9 @@ import torch
 
 from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RANGES, RENDEZVOUS, VOTE
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.quorum import QuorumRules
-from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
+from lightning_fthsdp.manager import FTManager, StepDriver
+from lightning_fthsdp.manager.checkpoints import is_writer
 from lightning_fthsdp.manager.step import Progress, StepState
 from tests.lighthouse_thread import LighthouseThread
 
@@ -97,3 +98,22 @@ def test_a_profiled_step_shows_where_its_fault_tolerance_time_goes(manager: FTMa
     names = {event.name for event in prof.events()}
     assert {QUORUM, RENDEZVOUS, ALLREDUCE, COMMIT, VOTE} <= names, sorted(n for n in names if "fthsdp" in n)
     assert names & set(RANGES) == {QUORUM, RENDEZVOUS, ALLREDUCE, COMMIT, VOTE}  # no catch-up in this step
+
+
+def test_the_checkpoint_writer_is_the_lowest_participant_and_nobody_when_none_contributed() -> None:
+    members = (Member("a", 7), Member("b", 9), Member("c", 9))
+    behind = Quorum(3, members, 9, 3, catch_up_from={"a": "b"})
+    assert [is_writer(behind, r) for r in "abc"] == [False, True, False]  # a holds no state of its own yet
+    nobody = Quorum(4, members, 9, 3, following=frozenset("abc"))
+    assert nobody.participants == () and not any(is_writer(nobody, r) for r in "abc")
+
+
+def test_a_driven_step_alone_commits_and_its_group_writes_the_checkpoints(manager: FTManager) -> None:
+    assert manager.is_checkpoint_writer  # before any quorum the group trains alone
+    used, unused = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    used.grad = torch.full((2,), 3.0)
+    manager.begin_step()
+    committed = StepDriver(manager).until_committed([used, unused])
+    assert (committed.discarded, committed.followed, committed.replayed, committed.stall_s) == (0, 0, 0, 0.0)
+    assert used.grad is not None and used.grad.tolist() == [3.0, 3.0] and unused.grad is None
+    assert manager.step == 1 and manager.is_checkpoint_writer

@@ -12,7 +12,6 @@ in one group. See docs/accelerate.md.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from types import TracebackType
@@ -35,7 +34,8 @@ from lightning_fthsdp.config.env import ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.manager import FTManager
-from lightning_fthsdp.manager.gradients import ExchangedGradients
+from lightning_fthsdp.manager.driver import Committed, StepDriver
+from lightning_fthsdp.manager.step import HeldStep
 from lightning_fthsdp.recovery.scheduler_state import load_scheduler_state, scheduler_state
 from lightning_fthsdp.recovery.torch_state import (
     ModuleState,
@@ -105,12 +105,12 @@ class FaultTolerantHSDP:
                                    shard_rank=accelerator.process_index, batch_size=batch_size,
                                    collate_fn=collate_fn, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host)
+        self._driver = StepDriver(self.manager, apply=self._apply_held, topology=topology)
         self.discarded = 0
         """Failed commit attempts of this process (each retried with the same gradients)."""
         self._drawn = 0  # micro-batches of the current step handed out by batches()
         self._may_step = False  # the optimizer may step: a committed step (trained or replayed) is due
         self._norm: Any = None
-        self._exchanged = ExchangedGradients([], accelerator.device)  # the step's (a replayed one applies them)
         self._trained_once = False
         self.records = RunRecords(record, self.replica_id, accelerator.is_main_process)
         self._guards = AcceleratorGuards(accelerator, max_grad_norm=self.max_grad_norm, last_norm=lambda: self._norm,
@@ -128,9 +128,8 @@ class FaultTolerantHSDP:
 
     @property
     def is_checkpoint_writer(self) -> bool:
-        """Whether this group writes ``save_state``: the lowest replica id among the last quorum's participants."""
-        quorum = self.manager.quorum
-        return quorum is None or self.replica_id == min(quorum.participants)
+        """Whether this group writes ``save_state`` (``FTManager.is_checkpoint_writer``)."""
+        return self.manager.is_checkpoint_writer
 
     def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str | None:
         """``accelerator.save_state`` in the writing group only (every rank of every group calls it); None elsewhere.
@@ -186,35 +185,19 @@ class FaultTolerantHSDP:
                 "it when accelerator.sync_gradients is True, inside accelerator.accumulate(model), with batches from "
                 "ft.batches()")
         self._drawn = 0
-        self._exchanged = ExchangedGradients([p for p in self.model.parameters() if p.requires_grad],
-                                             self.accelerator.device)
-        grads = self._exchanged.tensors()
-        saved = [g.clone() for g in grads]
-        manager = self.manager
-        catch_ups = len(manager.catch_up_log)
-        failed_at: float | None = None
-        while True:
-            step_before = manager.step
-            manager.sync_gradients(grads)
-            if manager.commit():
-                break
-            if manager.step > step_before:
-                self.records.write("follow", step=manager.step)
-                continue
-            self.discarded += 1
-            failed_at = failed_at or time.monotonic()
-            for grad, copy in zip(grads, saved, strict=True):
-                grad.copy_(copy)
-        self._exchanged.drop_missing()
+        committed = self._driver.until_committed(
+            [p for p in self.model.parameters() if p.requires_grad],
+            on_uncommitted=lambda kind: self.records.write("follow", step=self.step) if kind == "follow" else None)
+        self.discarded += committed.discarded
         self._norm = self._clip()
         self._may_step = True
-        self._record_commit(catch_ups, time.monotonic() - failed_at if failed_at is not None else 0.0)
+        self._record_commit(committed)
 
     # ------------------------------------------------------------------------------------------- helpers
 
     def _build_manager(self, lighthouse: str | None, token: str | None, timeouts: Timeouts | None,
                        advertise_host: str | None) -> FTManager:
-        """The rank's FTManager over the group's own process group, its catch-up state and its replay update."""
+        """The rank's FTManager over the group's own process group, with its catch-up state."""
         accelerator = self.accelerator
         process_group = None
         if accelerator.num_processes > 1:
@@ -232,7 +215,6 @@ class FaultTolerantHSDP:
         schedulers = [self.scheduler] if self.scheduler is not None else []
         manager.register_state("lr_scheduler", lambda: scheduler_state(schedulers),
                                lambda tree: load_scheduler_state(schedulers, tree))
-        manager.register_update(self._apply_held)
         return manager
 
     def _clip(self) -> Any:
@@ -240,10 +222,9 @@ class FaultTolerantHSDP:
             return None
         return self._guards.original("clip_grad_norm_")(self.model.parameters(), self.max_grad_norm)
 
-    def _apply_held(self) -> None:
-        """FTManager's update: apply one step the job committed while this group followed it (its averaged gradients
-        in place), as a trained step is applied: clip, optimizer step, scheduler step."""
-        self._exchanged.drop_missing()
+    def _apply_held(self, held: HeldStep) -> None:
+        """The driver's ``apply``: apply one step the job committed while this group followed it (its averaged
+        gradients in place), as a trained step is applied: clip, optimizer step, scheduler step."""
         self._clip()
         self._may_step = True
         self.optimizer.step()
@@ -260,7 +241,7 @@ class FaultTolerantHSDP:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def _record_commit(self, catch_ups: int, stall_s: float) -> None:
+    def _record_commit(self, committed: Committed) -> None:
         manager = self.manager
         trained = self.replica_id in manager.participants
         losses, self._guards.losses = self._guards.losses, []
@@ -269,9 +250,9 @@ class FaultTolerantHSDP:
             "step": manager.step, "quorum_id": quorum.quorum_id if quorum else -1,
             "quorum_size": len(quorum.member_ids) if quorum else 0, "participants": list(manager.participants),
             "contributions": manager.contributions, "shares": manager.shares,
-            "discarded": self.discarded, "catch_ups": len(manager.catch_up_log), "stall_s": round(stall_s, 4),
-            "lr": self.optimizer.param_groups[0]["lr"]}
-        if len(manager.catch_up_log) > catch_ups:
+            "discarded": self.discarded, "catch_ups": len(manager.catch_up_log),
+            "stall_s": round(committed.stall_s, 4), "lr": self.optimizer.param_groups[0]["lr"]}
+        if committed.caught_up:
             record["catch_up"] = manager.catch_up_log[-1]
         if trained and losses:
             record["loss"] = statistics.fmean(float(loss) for loss in losses)

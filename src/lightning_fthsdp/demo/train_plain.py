@@ -56,14 +56,21 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fthsdp.config import anatomy
+from lightning_fthsdp.config.env import ENV_REPLICA_ID, from_env
 from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
 from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.manager.driver import StepDriver
+from lightning_fthsdp.manager.step import HeldStep
 from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
 from lightning_fthsdp.recovery.wire import byte_view
 
 FEATURES = 16
 BATCH = 32
+
+
+class _JobDone(Exception):
+    """The job reached its last step while this group followed it."""
 
 
 def build_model() -> nn.Module:
@@ -229,15 +236,15 @@ def main(argv: list[str] | None = None) -> int:
     manager.register_state("model", model_state.get, model_state.load)
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
-    # How a committed step is applied: a catching-up group replays the steps it followed with it, so a long state
-    # transfer never holds the healthy groups up.
     faults = Faults(args.fault, args.fault_file, write)
 
-    def update() -> None:
-        on_phase("replay")
+    def replay(held: HeldStep) -> None:
+        faults.fire_if(held.step, "replay", manager.rank)
         optimizer.step()
 
-    manager.register_update(update)
+    # How a held step is applied: a catching-up group replays the steps it followed with it, so a long state transfer
+    # never holds the healthy groups up.
+    driver = StepDriver(manager, apply=replay, phase=on_phase)
     if args.ballast_mib:
         ballast = {"ballast": torch.zeros(args.ballast_mib << 18)}  # float32: 2**18 elements per MiB
         manager.register_state("ballast", lambda: ballast, lambda tree: ballast["ballast"].copy_(tree["ballast"]))
@@ -246,6 +253,31 @@ def main(argv: list[str] | None = None) -> int:
     anatomy.mark("model")
     write({"event": "ready", "imports_done": imports_done})
     own_from = time.monotonic()  # where this group's own work on the step began: after its last commit
+    params = list(model.parameters())
+
+    def train_batches(first: int, count: int) -> torch.Tensor:
+        """Forward and backward this group's batches ``first, first + 1, ...``; their gradients add up."""
+        loss = torch.zeros(())
+        for index in range(first, first + count):
+            x, y = make_batch(manager.replica_id, index, manager.rank)
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+        return loss
+
+    def retrain() -> None:  # a checkpoint was loaded in the step: the weights and the position moved
+        optimizer.zero_grad(set_to_none=False)
+        train_batches(manager.next_batch_index, 1)
+
+    def record(event: str, batch_index: int, loss: torch.Tensor, catch_up: object = None) -> None:
+        committed = event == "commit"
+        write({
+            "event": event, "step": manager.step,
+            "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
+            "participants": len(manager.participants),
+            "params_sha256": params_sha256(model), "optim_sha256": optim_sha256(optimizer), "batch": batch_index,
+            "contributions": manager.contributions if committed else {}, "shares": manager.shares if committed else {},
+            "catch_up": catch_up, "loss": float(loss.detach())})
+
     try:
         while manager.step < args.steps:
             started = time.monotonic()
@@ -264,36 +296,29 @@ def main(argv: list[str] | None = None) -> int:
                 # A straggler: all of its own work takes longer, not only the padded compute. Before step_batches(),
                 # which waits for the quorum answer: that wait is no work of its own.
                 time.sleep((args.slowdown - 1) * (time.monotonic() - own_from))
-            for extra in range(1, manager.step_batches()):  # a degraded step with --global-batches
-                x, y = make_batch(manager.replica_id, batch_index + extra, manager.rank)
-                nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
-            # A step N fault fires once this group holds step N: while following, it holds only the steps it replays.
-            on_phase("follow" if manager.following else "before")
-            manager.sync_gradients([local(p.grad) for p in model.parameters() if p.grad is not None]
-                                   + exchange_ballast)
-            on_phase("commit")
-            catch_ups, step_before = len(manager.catch_up_log), manager.step
-            committed = manager.commit()
+
+            def uncommitted(kind: str, batch_index: int = batch_index, loss: torch.Tensor = loss) -> None:
+                if log_file is not None:
+                    record(kind, batch_index, loss)
+                if kind == "follow" and manager.step >= args.steps:
+                    raise _JobDone  # the job ended while this group followed it: nothing left to catch up for
+
+            try:
+                committed = driver.until_committed(
+                    params, extra=exchange_ballast, retrain=retrain, on_uncommitted=uncommitted,
+                    # A degraded step with --global-batches trains more of this group's stream.
+                    train_extra_batches=lambda count: train_batches(manager.next_batch_index + 1, count))
+            except _JobDone:
+                break
             own_from = time.monotonic()
-            if committed:
-                on_phase("optimizer")
-                optimizer.step()
+            on_phase("optimizer")
+            optimizer.step()
             optimizer.zero_grad(set_to_none=False)
             if log_file is not None:
-                write({
-                    "event": "commit" if committed else "follow" if manager.step > step_before else "discard",
-                    "step": manager.step,
-                    "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
-                    "participants": len(manager.participants),
-                    "params_sha256": params_sha256(model),
-                    "optim_sha256": optim_sha256(optimizer),
-                    "batch": batch_index,
-                    "contributions": manager.contributions if committed else {},
-                    "shares": manager.shares if committed else {},
-                    "catch_up": manager.catch_up_log[-1] if len(manager.catch_up_log) > catch_ups else None,
-                    "loss": float(loss.detach()),
-                })
-                if committed and manager.replica_id in manager.participants and "trained" not in anatomy.milestones():
+                # After a checkpoint load the step trained another batch than the one it began with.
+                trained_batch = manager.contributions.get(manager.replica_id, batch_index)
+                record("commit", trained_batch, loss, manager.catch_up_log[-1] if committed.caught_up else None)
+                if manager.replica_id in manager.participants and "trained" not in anatomy.milestones():
                     anatomy.mark("trained")
                     write({"event": "phases", "step": manager.step, "milestones": anatomy.milestones()})
     finally:
@@ -308,7 +333,7 @@ def _train_alone(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     """``--no-ft``: the same model, batches and pace with no lighthouse, manager or cross-group exchange."""
     anatomy.mark("model")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    replica_id = args.replica_id or os.environ.get("FTHSDP_REPLICA_ID") or "alone"
+    replica_id = from_env(args.replica_id, ENV_REPLICA_ID) or "alone"
     with (args.log_jsonl.open("a", buffering=1) if args.log_jsonl else open(os.devnull, "w")) as log_file:
         for step in range(1, args.steps + 1):
             started = time.monotonic()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import lightning.pytorch as pl
 from torch import nn
 from torch.optim import Optimizer
@@ -11,15 +9,14 @@ from torch.optim import Optimizer
 from lightning_fthsdp.lightning import loops
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.scheduler_state import load_scheduler_state, scheduler_state
-from lightning_fthsdp.recovery.torch_state import ModuleState, StateTree, load_optimizer_state, optimizer_state
+from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, optimizer_state
 
 
-def register_catchup_state(manager: FTManager, model: nn.Module, optimizers: list[Optimizer], trainer: pl.Trainer,
-                           on_counters_loaded: Callable[[], None]) -> ModuleState:
+def register_catchup_state(manager: FTManager, model: nn.Module, optimizers: list[Optimizer],
+                           trainer: pl.Trainer) -> ModuleState:
     """Register the model, the optimizers, the LR schedulers and Lightning's job-wide loop counters, all loaded
-    inside the step a group catches up in; ``on_counters_loaded`` runs after the counters are (so the strategy
-    knows that step's commit made it one of the job). Returns the model's state, whose buffers the strategy holds
-    at each commit."""
+    inside the step a group catches up in. Returns the model's state, whose buffers the strategy holds at each
+    commit."""
     module_state = ModuleState(model)
     manager.register_state("model", module_state.get, module_state.load)
     for i, optimizer in enumerate(optimizers):
@@ -28,10 +25,6 @@ def register_catchup_state(manager: FTManager, model: nn.Module, optimizers: lis
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
     manager.register_state("lr_schedulers", lambda: scheduler_state(schedulers),
                            lambda tree: load_scheduler_state(schedulers, tree))
-
-    def load_counters(tree: StateTree) -> None:
-        loops.load_job_counters(trainer, tree)
-        on_counters_loaded()
-
-    manager.register_state("loops", lambda: loops.job_counters(trainer), load_counters)
+    manager.register_state("loops", lambda: loops.job_counters(trainer),
+                           lambda tree: loops.load_job_counters(trainer, tree))
     return module_state

@@ -2,9 +2,11 @@
 
 One Lightning launch is one replica group: FSDP2 (``fully_shard``) over the group's devices, and across groups the
 fault-tolerant allreduce of ``FTManager``. The hooks below are Lightning's, in the order a fit calls them; each job
-they delegate lives in a module of its own (``topology``, ``stream``, ``sharding``, ``commit``, ``lr_scaling``,
+they delegate lives in a module of its own (``topology``, ``stream``, ``sharding``, ``lr_scaling``,
 ``schedulers``, ``catchup_state``, ``loops``, ``manual``, ``refusals``, ``launch_records``), and every private
-Lightning or torch member is reached through ``private``. See docs/lightning.md for usage and semantics.
+Lightning or torch member is reached through ``private``. The retry-until-commit loop is the one every front end
+uses (``manager.driver``); the strategy adapts only Lightning's optimizer step. See docs/lightning.md for usage and
+semantics.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import launch_records, loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
-from lightning_fthsdp.lightning.commit import StepCommit
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.lightning.lr_scaling import DegradedLR, LRScaling, check_lr_scaling
 from lightning_fthsdp.lightning.metrics import FTMetrics, FTMetricsLogger
@@ -43,6 +44,8 @@ from lightning_fthsdp.lightning.schedulers import JobSchedulers
 from lightning_fthsdp.lightning.sharding import PolicySharding
 from lightning_fthsdp.lightning.stream import TrainingStream
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.manager.driver import StepDriver
+from lightning_fthsdp.manager.step import HeldStep
 from lightning_fthsdp.recovery.torch_state import ModuleState
 
 _CHECKPOINT_KEY = "fthsdp"
@@ -150,7 +153,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
-        self._commit: StepCommit | None = None
+        self._driver: StepDriver | None = None
         self._module_state: ModuleState | None = None
         self._stream = TrainingStream(self.topology)
         self._sharding = PolicySharding(auto_shard_min_params)
@@ -186,10 +189,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @property
     def is_checkpoint_writer(self) -> bool:
-        """Whether this group writes durable checkpoints: it is the lowest replica id among the last quorum's
-        participants (a member still catching up holds no state of its own to write)."""
-        quorum = self.manager.quorum
-        return quorum is None or self.replica_id == min(quorum.participants)
+        """Whether this group writes Lightning's checkpoints (``FTManager.is_checkpoint_writer``)."""
+        return self.manager.is_checkpoint_writer
 
     @override
     def setup_environment(self) -> None:
@@ -214,13 +215,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
         process_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=Timeouts.delta(self.timeouts.process_group_timeout_ms))
         manager = self._manager = self._new_manager(process_group if self.world_size > 1 else None)
-        self._commit = StepCommit(manager, self.topology, self.root_device, self._logs, self._fire_fault)
-        self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer,
-                                                    on_counters_loaded=self._commit.mark_caught_up)
-        if trainer.lightning_module.automatic_optimization:
-            # Catch-up never holds the healthy groups up: a catching-up group follows the job while its transfer
-            # runs, then replays the steps it followed through Lightning's optimizer step.
-            manager.register_update(self._replay_step)
+        self._module_state = register_catchup_state(manager, self.model, self.optimizers, trainer)
+        # Catch-up never holds the healthy groups up: a catching-up group follows the job while its transfer runs,
+        # then replays the steps it followed through Lightning's optimizer step (with manual optimization the user's
+        # code steps: there is no step to replay through, so the transfer ends in the step the group joined).
+        self._driver = StepDriver(manager, topology=self.topology, phase=self._fire_fault,
+                                  apply=self._replay_step if trainer.lightning_module.automatic_optimization else None)
         if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
             trainer.callbacks.append(FTMetricsLogger(self.ft_metrics))
 
@@ -301,7 +301,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             return result
 
         output = self._step_at_degraded_lr(optimizer, closure_then_sync, model, **kwargs)
-        self._step_schedulers()
+        self._step_schedulers(self.manager.step)
         return output
 
     @override
@@ -381,22 +381,24 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _sync_until_committed(self, optimizer: Optimizer) -> None:
         """The cross-group sync of a trained step, then what its commit changes: held buffers and logs, this group's
         stream position, the metrics and the step's learning rates."""
-        assert self.model is not None and self._commit is not None and self._module_state is not None
+        assert self.model is not None and self._driver is not None and self._module_state is not None
         manager = self.manager
         params = [p for p in self.model.parameters() if p.requires_grad]
-        stall_s = self._commit.until_committed(params, lambda count: self._train_extra_batches(count, optimizer),
-                                               retrain=lambda: self._retrain_at_position(params, optimizer))
+        logged = self._logs.mark()
+        committed = self._driver.until_committed(
+            params, train_extra_batches=lambda count: self._train_extra_batches(count, optimizer),
+            retrain=lambda: self._retrain_at_position(params, optimizer),
+            on_uncommitted=lambda _: self._logs.rewind(logged))  # the attempt's extra batches log again
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
         # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
         self._module_state.hold_buffers()
         if self.lightning_module.automatic_optimization:
             self._logs.flush(self.lightning_module, trained=participated)
-        caught_up = self._commit.caught_up
         # A catch-up or a checkpoint moved the stream position: Lightning's loop follows it.
-        moved = caught_up or self._commit.resumed or not participated
+        moved = committed.caught_up or committed.resumed or not participated
         self._stream.committed(trainer, manager.next_batch_index, moved=moved)
-        self.ft_metrics.record_commit(manager, caught_up=caught_up, stall_s=stall_s)
+        self.ft_metrics.record_commit(manager, caught_up=committed.caught_up, stall_s=committed.stall_s)
         self._degraded_lr.scale(optimizer, len(manager.participants))
 
     def _train_extra_batches(self, count: int, optimizer: Optimizer) -> None:
@@ -424,18 +426,14 @@ class FTHSDPStrategy(ModelParallelStrategy):
             loss = output["loss"] if isinstance(output, Mapping) else output
             self.backward(loss / accumulate, optimizer)
 
-    def _replay_step(self) -> None:
-        """Apply one step the job committed while this group followed it during catch-up (FTManager's update): its
-        averaged gradients are in place, ``manager.step`` and ``participants`` are that step's. The LightningModule's
-        optimizer_step hook runs as for a trained step (so do clipping and ``on_before_optimizer_step``), then the
-        schedulers and Lightning's step counters advance."""
-        assert self._commit is not None
-        commit = self._commit
+    def _replay_step(self, held: HeldStep) -> None:
+        """Apply one step the job committed while this group followed it during catch-up (the driver's ``apply``):
+        its averaged gradients are in place. The LightningModule's optimizer_step hook runs as for a trained step (so
+        do clipping and ``on_before_optimizer_step``), then the schedulers and Lightning's step counters advance."""
 
         def held_step_closure() -> torch.Tensor:
             # Where a trained step's closure ends with the sync; the gradients are in place already.
-            commit.drop_missing_gradients()
-            self._degraded_lr.scale(self.optimizers[0], len(self.manager.participants))
+            self._degraded_lr.scale(self.optimizers[0], len(held.participants))
             return torch.zeros(())  # not None: tells Lightning's precision plugins a backward ran
 
         trainer = self.lightning_module.trainer
@@ -444,12 +442,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
             loops.replay_optimizer_step(trainer, held_step_closure)
         finally:
             self._replaying = False
-        self._step_schedulers()  # before the count, as in a trained step (inside its optimizer_step hook)
+        self._step_schedulers(held.step)  # before the count, as in a trained step (inside its optimizer_step hook)
         loops.count_replayed_step(trainer)
 
-    def _step_schedulers(self) -> None:
+    def _step_schedulers(self, step: int) -> None:
         trainer = self.lightning_module.trainer
-        self._schedulers.step(trainer, self.manager.step,
+        self._schedulers.step(trainer, step,
                               lambda: self._stream.batches_per_epoch // trainer.accumulate_grad_batches)
 
     def _fire_fault(self, phase: str) -> None:

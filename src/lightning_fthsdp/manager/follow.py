@@ -1,10 +1,10 @@
 """The catching-up side of catch-up: fetch the state in the background, follow the job while the transfer runs on
-(contributing zeros, holding each step's averaged gradients), then load the state and replay the steps held."""
+(contributing zeros, holding each step's averaged gradients), then load the state and hand back the steps held."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +13,7 @@ from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.sources import sources
-from lightning_fthsdp.manager.step import Progress
+from lightning_fthsdp.manager.step import HeldStep, Progress
 from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.torch_state import StateTree
 from lightning_fthsdp.recovery.wire import split_tree
@@ -122,28 +122,24 @@ class Follower:
         self._progress.step = follow.base_step + len(follow.updates)  # the steps we will hold once the state is in
         self._progress.committed_in = quorum_id
 
-    def replay(self, tensors: Sequence[torch.Tensor], apply: Callable[[dict[str, int]], None]) -> None:
-        """Load the fetched state, then apply the steps held since: for each, its averaged gradients go into
-        ``tensors`` and ``apply(shares)`` commits it. ``tensors`` are given back what they held; the caller's
-        optimizer step for the current step follows."""
+    def load(self) -> list[HeldStep]:
+        """Load the fetched state and hand back the steps held since, numbered from the loaded step on: the caller
+        applies each (its averaged gradients) before the optimizer step of the step being committed."""
         follow = self._follow
-        assert follow is not None and follow.tree is not None, "replay() once the state is held"
+        assert follow is not None and follow.tree is not None, "load() once the state is held"
         self._follow = None
         nbytes = sum(t.numel() * t.element_size() for t in split_tree(follow.tree)[1])
         self._catchup.load(follow.tree, keep_memory=self._keep_memory)
-        if follow.updates:
-            current = [t.detach().clone() for t in tensors]
-            for grads, shares in follow.updates:
-                for tensor, grad in zip(tensors, grads, strict=True):
-                    tensor.detach().copy_(grad)
-                apply(shares)
-            for tensor, grad in zip(tensors, current, strict=True):
-                tensor.detach().copy_(grad)
+        held = []
+        for grads, shares in follow.updates:
+            self._progress.advance(shares)
+            held.append(HeldStep(self._progress.step, shares, grads))
         anatomy.mark("replayed")
         self.catch_up_log.append({"source": follow.delivered_by, "step": follow.base_step, "bytes": nbytes,
-                                  "fetch_s": time.monotonic() - follow.started, "replayed": len(follow.updates)})
-        self._rlog.info("caught up: loaded the state of step %d from %s and replayed %d steps", follow.base_step,
-                        follow.delivered_by, len(follow.updates))
+                                  "fetch_s": time.monotonic() - follow.started, "replayed": len(held)})
+        self._rlog.info("caught up: loaded the state of step %d from %s, %d held steps to replay", follow.base_step,
+                        follow.delivered_by, len(held))
+        return held
 
     def stop(self, reason: str) -> None:
         """Drop the catch-up (if any): cancel the transfer, back at the group's own step."""

@@ -1,6 +1,6 @@
 """FTManager: the per-rank, per-step API of fault-tolerant HSDP (framework-agnostic).
 
-One step::
+One attempt at a step (``manager.driver.StepDriver`` retries it until it commits, the same for every front end)::
 
     manager.begin_step()                      # the leader asks for a quorum, overlapped with compute
     loss = model(batch); loss.backward()
@@ -9,8 +9,7 @@ One step::
     manager.sync_gradients(grads)             # cross-group allreduce, divided by the batches that went into it;
                                               # never raises on a peer failure: it marks the step failed instead
     if manager.commit():                      # vote inside the replica group
-        optimizer.step()                      # else: drop the gradients and retrain the same batch
-    optimizer.zero_grad()
+        optimizer.step()                      # else: restore the gradients and try again
 
 Failure semantics: a peer crash or hang, a lighthouse-announced membership change, or a timeout during the
 step makes ``commit()`` return False on every rank of this group; nothing hangs (every wait is bounded by
@@ -34,7 +33,7 @@ from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.addresses import advertise_host as advertised_host
 from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
-from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, REPLAY, VOTE, span
+from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, VOTE, span
 from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
@@ -44,10 +43,10 @@ from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.member import MemberHeartbeat
 from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
-from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
+from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
-from lightning_fthsdp.manager.step import Progress, StepState, split_batches
+from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 
@@ -87,7 +86,7 @@ class FTManager:
             global batch): while fewer groups participate, each trains several of its own batches
             (``step_batches()``), so the global batch stays constant. None (default): one batch per participant,
             the global batch shrinks while degraded.
-        replay_buffer_mib: with ``register_update``, how much of the job's averaged gradients a catching-up group
+        replay_buffer_mib: with ``enable_replay``, how much of the job's averaged gradients a catching-up group
             may hold for replay while its state transfer runs on (then it waits for the transfer).
         reserve_snapshot_memory: after the first committed step (when the optimizer state exists), map host memory
             for a snapshot of the registered state in the background, so the first time this rank serves a
@@ -133,7 +132,8 @@ class FTManager:
         if not isinstance(replay_buffer_mib, int) or replay_buffer_mib < 0:
             raise ValueError(f"FTManager replay_buffer_mib must be an integer >= 0, got {replay_buffer_mib!r}")
         self._reserve_snapshot_memory = reserve_snapshot_memory
-        self._update: Callable[[], None] | None = None
+        self._replays = False  # enable_replay: follow a long catch-up transfer, replay the steps held
+        self._held: list[HeldStep] = []  # the last commit's replayed steps, until take_held
         self.replica_id = check_replica_id(
             resolve(replica_id, ENV_REPLICA_ID, "FTManager replica_id", "a stable name per replica group, e.g. 'a'")
         )
@@ -242,6 +242,13 @@ class FTManager:
         return self._quorum
 
     @property
+    def is_checkpoint_writer(self) -> bool:
+        """Whether this group writes the job's checkpoints (durable ones, and a front end's own): the lowest
+        participant of the last quorum (a member still catching up holds no state of its own); before any quorum,
+        every group (it trains alone)."""
+        return self._quorum is None or is_writer(self._quorum, self.replica_id)
+
+    @property
     def participants(self) -> tuple[str, ...]:
         """Groups whose real gradients went into the current (or last) step."""
         return self._participants
@@ -258,7 +265,7 @@ class FTManager:
 
     @property
     def following(self) -> bool:
-        """Whether this group follows the job while its catch-up transfer runs (see ``register_update``):
+        """Whether this group follows the job while its catch-up transfer runs (see ``enable_replay``):
         ``commit()`` returns False for those steps and the optimizer must not step."""
         return self._follower.active
 
@@ -284,17 +291,20 @@ class FTManager:
         """
         self._catchup.register(name, get, load)
 
-    def register_update(self, update: Callable[[], None]) -> None:
-        """How this group applies a committed step once its averaged gradients are in the tensors given to
-        ``sync_gradients`` (usually ``optimizer.step``, plus any scheduler step).
+    def enable_replay(self) -> None:
+        """Never make the healthy groups wait for a catch-up: a catching-up group whose state transfer outlasts the
+        step follows the job (contributing zeros, holding each step's averaged gradients) and, once the state
+        arrives, loads it in the commit that finds it; ``take_held()`` then hands back the steps held, which the
+        caller applies before the committed step's own optimizer step (``manager.driver.StepDriver`` does). Without
+        it, the catching-up group finishes the transfer at the end of the step it joined, and the next quorum waits
+        for it."""
+        self._replays = True
 
-        With it, catch-up never makes the healthy groups wait: a catching-up group whose state transfer outlasts the
-        step keeps following the job (contributing zeros, holding each step's averaged gradients) and, once the
-        state arrives, loads it and replays the steps it held. Without it, the catching-up group finishes the
-        transfer at the end of the step it joined, and the next quorum waits for it. While ``update`` replays a
-        step, ``step`` counts that step and ``participants`` and ``shares`` are that step's.
-        """
-        self._update = update
+    def take_held(self) -> list[HeldStep]:
+        """The steps the last commit loaded a catch-up state before (see ``enable_replay``), oldest first, each to
+        apply with its averaged gradients in the tensors given to ``sync_gradients``; then empty."""
+        held, self._held = self._held, []
+        return held
 
     # ----------------------------------------------------------------------------------------------- step
 
@@ -378,7 +388,7 @@ class FTManager:
             return False
         state.exchanged = True
         state.wait_s = time.monotonic() - exchange_from
-        state.ready = not self._follower.active or self._follower.poll(can_replay=self._update is not None)
+        state.ready = not self._follower.active or self._follower.poll(can_replay=self._replays)
         return True
 
     def commit(self) -> bool:
@@ -391,6 +401,10 @@ class FTManager:
             return self._commit()
 
     def _commit(self) -> bool:
+        if self._held:
+            raise RuntimeError(f"FTManager (group {self.replica_id}): commit() while {len(self._held)} steps held "
+                               f"during catch-up were not applied: call take_held() after each commit and apply them "
+                               f"(or use manager.driver.StepDriver, which does)")
         state, self._current = self._current or StepState(), None
         failure, self._failure = self._failure, ""
         self._timing = state.timing() or self._timing
@@ -411,8 +425,7 @@ class FTManager:
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
         if ok and self._follower.active:
-            with span(REPLAY):
-                self._replay(state.tensors)
+            self._held = self._follower.load()
         if ok:
             assert state.quorum is not None, "a step commits only inside a quorum"
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
@@ -573,21 +586,6 @@ class FTManager:
         self._rlog.warning("%s the checkpoint of step %d from %s", why, step, self._checkpoints.root)
         self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
         self._progress.committed_in = -1
-
-    def _replay(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Catch up: load the fetched state and replay the steps held since, through the registered update; the
-        caller's optimizer step for the current one follows."""
-        participants, shares = self._participants, self._shares
-        self._follower.replay(tensors, self._apply_held)
-        self._participants, self._shares = participants, shares
-
-    def _apply_held(self, shares: dict[str, int]) -> None:
-        """Commit one held step, its averaged gradients in place. What the update sees is the step being applied:
-        its number, its participants and their shares."""
-        assert self._update is not None, "steps are held for replay only with register_update"
-        self._progress.advance(shares)
-        self._participants, self._shares = tuple(shares), shares
-        self._update()
 
     def _on_dead(self, dead: frozenset[str]) -> None:
         """Watchdog (heartbeat thread): abandon the in-flight exchange if a member of our quorum was declared

@@ -38,6 +38,22 @@ class Progress:
         self.batches_committed = {str(k): int(v) for k, v in tree["batches_committed"].items()}
 
 
+@dataclass(frozen=True)
+class HeldStep:
+    """A step the job committed while this group followed it during catch-up, to apply once the state is loaded."""
+
+    step: int
+    """The committed step count once it is applied."""
+    shares: dict[str, int]
+    """Its participants -> their batches in it."""
+    grads: list[torch.Tensor]
+    """Its averaged tensors, as ``sync_gradients`` received them."""
+
+    @property
+    def participants(self) -> tuple[str, ...]:
+        return tuple(self.shares)
+
+
 @dataclass
 class StepState:
     """What the step under way has done so far: a fresh one from ``begin_step`` (or the first call that needs the
@@ -48,7 +64,7 @@ class StepState:
     quorum: Quorum | None = None
     """The agreed quorum; None before the agreement, or when there is none this step (the commit votes no)."""
     tensors: Sequence[torch.Tensor] = ()
-    """What ``sync_gradients`` averaged: a following group holds them for replay, and replays through them."""
+    """What ``sync_gradients`` averaged: a following group holds them for replay."""
     exchanged: bool = False
     """This rank's exchange succeeded."""
     ready: bool = False
