@@ -1,5 +1,5 @@
 """Chaos soak: three plain-loop replica groups and a real lighthouse under random failures at random phases, the
-run's invariants checked as it goes (see lightning_fthsdp.launch.soak for what it injects and checks).
+run's invariants checked as it goes (see lightning_fthsdp.testing.soak for what it injects and checks).
 
     python bench/bench_soak.py --minutes 5 --seed 1        # writes bench/results/soak.json
     python bench/bench_soak.py --minutes 5 --network       # on a host per group, network faults too (root);
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lightning_fthsdp.launch.soak import Soak, SoakConfig, format_table
+from lightning_fthsdp.testing.soak import Soak, SoakConfig, format_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -23,8 +23,8 @@ PLANES: tuple[frozenset[str], ...] = (
     frozenset({"manager"}),
     frozenset({"lightning", "accelerate", "models", "recipes", "sim"}),
     frozenset({"launch"}),
-    frozenset({"demo", "slurm", "k8s"}),  # front ends over the launcher: one machine's demo, a cluster's jobs
-    frozenset({"cli", "__init__", "core"}),  # core: the 0.1 import paths, re-exported until 0.3
+    frozenset({"demo", "slurm", "k8s", "testing"}),  # over the launcher: the demo, a cluster's jobs, run checks
+    frozenset({"cli", "__init__"}),
 )
 
 

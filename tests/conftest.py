@@ -2,8 +2,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).parent
+
+FAST_FOLDERS = ("unit", "sim")
+"""The folders of the fast tier (``pytest -m "not slow"``, the edit-test loop): tests in one process, or with a
+lighthouse on a thread. Every other folder starts real jobs (groups, launchers, clusters, browsers) and is ``slow``,
+as is a test marked ``integration`` or ``slow`` here."""
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +21,10 @@ def _restore_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder not in FAST_FOLDERS or item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.slow)

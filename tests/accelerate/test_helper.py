@@ -24,7 +24,7 @@ TIMEOUTS = Timeouts(heartbeat_timeout_ms=1_000, join_timeout_ms=1_000)
 
 @pytest.fixture
 def lighthouse() -> Iterator[str]:
-    with LighthouseThread(rules=QuorumRules(min_replicas=1, join_timeout_s=1.0), startup_grace_ms=0) as url:
+    with LighthouseThread(rules=QuorumRules(min_replicas=1, join_timeout_ms=1000), startup_grace_ms=0) as url:
         yield url
 
 

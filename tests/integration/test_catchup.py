@@ -3,10 +3,12 @@ and failures during the transfer (source dies, recovering group dies) leave the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_fthsdp.launch.processes import Group, Job, wait_for
-from tests.invariants import assert_consistent, assert_exactly_once
+from lightning_fthsdp.testing.invariants import assert_consistent, assert_exactly_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -16,12 +18,16 @@ STEPS = 300
 # Late enough that a group whose process started a moment after the others (importing torch on shared cores)
 # has joined and caught up before the first failure: the scenarios start from three groups training together.
 KILL_STEP = 30
+# Slow enough that the healthy groups are still training after two restarts of another group on a busy machine.
+PACED_STEP_MS = 100
 
 
-def start_three_and_kill_b(job: Job) -> tuple[Group, Group, int]:
-    """Groups a and c train on; b kills itself at KILL_STEP. Returns a, c and b's last committed step."""
+def start_three_and_kill_b(job: Job, pace: Path | None = None) -> tuple[Group, Group, int]:
+    """Groups a and c train on; b kills itself at KILL_STEP. Returns a, c and b's last committed step. With
+    ``pace``, a and c take at least PACED_STEP_MS a step while that file exists."""
     job.start_lighthouse()
-    a, c = job.start_group("a", STEPS), job.start_group("c", STEPS)
+    paced = {} if pace is None else {"step_time_ms": PACED_STEP_MS, "extra": ("--pace-file", str(pace))}
+    a, c = job.start_group("a", STEPS, **paced), job.start_group("c", STEPS, **paced)
     job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
     kill_and_wait_degraded(job, "b", a)
     return a, c, job.groups["b"].last_step()
@@ -81,11 +87,15 @@ def test_source_killed_mid_transfer_recovering_group_gets_another(job: Job) -> N
 
 
 def test_recovering_group_killed_mid_transfer_leaves_the_others_unaffected(job: Job) -> None:
-    a, c, died_at = start_three_and_kill_b(job)
+    pace = job.workdir / "pace"
+    pace.touch()
+    a, c, died_at = start_three_and_kill_b(job, pace)
     doomed = restart(job, "b", fault="sigkill:step=0:phase=fetch")
     assert job.wait_exit(doomed, 60) == -9
     assert after_restart(doomed, died_at) == [], "the doomed restart must not have committed anything"
     b = restart(job, "b")
+    wait_for(lambda: after_restart(b, died_at), 90, "b to commit a step after its second restart")
+    pace.unlink()
     for group in (a, b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
     assert set(range(after_restart(b, died_at)[0]["step"], STEPS + 1)) <= assert_consistent(a, b, c)

@@ -7,7 +7,12 @@ import itertools
 import pytest
 
 from lightning_fthsdp.launch.processes import Job, wait_for
-from tests.invariants import assert_consistent, assert_exactly_once, assert_no_step_lost, kept_commits
+from lightning_fthsdp.testing.invariants import (
+    assert_consistent,
+    assert_exactly_once,
+    assert_no_step_lost,
+    kept_commits,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

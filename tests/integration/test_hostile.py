@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from lightning_fthsdp.launch.processes import Job, wait_for
-from tests.invariants import assert_consistent, assert_no_step_lost
+from lightning_fthsdp.testing.invariants import assert_consistent, assert_no_step_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

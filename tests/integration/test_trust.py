@@ -11,9 +11,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_fthsdp.exchange.comm import rendezvous_prefix
+from lightning_fthsdp.exchange.rendezvous import rendezvous_prefix
 from lightning_fthsdp.launch.processes import Job
-from tests.invariants import assert_consistent, assert_no_step_lost
+from lightning_fthsdp.testing.invariants import assert_consistent, assert_no_step_lost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -59,7 +59,7 @@ def test_a_script_runs_under_torchrun_in_every_group_pod_with_its_arguments() ->
 def test_a_scripts_recipe_gives_its_pods_gpus_and_the_lighthouse_its_ft_values(tmp_path: Path) -> None:
     recipe = tmp_path / "job.yaml"
     recipe.write_text("trainer: {accelerator: gpu}\n"
-                      "ft: {min_replicas: 2, lost_state_wait_s: 7.5, timeouts: {join_timeout_ms: 3000}}\n"
+                      "ft: {min_replicas: 2, lost_state_wait_ms: 7500, timeouts: {join_timeout_ms: 3000}}\n"
                       "launch: {replicas: 3, shard_count: 8, max_restarts: 4}\n")
     kinds = objects("--script", "/app/train.py", "--recipe", str(recipe), "--set", "ft.straggler_policy=evict",
                     "--nodes-per-replica", "2", "--", "--steps", "150")
@@ -80,8 +80,9 @@ def test_without_a_recipe_a_scripts_pods_ask_for_no_gpus() -> None:
 
 
 def test_the_lighthouse_gets_every_recipe_value_it_needs() -> None:
-    flags = lighthouse_flags(objects(MLP, "ft.lost_state_wait_s=12.5", "ft.min_replicas=2", "ft.straggler_policy=evict",
-                                     "ft.timeouts.join_timeout_ms=3000", "--replicas", "3"))
+    flags = lighthouse_flags(objects(MLP, "ft.lost_state_wait_ms=12500", "ft.min_replicas=2",
+                                     "ft.straggler_policy=evict", "ft.timeouts.join_timeout_ms=3000",
+                                     "--replicas", "3"))
     assert flags["--lost-state-wait-ms"] == "12500"
     assert (flags["--min-replicas"], flags["--join-timeout-ms"], flags["--heartbeat-timeout-ms"]) == ("2", "3000",
                                                                                                      "1000")

@@ -21,7 +21,7 @@ def test_both_groups_killed_at_once_resume_from_the_newest_checkpoint(tmp_path: 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", str(ROOT / "recipes" / "mlp.yaml"),
            f"trainer.max_steps={STEPS}", "trainer.min_step_time_s=0.05", f"ft.checkpoint_every_n_steps={EVERY}",
-           "ft.lost_state_wait_s=1", "ft.min_replicas=2", "--replicas", "2", "--chaos",
+           "ft.lost_state_wait_ms=1000", "ft.min_replicas=2", "--replicas", "2", "--chaos",
            f"kill:at=step{KILL}:group=a,kill:at=step{KILL}:group=b", "--out", str(out), "--no-live"]
     returncode, output = run_launcher(cmd)
     assert returncode == 0, output[-4000:]

@@ -28,17 +28,11 @@ def test_every_subcommand_has_help(command: str, expected: str, capsys: pytest.C
     assert expected in capsys.readouterr().out
 
 
-def test_a_renamed_launch_flag_still_works_and_says_its_new_name(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["launch", "recipes/mlp.yaml", "--devices-per-replica", "2"])
-    assert args.shard_count == 2
-    err = capsys.readouterr().err
-    assert "--devices-per-replica is deprecated, use --shard-count (the old name goes in 0.3)" in err
+def test_the_shard_count_flag_is_the_only_spelling(capsys: pytest.CaptureFixture[str]) -> None:
     assert build_parser().parse_args(["launch", "recipes/mlp.yaml", "--shard-count", "3"]).shard_count == 3
-    for flags in (["--shard-count", "3", "--devices-per-replica", "2"],
-                  ["--devices-per-replica", "2", "--shard-count", "3"]):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["launch", "recipes/mlp.yaml", *flags])
-        assert "contradicts the" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["launch", "recipes/mlp.yaml", "--devices-per-replica", "2"])
+    assert "unrecognized arguments: --devices-per-replica" in capsys.readouterr().err
 
 
 def test_top_level_help_lists_every_subcommand() -> None:

@@ -23,7 +23,7 @@ MLP = ROOT / "recipes" / "mlp.yaml"
     ("trainer.min_step_time_s=nan", ["trainer.min_step_time_s", "nan", "a finite number"]),
     ("trainer.min_step_time_s=inf", ["trainer.min_step_time_s", "inf", "a finite number"]),
     ("trainer.min_step_time_s=-inf", ["trainer.min_step_time_s", "a finite number"]),
-    ("ft.lost_state_wait_s=nan", ["ft.lost_state_wait_s", "a finite number"]),
+    ("ft.lost_state_wait_ms=-1", ["ft.lost_state_wait_ms", ">= 0"]),
     ("ft.straggler_factor=nan", ["ft.straggler_factor", "a finite number"]),
     ("launch.timeout_s=1e300", ["launch.timeout_s", "<="]),
     ("launch.shard_count=1000000", ["launch.shard_count", "<="]),

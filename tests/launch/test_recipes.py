@@ -74,24 +74,14 @@ def test_every_config_field_has_a_docstring() -> None:
         assert not missing, f"{section.__name__} fields without a docstring: {missing}"
 
 
-def test_a_renamed_key_is_still_read_with_a_deprecation(tmp_path: Path) -> None:
-    (tmp_path / "old.yaml").write_text("defaults: [base]\nlaunch: {devices_per_replica: 3}\n")
-    (tmp_path / "base.yaml").write_text("launch: {replicas: 2}\n")
-    with pytest.warns(FutureWarning, match=r"launch\.devices_per_replica is deprecated, use launch\.shard_count"):
-        recipe = load_recipe(tmp_path / "old.yaml")
-    assert recipe.launch.shard_count == 3
-    with pytest.warns(FutureWarning, match=r"override 'launch.devices_per_replica=4'"):
-        assert load_recipe(tmp_path / "base.yaml", ["launch.devices_per_replica=4"]).launch.shard_count == 4
-    assert "devices_per_replica" not in to_yaml(recipe)
-
-
-def test_a_renamed_key_set_twice_differently_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "both.yaml").write_text("launch: {devices_per_replica: 3, shard_count: 2}\n")
-    with pytest.warns(FutureWarning), pytest.raises(RecipeError, match=r"sets both launch\.devices_per_replica"):
-        load_recipe(tmp_path / "both.yaml")
+def test_a_key_the_schema_does_not_have_is_refused_by_name(tmp_path: Path) -> None:
+    unknown = r"unknown key .launch.devices_per_replica.; allowed keys here: .*shard_count"
+    (tmp_path / "old.yaml").write_text("launch: {devices_per_replica: 3}\n")
+    with pytest.raises(RecipeError, match=unknown):
+        load_recipe(tmp_path / "old.yaml")
     (tmp_path / "plain.yaml").write_text("launch: {replicas: 2}\n")
-    with pytest.raises(RecipeError, match=r"overrides set both launch\.devices_per_replica=3"):
-        load_recipe(tmp_path / "plain.yaml", ["launch.devices_per_replica=3", "launch.shard_count=2"])
+    with pytest.raises(RecipeError, match=unknown):
+        load_recipe(tmp_path / "plain.yaml", ["launch.devices_per_replica=3"])
 
 
 @pytest.mark.parametrize(("text", "named"), [

@@ -71,7 +71,7 @@ def test_ranks_share_the_launch_process_group_and_a_failed_rank_ends_the_group(t
 SCRIPT_RECIPE = """
 model: {class_path: nowhere.Missing}   # a script builds its own: never imported
 trainer: {accelerator: gpu}
-ft: {min_replicas: 2, lost_state_wait_s: 7.5, timeouts: {join_timeout_ms: 3000}}
+ft: {min_replicas: 2, lost_state_wait_ms: 7500, timeouts: {join_timeout_ms: 3000}}
 launch: {replicas: 3, max_restarts: 4, restart_delay_s: 0.5, standby: true}
 """
 
@@ -86,11 +86,11 @@ def test_a_scripts_recipe_drives_its_job_and_set_overrides_it(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     recipe = tmp_path / "job.yaml"
     recipe.write_text(SCRIPT_RECIPE)
-    config, err = print_config(capsys, "--recipe", str(recipe), "--set", "ft.lost_state_wait_s=12",
+    config, err = print_config(capsys, "--recipe", str(recipe), "--set", "ft.lost_state_wait_ms=12000",
                                "--shard-count", "2")
     assert config["script_args"] == ["--steps", "40"]  # the positionals stay the script's
     assert (config["ft"]["min_replicas"], config["ft"]["timeouts"]["join_timeout_ms"]) == (2, 3000)
-    assert config["ft"]["lost_state_wait_s"] == 12  # --set wins over the recipe
+    assert config["ft"]["lost_state_wait_ms"] == 12000  # --set wins over the recipe
     assert (config["launch"]["replicas"], config["launch"]["shard_count"]) == (3, 2)  # the recipe, then the flags
     assert (config["launch"]["max_restarts"], config["launch"]["restart_delay_s"]) == (4, 0.5)
     assert config["launch"]["standby"] is False  # a script is started bare

@@ -62,31 +62,11 @@ def test_missing_lighthouse_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     ({"replicas": 2}, ValueError, "pass replica_ids"),
     ({"replicas": 2, "replica_index": 2}, ValueError, "0 <= replica_index < replicas"),
     ({"replica_ids": ["a", "b"], "replicas": 3}, ValueError, "got 2 replica_ids"),
+    ({"num_replica_groups": 2}, TypeError, "does not take num_replica_groups=2: it is not an argument"),
 ])
 def test_clear_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         FTHSDPStrategy(**kwargs)  # type: ignore[arg-type]
-
-
-def test_old_keyword_num_replica_groups_still_works_with_a_deprecation() -> None:
-    with pytest.warns(FutureWarning, match=r"FTHSDPStrategy\(num_replica_groups=\) is deprecated, "
-                      r"use replicas= \(the old name goes in 0.3\)"):
-        strategy = FTHSDPStrategy(num_replica_groups=3, replica_index=2)
-    assert (strategy.replicas, strategy.replica_index) == (3, 2)
-    with pytest.warns(FutureWarning, match=r"ReplicaStreamSampler\(num_replica_groups=\) is deprecated"):
-        sampler = ReplicaStreamSampler(list(range(8)), num_replica_groups=2, replica_index=1, shard_count=1,
-                                       shard_rank=0, batch_size=2, position=lambda: 0)
-    assert sampler.num_replicas == 2 and sampler.rank == 1
-
-
-def test_old_and_new_keyword_with_different_values_are_refused() -> None:
-    with pytest.warns(FutureWarning), pytest.raises(
-            ValueError, match="FTHSDPStrategy got replicas=2 and num_replica_groups=3"):
-        FTHSDPStrategy(replicas=2, num_replica_groups=3, replica_index=0)
-    with pytest.warns(FutureWarning), pytest.raises(
-            ValueError, match="ReplicaStreamSampler got replicas=2 and num_replica_groups=3"):
-        ReplicaStreamSampler(list(range(8)), replicas=2, num_replica_groups=3, replica_index=0, shard_count=1,
-                             shard_rank=0, batch_size=2, position=lambda: 0)
 
 
 def test_replica_index_from_replica_ids_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.launch.invariants import assert_consistent
 from lightning_fthsdp.launch.processes import Job, wait_for
 from lightning_fthsdp.netcluster import Cluster
+from lightning_fthsdp.testing.invariants import assert_consistent
 from tests.netcluster.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -17,7 +17,12 @@ import pytest
 from lightning_fthsdp.launch.processes import Group, Job, wait_for
 from lightning_fthsdp.netcluster.cluster import Cluster
 from lightning_fthsdp.netcluster.faults import cut, flap, isolate, partition
-from tests.invariants import assert_consistent, assert_exactly_once, assert_no_regression, assert_no_step_lost
+from lightning_fthsdp.testing.invariants import (
+    assert_consistent,
+    assert_exactly_once,
+    assert_no_regression,
+    assert_no_step_lost,
+)
 from tests.netcluster.conftest import ClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -16,8 +16,9 @@ from lightning_fthsdp.config import addresses
 from lightning_fthsdp.config.addresses import advertise_host, dialable, interface_of, pin_nccl_interface
 from lightning_fthsdp.config.env import ENV_ADVERTISE_HOST
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.exchange import comm as comm_module
-from lightning_fthsdp.exchange.comm import CrossGroupComm, new_backend
+from lightning_fthsdp.exchange import rendezvous
+from lightning_fthsdp.exchange.backends import new_backend
+from lightning_fthsdp.exchange.comm import CrossGroupComm
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.recovery.server import StateServer
@@ -173,13 +174,13 @@ def test_crossgroupcomm_dials_a_wildcard_store_address_at_the_lighthouses_host(
         monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dialled: list[str] = []
-    real = comm_module.store_client
+    real = rendezvous.store_client
 
     def recording(address: str, timeout_ms: int) -> dist.TCPStore:
         dialled.append(address)
         return real(address, timeout_ms)
 
-    monkeypatch.setattr(comm_module, "store_client", recording)
+    monkeypatch.setattr(rendezvous, "store_client", recording)
     comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0, advertise_host="127.0.0.1",
                             lighthouse_host="127.0.0.1") for _ in range(2)]
 

@@ -17,7 +17,7 @@ FORGED = "forger"
 def test_a_forged_request_in_a_live_groups_name_changes_nothing(lighthouse: Callable[..., str]) -> None:
     """As observed: five quorum requests as "a" at step 10^9 superseded a's request (a crashed), and a leave or a
     heartbeat-and-drop as "a" had a declared dead. Another incarnation may do none of these while a lives."""
-    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, lost_state_wait_ms=0)
     obs, beat_a = Client(url), Client(url)
     beat_a.call("POST", "/v1/heartbeat", hb("a"))
     form(url, "a", "b")
@@ -43,7 +43,7 @@ def test_a_forged_request_in_a_live_groups_name_changes_nothing(lighthouse: Call
 
 def test_a_claim_beyond_the_committed_step_is_refused(lighthouse: Callable[..., str]) -> None:
     """As observed: a new id at a far-ahead step became every group's catch-up source and the job jumped to it."""
-    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, lost_state_wait_ms=0)
     form(url, "a", "b", step=0)
     form(url, "a", "b", step=1, quorum_id=0, members=("a", "b"), committed_in=0)
     for body, why in [
@@ -67,7 +67,7 @@ def test_a_claim_beyond_the_committed_step_is_refused(lighthouse: Callable[..., 
 def test_a_member_that_trained_on_while_the_lighthouse_was_away_is_believed(lighthouse: Callable[..., str]) -> None:
     """A group keeps its quorum while it cannot reach the lighthouse (which declares it dead meanwhile): a step beyond
     the committed one, committed in that quorum, is its own training, not a forgery."""
-    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, lost_state_wait_ms=0)
     beats = {rid: Client(url) for rid in "ab"}
     for rid, client in beats.items():
         client.call("POST", "/v1/heartbeat", hb(rid))
@@ -83,7 +83,7 @@ def test_a_restarted_lighthouse_believes_the_holders_that_come_back(lighthouse: 
     """A restarted lighthouse knows nothing of the job's past: a fresh group c forms quorum 0 alone and commits step
     1; then b, which holds step 100 committed in quorum 0 of the lighthouse that died, comes back. It is believed
     (the lighthouse has not settled), and c catches up from it: nothing lost."""
-    url = lighthouse(lost_state_wait_s=30.0)
+    url = lighthouse(lost_state_wait_ms=30_000)
     assert form(url, "c")[0]["max_step"] == 0
     b, c = Client(url), Client(url)
     # Quorum ids start again with each lighthouse: b's quorum 0 is not the c-only quorum 0 of this one.
@@ -118,7 +118,7 @@ def test_heartbeat_only_ghosts_do_not_stall_the_job(lighthouse: Callable[..., st
     majority waited for them). Without a declaration, an id that only heartbeats counts for the join timeout after
     its first heartbeat (a real group asks as it starts heartbeating), then no more; heartbeating on changes
     nothing."""
-    url = lighthouse(join_timeout_s=1.0)
+    url = lighthouse(join_timeout_ms=1000)
     ghosts = [Client(url) for _ in range(3)]
     for i, ghost in enumerate(ghosts):
         assert ghost.call("POST", "/v1/heartbeat", hb(f"ghost{i}"))[0] == 200
@@ -177,7 +177,7 @@ def holders_of_step_2_die(url: str) -> Client:
 def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callable[..., str]) -> None:
     """The holders of step 2 die; a fresh group c asks. The lighthouse waits for a holder; b comes back (a hang that
     ended) within the wait, so the job goes on from step 2 and c catches up from b: nothing lost."""
-    url = lighthouse(lost_state_wait_s=30.0, replica_ids="abc")
+    url = lighthouse(lost_state_wait_ms=30_000, replica_ids="abc")
     obs = holders_of_step_2_die(url)
     c = Client(url)
     c.send("POST", "/v1/quorum", qr("c", 0))
@@ -190,7 +190,7 @@ def test_a_quorum_below_the_committed_step_waits_for_a_holder(lighthouse: Callab
 
 
 def test_a_quorum_below_the_committed_step_reports_the_loss_after_the_wait(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse(lost_state_wait_s=0.5, replica_ids="abc")
+    url = lighthouse(lost_state_wait_ms=500, replica_ids="abc")
     obs = holders_of_step_2_die(url)
     start = time.monotonic()
     code, answer = Client(url).call("POST", "/v1/quorum", qr("c", 0))

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import argparse
-import warnings
 
 import pytest
 
-from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICAS, RENAMED, from_env, resolve
+from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, from_env, resolve
 from lightning_fthsdp.config.timeouts import Timeouts, add_timeout_arguments, timeouts_from_args
 
 
@@ -54,16 +53,3 @@ def test_explicit_value_wins_over_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv(ENV_LIGHTHOUSE)
     with pytest.raises(ValueError, match="lighthouse is not set: pass it explicitly or set FTHSDP_LIGHTHOUSE"):
         resolve(None, ENV_LIGHTHOUSE, "FTManager lighthouse", "fix")
-
-
-def test_old_variable_name_is_read_with_a_warning_and_the_new_one_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert RENAMED[ENV_REPLICAS] == "FTHSDP_NUM_REPLICA_GROUPS"
-    monkeypatch.delenv(ENV_REPLICAS, raising=False)
-    monkeypatch.setenv("FTHSDP_NUM_REPLICA_GROUPS", "3")
-    with pytest.warns(FutureWarning, match=r"\$FTHSDP_NUM_REPLICA_GROUPS is deprecated, set \$FTHSDP_REPLICAS instead"):
-        assert from_env(None, ENV_REPLICAS) == "3"
-    monkeypatch.setenv(ENV_REPLICAS, "4")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name set: no warning
-        assert from_env(None, ENV_REPLICAS) == "4"
-        assert from_env("5", ENV_REPLICAS) == "5"

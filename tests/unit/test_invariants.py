@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.launch.invariants import assert_no_step_lost
 from lightning_fthsdp.launch.processes import Group
+from lightning_fthsdp.testing.invariants import InvariantViolated, assert_no_step_lost
 
 
 def group(tmp_path: Path, commits: list[tuple[int, dict[str, object] | None]]) -> Group:
@@ -28,5 +28,5 @@ def test_a_jump_that_caught_up_loses_no_step(tmp_path: Path) -> None:
 
 
 def test_a_jump_nothing_explains_is_a_lost_step(tmp_path: Path) -> None:
-    with pytest.raises(AssertionError, match=r"skipped steps 26\.\.27 without catching up"):
+    with pytest.raises(InvariantViolated, match=r"skipped steps 26\.\.27 without catching up"):
         assert_no_step_lost(group(tmp_path, [(24, None), (25, None), (28, None), (29, None)]), 29)

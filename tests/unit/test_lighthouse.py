@@ -115,10 +115,10 @@ def replica(status: dict[str, Any], rid: str) -> dict[str, Any]:
 def lighthouse() -> Iterator[Callable[..., str]]:
     """Start a lighthouse thread (port 0 unless given); all are stopped after the test."""
     with contextlib.ExitStack() as stack:
-        def start(min_replicas: int = 1, join_timeout_s: float = 10.0, heartbeat_timeout_ms: int = 30_000,
-                  lost_state_wait_s: float = 10.0, **kw: Any) -> str:
-            rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=join_timeout_s,
-                                lost_state_wait_s=lost_state_wait_s)
+        def start(min_replicas: int = 1, join_timeout_ms: int = 10_000, heartbeat_timeout_ms: int = 30_000,
+                  lost_state_wait_ms: int = 10_000, **kw: Any) -> str:
+            rules = QuorumRules(min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                lost_state_wait_ms=lost_state_wait_ms)
             kw.setdefault("startup_grace_ms", 0)  # a test's lighthouse replaces none: its groups may ask at once
             return stack.enter_context(LighthouseThread(rules=rules, heartbeat_timeout_ms=heartbeat_timeout_ms, **kw))
         yield start
@@ -271,7 +271,7 @@ def test_a_client_that_disconnects_is_dropped_from_pending(lighthouse: Callable[
 
 
 def test_join_timeout_answers_without_a_silent_straggler(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse(join_timeout_s=0.3, replica_ids="abc")  # declared: c is expected although it only heartbeats
+    url = lighthouse(join_timeout_ms=300, replica_ids="abc")  # declared: c is expected although it only heartbeats
     heartbeats = [Client(url) for _ in "abc"]  # kept open: closing one declares its replica dead
     for client, rid in zip(heartbeats, "abc", strict=True):
         client.call("POST", "/v1/heartbeat", hb(rid))
@@ -562,7 +562,7 @@ def test_a_group_behind_that_has_not_asked_yet_holds_up_no_quorum(lighthouse: Ca
     """b restarts (it heartbeats at step 0 while it builds) as a, alone in the job, asks for its next step: a is
     answered at once. b holds nothing a lacks, so it counts neither as a group to wait for nor against a's majority;
     it joins the next round and catches up."""
-    url = lighthouse(min_replicas=1, join_timeout_s=30.0)
+    url = lighthouse(min_replicas=1, join_timeout_ms=30_000)
     first = form(url, "a")[0]
     second = form(url, "a", step=1, quorum_id=first["quorum_id"], committed_in=first["quorum_id"], members=("a",))[0]
     b = Client(url)  # its heartbeat connection stays open: b is alive

@@ -116,7 +116,7 @@ def test_an_unsettled_lighthouse_asks_for_the_members_only_of_a_quorum_it_did_no
     """As test_claims' restarted-lighthouse case: this lighthouse formed a quorum 0 of c alone, and b comes back
     holding quorum 0 of a and b from the lighthouse before. Only the members tell the two apart: b is asked for them
     (and then believed); c, which holds the members this lighthouse answered it, is not."""
-    url = lighthouse(lost_state_wait_s=30.0)
+    url = lighthouse(lost_state_wait_ms=30_000)
     ours = Quorum.from_json(form(url, "c")[0])
     theirs = Quorum(0, (Member("a", 100, "a:1"), Member("b", 100, "b:1")), 100, 2)
     b_request = without_members(held("b", theirs, 100))

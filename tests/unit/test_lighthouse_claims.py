@@ -49,7 +49,7 @@ def test_a_new_incarnation_claiming_the_next_step_of_a_quorum_it_was_not_in_is_r
         lighthouse: Callable[..., str]) -> None:
     """As observed (B): c's process joined quorum 0 and never joined its process group, so a and b discarded step 2;
     a new incarnation of c then claimed step 2 committed in quorum 0 and became a and b's catch-up source."""
-    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_ms=0)
     beat_c = _quorum_0_at_step_1(url)
     beat_c.crash()
     wait_for(lambda: replica(Client(url).status(), "c")["dead"], 5, "c declared dead", interval_s=0.005)
@@ -71,7 +71,7 @@ def test_a_claim_of_a_step_its_quorum_discarded_is_refused_also_while_it_waits(
         lighthouse: Callable[..., str]) -> None:
     """The same forger, one incarnation: it claims step 2 in quorum 0 before a and b report that they discarded it
     (its request waits for theirs), and again after. Neither is believed: a and b go on at step 1 without it."""
-    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0, join_timeout_s=0.5)
+    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_ms=0, join_timeout_ms=500)
     forged = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with the claim
     forged.send("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, committed_in=0))
     wait_for(lambda: replica(Client(url).status(), "c")["pending"], 5, "c's claim held", interval_s=0.005)
@@ -92,7 +92,7 @@ def test_a_claim_of_a_step_its_quorum_discarded_is_refused_also_while_it_waits(
 def test_a_member_that_committed_the_next_step_is_believed(lighthouse: Callable[..., str]) -> None:
     """The rule refuses nothing a real member does: the members that committed step 2 in quorum 0 claim it, also when
     another member's commit failed after the exchange succeeded (its lease ran out: it was stopped a while)."""
-    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_ms=0)
     lapsed = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with its request
     answer = form(url, *MEMBERS, step=2, quorum_id=0, members=MEMBERS, committed_in=0)[0]
     assert answer["quorum_id"] == 0 and answer["max_step"] == 2 and answer["catch_up_from"] == {}
@@ -107,7 +107,7 @@ def test_a_member_that_completed_a_collective_another_saw_fail_is_believed(light
     """A collective can end on one member and fail on another (the last message lost): c committed step 2 in quorum 0
     while a and b report that their exchange failed on the built group. That is no proof against c's claim, so it is
     believed and c becomes their catch-up source; only a group that was never built proves that nobody committed."""
-    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_s=0.0, join_timeout_s=0.5)
+    url = lighthouse(min_replicas=2, replica_ids=MEMBERS, lost_state_wait_ms=0, join_timeout_ms=500)
     c = _quorum_0_at_step_1(url)  # c's own connection: its close would declare c dead, racing with its request
     held = _discard(url, "a", "b", rendezvous_failed=False)
     code, answer = c.call("POST", "/v1/quorum", qr("c", 2, quorum_id=0, members=MEMBERS, committed_in=0))
@@ -183,7 +183,7 @@ def test_only_a_group_seen_committing_its_state_is_a_catch_up_source(lighthouse:
     """A lighthouse that adopted the quorum a and b hold (formed before it) believes another holder of that quorum's
     state that it has not answered yet; but it never saw it commit: while a member it saw is up to date, nobody
     fetches from it."""
-    url = lighthouse(min_replicas=2, lost_state_wait_s=0.0)
+    url = lighthouse(min_replicas=2, lost_state_wait_ms=0)
     adopted = form(url, "a", "b", step=5, quorum_id=7, members=("a", "b"), committed_in=7)[0]
     assert adopted["quorum_id"] == 7 and adopted["max_step"] == 5
     early = {rid: Client(url) for rid in ("0x", "d")}  # "0x" sorts first: the first source on today's rules

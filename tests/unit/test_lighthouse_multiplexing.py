@@ -37,7 +37,7 @@ def lighthouse() -> Iterator[Callable[..., LighthouseThread]]:
     """Start a lighthouse thread; all are stopped after the test."""
     with contextlib.ExitStack() as stack:
         def start(min_replicas: int = 1, heartbeat_timeout_ms: int = 30_000) -> LighthouseThread:
-            thread = LighthouseThread(rules=QuorumRules(min_replicas=min_replicas, join_timeout_s=10.0),
+            thread = LighthouseThread(rules=QuorumRules(min_replicas=min_replicas, join_timeout_ms=10_000),
                                       heartbeat_timeout_ms=heartbeat_timeout_ms, startup_grace_ms=0)
             stack.enter_context(thread)
             return thread

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import http.client
 import json
 import os
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.exchange.comm import rendezvous_prefix
+from lightning_fthsdp.exchange.rendezvous import rendezvous_prefix
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.client import Heartbeat, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
@@ -283,12 +284,27 @@ def test_cli_reads_the_token_file_never_prints_it_and_ends_on_sigterm(tmp_path: 
             proc.wait(10)
 
 
-def test_cli_ends_on_sigterm_even_while_starting() -> None:
-    proc = lighthouse_cli()
-    time.sleep(0.2)  # the property under test: a SIGTERM in the middle of startup (importing, binding) still ends it
-    proc.send_signal(signal.SIGTERM)
-    code, out, _ = finish(proc, 10)
-    # Before it listens, SIGTERM keeps its default action (the process ends at once, wherever startup is); once it
-    # listens, its handler stops the lighthouse and it exits 0. Which one depends on how far 0.2 s took it.
-    expected = 0 if "listening on" in out else -signal.SIGTERM
-    assert code == expected, (code, out)
+def test_cli_ends_on_sigterm_even_while_starting(tmp_path: Path) -> None:
+    """Before it listens, SIGTERM keeps its default action: the process ends wherever startup is. The token file is a
+    FIFO, so startup is held reading it until the test has sent the signal."""
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    proc = lighthouse_cli("--token-file", str(fifo))
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # opening a FIFO's write end without blocking fails until a reader holds it
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as err:
+                if err.errno != errno.ENXIO or time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"the lighthouse never opened its token file: {proc.poll()}") from err
+                time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        code, out, _ = finish(proc, 10)
+        os.close(writer)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert code == -signal.SIGTERM and "listening on" not in out, (code, out)

@@ -26,11 +26,11 @@ def pending(*requests: QuorumRequest) -> dict[str, QuorumRequest]:
     return {r.replica_id: r for r in requests}
 
 
-RULES = QuorumRules(min_replicas=1, join_timeout_s=10.0)
+RULES = QuorumRules(min_replicas=1, join_timeout_ms=10_000)
 
 
 def test_min_replicas_blocks_until_enough_ask() -> None:
-    rules = QuorumRules(min_replicas=2, join_timeout_s=10.0)
+    rules = QuorumRules(min_replicas=2, join_timeout_ms=10_000)
     assert decide(rules, None, pending(req("a")), frozenset({"a"}), 100.0) is None
     q = decide(rules, None, pending(req("a"), req("b")), frozenset({"a", "b"}), 0.0)
     assert q is not None and q.member_ids == ("a", "b")
@@ -134,10 +134,10 @@ def test_restarted_lighthouse_continues_numbering_from_requests() -> None:
     requests = pending(req("a", quorum_id=4, members=members), req("c", quorum_id=2, members=("c",)))
     # b, a member the groups still hold, has not come back yet: wait for it until the join timeout.
     assert decide(RULES, None, requests, frozenset("ac"), 0.0) is None
-    q = decide(RULES, None, requests, frozenset("ac"), RULES.join_timeout_s)
+    q = decide(RULES, None, requests, frozenset("ac"), RULES.join_timeout_ms / 1000)
     assert q is not None and q.quorum_id == 5 and q.member_ids == ("a", "c")
     # With min_replicas=1, one early group alone does not form a quorum right after a restart either.
-    single = QuorumRules(min_replicas=1, join_timeout_s=RULES.join_timeout_s)
+    single = QuorumRules(min_replicas=1, join_timeout_ms=RULES.join_timeout_ms)
     assert decide(single, None, pending(req("a", quorum_id=4, members=members)), frozenset("a"), 0.0) is None
     # While a previous member has not asked again and the join timeout has not passed, the lighthouse waits.
     assert not is_ready(RULES, frozenset(members), pending(req("a")), frozenset("ab"), 0.0)
@@ -157,8 +157,8 @@ def test_check_replica_id_rejects(bad: object) -> None:
 def test_rules_validate() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         QuorumRules(min_replicas=0)
-    with pytest.raises(ValueError, match="join_timeout_s"):
-        QuorumRules(join_timeout_s=0)
+    with pytest.raises(ValueError, match="join_timeout_ms"):
+        QuorumRules(join_timeout_ms=0)
 
 
 # ---- properties: random sequences of rounds ----
@@ -180,7 +180,7 @@ round_strategy = st.fixed_dictionaries({
 @settings(max_examples=300, deadline=None)
 @given(min_replicas=st.integers(1, 4), rounds=st.lists(round_strategy, min_size=1, max_size=12))
 def test_properties_over_sequences_of_decisions(min_replicas: int, rounds: list[dict]) -> None:
-    rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=10.0)
+    rules = QuorumRules(min_replicas=min_replicas, join_timeout_ms=10_000)
     previous: Quorum | None = None
     for now, rnd in enumerate(rounds):
         alive = frozenset(rnd["alive"])

@@ -92,7 +92,7 @@ def apply(event: tuple, readiness: Readiness, scratch: Scratch, now: float) -> f
 @settings(max_examples=600, deadline=None)
 @given(min_replicas=st.integers(1, 3), history=events)
 def test_readiness_equals_is_ready_after_every_event(min_replicas: int, history: list[tuple]) -> None:
-    rules = QuorumRules(min_replicas=min_replicas, join_timeout_s=5.0)
+    rules = QuorumRules(min_replicas=min_replicas, join_timeout_ms=5000)
     readiness, scratch, now = Readiness(rules), Scratch(rules), 100.0  # the clock starts later than 0.0
     for index, event in enumerate(history):
         now = apply(event, readiness, scratch, now)
@@ -106,7 +106,7 @@ def test_readiness_equals_is_ready_after_every_event(min_replicas: int, history:
 
 
 def test_the_join_timeout_runs_from_the_oldest_candidate_still_alive() -> None:
-    readiness = Readiness(QuorumRules(min_replicas=1, join_timeout_s=5.0))
+    readiness = Readiness(QuorumRules(min_replicas=1, join_timeout_ms=5000))
     for rid in "abc":
         readiness.set_alive(rid, True)
     readiness.add(QuorumRequest("a", 0, 2, 0.0))
@@ -121,7 +121,7 @@ def test_the_join_timeout_runs_from_the_oldest_candidate_still_alive() -> None:
 def test_churn_behind_a_waiting_candidate_keeps_the_answer_exact() -> None:
     """b asks again, dies and revives many times while a's older request waits: the arrival heap is rebuilt
     without the stale entries, and the oldest candidate stays a."""
-    readiness = Readiness(QuorumRules(min_replicas=2, join_timeout_s=5.0))
+    readiness = Readiness(QuorumRules(min_replicas=2, join_timeout_ms=5000))
     for rid in "abc":
         readiness.set_alive(rid, True)
     readiness.add(QuorumRequest("a", 0, 2, 0.0))

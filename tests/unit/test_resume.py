@@ -38,7 +38,7 @@ def crash_all(url: str, beats: dict[str, Client]) -> None:
 
 
 def test_a_quorum_without_a_live_holder_resumes_from_the_newest_checkpoint(lighthouse: Callable[..., str]) -> None:
-    url = lighthouse(lost_state_wait_s=0.5, replica_ids="abc")
+    url = lighthouse(lost_state_wait_ms=500, replica_ids="abc")
     obs = Client(url)
     beats = train(url, 6)  # the quorum answered at step 6: a and b then hold step 7
     assert Client(url).call("POST", "/v1/checkpoint", checkpoint("a", 3))[0] == 200
@@ -98,7 +98,7 @@ def test_a_checkpoint_no_newer_than_the_live_groups_is_not_used(lighthouse: Call
     """c survives at step 4 (it trained with a and b in quorum 0, then was lost while they trained on in quorum 1);
     the checkpoint is of step 3: c's state is newer, the quorum goes on from it (the steps above it are lost) and
     nobody loads the checkpoint."""
-    url = lighthouse(lost_state_wait_s=0.3, replica_ids="abc")
+    url = lighthouse(lost_state_wait_ms=300, replica_ids="abc")
     obs = Client(url)
     beats = {rid: Client(url) for rid in "abc"}
     for rid, client in beats.items():

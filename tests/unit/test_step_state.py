@@ -46,7 +46,7 @@ def test_a_fresh_step_has_done_nothing() -> None:
 @pytest.fixture
 def manager() -> Iterator[FTManager]:
     """One group of one rank, alone in the job."""
-    with LighthouseThread(rules=QuorumRules(min_replicas=1, join_timeout_s=1.0), startup_grace_ms=0) as url:
+    with LighthouseThread(rules=QuorumRules(min_replicas=1, join_timeout_ms=1000), startup_grace_ms=0) as url:
         manager = FTManager(replica_id="a", lighthouse=url, timeouts=TIMEOUTS, reserve_snapshot_memory=False)
         try:
             yield manager

@@ -6,9 +6,6 @@ A launcher (``fthsdp launch``, SLURM, Kubernetes) sets these per replica group; 
 from __future__ import annotations
 
 import os
-import warnings
-
-from lightning_fthsdp.config.renamed import deprecation
 
 ENV_REPLICA_ID = "FTHSDP_REPLICA_ID"
 """The replica group's stable id (the same across its restarts)."""
@@ -49,18 +46,10 @@ ENV_SPAWNED_AT = "FTHSDP_SPAWNED_AT"
 """Unix time at which the launcher started this process (``fthsdp launch`` and the benches set it); unset: the
 ``process`` phase of a start's anatomy (``config.anatomy``) is unknown (0)."""
 
-RENAMED: dict[str, str] = {ENV_REPLICAS: "FTHSDP_NUM_REPLICA_GROUPS"}
-"""Variables renamed in 0.2, new -> old: the old name is still read until 0.3, with a FutureWarning."""
-
 
 def from_env(value: str | None, env_name: str) -> str | None:
-    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty (or its old name); else None."""
-    found = value or os.environ.get(env_name)
-    old = RENAMED.get(env_name)
-    if not found and old and os.environ.get(old):
-        warnings.warn(deprecation(f"${old}", f"${env_name}", f"set ${env_name} instead"), FutureWarning, stacklevel=2)
-        found = os.environ[old]
-    return found or None
+    """An explicit non-empty ``value`` wins; else ``env_name`` if set and non-empty; else None."""
+    return value or os.environ.get(env_name) or None
 
 
 def resolve(value: str | None, env_name: str, what: str, fix: str) -> str:

@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterator, Sized
 
 from torch.utils.data import DistributedSampler
 
-from lightning_fthsdp.config.renamed import renamed_argument
-
 
 class ReplicaStreamSampler(DistributedSampler):
     """``DistributedSampler`` over ``replicas * shard_count`` shards that starts at a stream position.
@@ -32,18 +30,11 @@ class ReplicaStreamSampler(DistributedSampler):
         shuffle, seed, drop_last: as for ``DistributedSampler``; ``seed`` must be the same in every group.
         drop_last_batch: the DataLoader drops the last micro-batch of an epoch when it is short
             (``DataLoader(drop_last=True)``): that position does not exist, the next epoch follows.
-        num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``: a FutureWarning; giving both
-            with different values is a ValueError.
     """
 
-    def __init__(self, dataset: Sized, *, replicas: int | None = None, replica_index: int, shard_count: int,
-                 shard_rank: int, batch_size: int, position: Callable[[], int], shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, drop_last_batch: bool = False,
-                 num_replica_groups: int | None = None) -> None:
-        replicas = renamed_argument("ReplicaStreamSampler", "replicas", replicas, "num_replica_groups",
-                                    num_replica_groups)
-        if replicas is None:
-            raise TypeError("ReplicaStreamSampler needs replicas= (the replica groups in the job)")
+    def __init__(self, dataset: Sized, *, replicas: int, replica_index: int, shard_count: int, shard_rank: int,
+                 batch_size: int, position: Callable[[], int], shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, drop_last_batch: bool = False) -> None:
         if not 0 <= replica_index < replicas:
             raise ValueError(f"ReplicaStreamSampler needs 0 <= replica_index < replicas, got "
                              f"replica_index={replica_index} and replicas={replicas}")

@@ -30,10 +30,9 @@ class DataTopology:
     @classmethod
     def resolve(cls, replica_id: str, replicas: int | None, replica_ids: list[str] | None,
                 replica_index: int | None, owner: str = "FTHSDPStrategy") -> DataTopology:
-        """From the front end's (``owner``'s) arguments, then ``$FTHSDP_REPLICAS`` (or, deprecated, its old name
-        ``$FTHSDP_NUM_REPLICA_GROUPS``) and ``$FTHSDP_REPLICA_INDEX``: the group count defaults to
-        ``len(replica_ids)``, else 1; the index to ``replica_id``'s position in ``replica_ids``, else 0 when there is
-        one group. Raises ValueError on values that contradict each other."""
+        """From the front end's (``owner``'s) arguments, then ``$FTHSDP_REPLICAS`` and ``$FTHSDP_REPLICA_INDEX``: the
+        group count defaults to ``len(replica_ids)``, else 1; the index to ``replica_id``'s position in
+        ``replica_ids``, else 0 when there is one group. Raises ValueError on values that contradict each other."""
         if replicas is None:
             replicas = len(replica_ids) if replica_ids is not None else int(from_env(None, ENV_REPLICAS) or "1")
         _check_replicas(replicas, owner)

@@ -1,11 +1,8 @@
 """Cross-group process groups: built per quorum, bounded waits, abandoned (never reused) after any error.
 
-One ``CrossGroupComm`` per rank connects shard rank ``s`` of every member replica group. The group for
-quorum ``q`` rendezvouses on the lighthouse's store under its own prefix, so a new quorum never meets an old one's
-keys: ``fthsdp/q{q}/s{s}`` without a token; with the job's token, ``fthsdp/{HMAC(token, q)}/s{s}``. The store has
-no authentication of its own, so the HMAC is what keeps a client without the token from pre-setting the keys of a
-coming quorum (which breaks its rendezvous). A client that can reach the store can still list the keys of a
-rendezvous under way: bind the lighthouse to an address only the job can reach.
+One ``CrossGroupComm`` per rank connects shard rank ``s`` of every member replica group; the group for a quorum
+rendezvouses on the lighthouse's store under that quorum's own prefix (``rendezvous``), from raw backend groups
+(``backends``); retired groups are destroyed off the step's thread (``reaper``).
 
 Aborting: gloo cannot cancel an in-flight collective (``abort()``/``shutdown()`` return while the op stays
 blocked until its own timeout, and destroying the group blocks until then too). So every collective runs on
@@ -20,38 +17,31 @@ connect_timeout, for a member that never comes; so a rendezvous first waits for 
 (``RendezvousStore.arrive``) and enters gloo's only once all are there, on a store whose waits end within a poll
 once the rendezvous is abandoned.
 
-Errors no retry can fix (a backend name that does not exist, NCCL missing) raise ``CrossGroupConfigError`` at once
-instead of aborting the step.
-
-Addresses (docs/launch.md, "Addresses across hosts"): the gloo device binds the rank's advertised address
-(``advertise_host``) unless ``GLOO_SOCKET_IFNAME`` is set; left alone, gloo takes the address its host name resolves
-to, which may be loopback or no address of this host. For NCCL, ``NCCL_SOCKET_IFNAME`` is set (when unset) to the
-interface holding that address. A store address whose host is the wildcard (a lighthouse bound to ``0.0.0.0``) is
-dialled at the lighthouse URL's host instead.
+Errors no retry can fix raise ``CrossGroupConfigError`` at once instead of aborting the step (``backends``). A
+store address whose host is the wildcard (a lighthouse bound to ``0.0.0.0``) is dialled at the lighthouse URL's host
+instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import hmac
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from typing_extensions import override
 
 from lightning_fthsdp.config import addresses, log
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.exchange.backends import check_backend, new_backend
+from lightning_fthsdp.exchange.errors import CollectiveAborted, CrossGroupConfigError
+from lightning_fthsdp.exchange.reaper import REAPER
+from lightning_fthsdp.exchange.rendezvous import ARRIVAL_POLL_MS, RendezvousStore, StorePool, rendezvous_prefix
 
 _log = logging.getLogger(log.ERRORS)
 
@@ -59,24 +49,10 @@ _POLL_S = (0.00005, 0.001)
 """First and longest interval between checks of a collective's completion (doubling in between): short for the
 small exchanges of tiny models, bounded in CPU for long ones."""
 
-_ARRIVAL_POLL_MS = 1000
-"""How often a rendezvous waiting for its members looks whether it was abandoned: how long an abandoned one outlives
-its abandonment. Longer would hold ``close`` up; shorter costs the store a request per waiting rank that often."""
-
 _GLOO_CONNECT_WAITS = 5
 """How many times its timeout gloo's rendezvous waits, at most, for a member that published its address and then
 died (the side that listens for it retries): gloo is built with the collective timeout divided by this, so such a
 member costs the survivors' rendezvous threads one collective timeout, and collectives then get the whole one."""
-
-BACKENDS = ("gloo", "nccl")
-
-
-class CollectiveAborted(RuntimeError):
-    """The collective was abandoned: a member died, hung, or the lighthouse announced a new membership."""
-
-
-class CrossGroupConfigError(ValueError):
-    """The cross-group process group cannot be built in this configuration: retrying cannot help."""
 
 
 @dataclass
@@ -94,195 +70,6 @@ class _Prepared:
     build: Future[dist.ProcessGroup] = field(default_factory=Future)
     abandoned: threading.Event = field(default_factory=threading.Event)
     """Nobody will use the group: its rendezvous gives up if it is still waiting for a member."""
-
-
-def store_client(address: str, timeout_ms: int) -> dist.TCPStore:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"store address must be HOST:PORT, got {address!r}")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=Timeouts.delta(timeout_ms), wait_for_workers=False)
-
-
-class RendezvousStore(dist.Store):
-    """The store as one rendezvous sees it, gloo's or NCCL's included: every wait on it (for the other members'
-    arrival, then for each one's address) ends within a poll once ``abandoned`` is set, where the store's own wait
-    would block in native code until its timeout."""
-
-    def __init__(self, inner: dist.Store, abandoned: threading.Event) -> None:
-        super().__init__()
-        self._inner = inner
-        self._abandoned = abandoned
-
-    @property
-    def plain(self) -> dist.Store:
-        """The store without the abandonable waits."""
-        return self._inner
-
-    def arrive(self, size: int, timeout: timedelta) -> bool:
-        """Count this rank in and wait until the rendezvous is decided: True once all ``size`` members arrived,
-        False once a member gave up first (abandoned, or ``timeout`` passed, at any member). The first to write the
-        outcome decides it for all, so no member builds a group another gave up on; a member that gives up after
-        "build" was decided gets True, but its abandoned wait then ends its gloo rendezvous at once, and the others
-        wait for it there until they give up too or the collective timeout."""
-        if self._inner.add("arrived", 1) == size:
-            self._decide("build")
-        with contextlib.suppress(CollectiveAborted, dist.DistStoreError):  # given up: unless a member decided first
-            self.wait(["decided"], timeout)
-        return self._decide("abandoned") == b"build"
-
-    def _decide(self, outcome: str) -> bytes:
-        """Write ``outcome`` unless a member decided first; the outcome either way. The "decided" key is what wakes
-        the members waiting: not every store server wakes waiters on a compare_set."""
-        decided = self._inner.compare_set("outcome", "", outcome)
-        self._inner.set("decided", b"")
-        return decided
-
-    @override
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        deadline = time.monotonic() + (self._inner.timeout if timeout is None else timeout).total_seconds()
-        while True:
-            if self._abandoned.is_set():
-                raise CollectiveAborted(f"the rendezvous was given up while waiting for {keys}")
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise dist.DistStoreError(f"timed out waiting for {keys}")
-            try:
-                self._inner.wait(keys, timedelta(milliseconds=min(_ARRIVAL_POLL_MS, remaining_ms)))
-                return
-            except dist.DistStoreError as exc:
-                if "timeout" not in str(exc):
-                    raise  # not the end of one poll: the store failed
-
-    @override
-    def get(self, key: str) -> bytes:
-        self.wait([key])  # the store's get waits for the key in native code
-        return self._inner.get(key)
-
-    @override
-    def set(self, key: str, value: str | bytes) -> None:
-        self._inner.set(key, value)
-
-
-def rendezvous_prefix(token: bytes | None, quorum_id: int) -> str:
-    """The store prefix of quorum ``quorum_id``'s rendezvous: unguessable without ``token`` when there is one."""
-    if token is None:
-        return f"fthsdp/q{quorum_id}"
-    return f"fthsdp/{hmac.new(token, f'fthsdp rendezvous of quorum {quorum_id}'.encode(), hashlib.sha256).hexdigest()}"
-
-
-class _StorePool:
-    """Connections to the lighthouse's store, one per rendezvous in flight. A store client serialises its requests,
-    so a rendezvous that never completes (a member died) would hold a shared one until connect_timeout, and the next
-    quorum's rendezvous with it; and opening a connection with torch's client occasionally stalls for seconds, so idle
-    ones are kept."""
-
-    def __init__(self, timeout_ms: int) -> None:
-        self._timeout_ms = timeout_ms
-        self._idle: tuple[str, list[dist.Store]] = ("", [])
-        self._lock = threading.Lock()
-
-    def take(self, address: str) -> dist.Store:
-        with self._lock:
-            if self._idle[0] != address:
-                self._idle = (address, [])  # a new lighthouse address: the old store's connections are of no use
-            elif self._idle[1]:
-                return self._idle[1].pop()
-        return store_client(address, self._timeout_ms)
-
-    def give_back(self, address: str, client: dist.Store) -> None:
-        with self._lock:
-            if self._idle[0] == address:
-                self._idle[1].append(client)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle = ("", [])
-
-
-class _Reaper:
-    """Destroys retired process groups on one thread per process. Destroying a gloo group joins its threads (the GIL
-    is released), time a membership change must not add to the step; and the thread exists before it is needed:
-    under load a newly started thread can take as long to get scheduled."""
-
-    def __init__(self) -> None:
-        self._doomed: queue.Queue[list[object]] = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._pending = 0
-        self._idle = threading.Condition()
-
-    def start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fthsdp-reaper", daemon=True)
-                self._thread.start()
-
-    def destroy(self, doomed: list[object]) -> None:
-        """Drop the last references to ``doomed`` (process groups, or what holds them) on the reaper thread."""
-        self.start()
-        with self._idle:
-            self._pending += 1
-        self._doomed.put(doomed)
-
-    def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` until everything handed over so far is destroyed; whether it was."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            doomed = self._doomed.get()
-            doomed.clear()  # the last references: the groups are destroyed here
-            del doomed
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
-
-
-_REAPER = _Reaper()
-
-
-def new_backend(
-    backend: str, store: dist.Store, rank: int, size: int, timeout_ms: int, device: torch.device,
-    advertise_host: str | None = None,
-) -> dist.ProcessGroup:
-    """A raw backend process group (no default group needed), gloo or NCCL. ``advertise_host``: the address gloo's
-    device binds and publishes to its peers (None, or ``GLOO_SOCKET_IFNAME`` set: gloo's own choice); NCCL takes its
-    interface from ``NCCL_SOCKET_IFNAME`` (see ``CrossGroupComm``)."""
-    timeout = Timeouts.delta(timeout_ms)
-    if backend == "gloo":
-        if advertise_host is None or os.environ.get(addresses.GLOO_SOCKET_IFNAME):
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
-        # Gloo's default device takes the address the host name resolves to: loopback on many distributions, or an
-        # address peers on other hosts cannot reach. lazy_init=None keeps TORCH_GLOO_LAZY_INIT's choice.
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=advertise_host)]
-        return dist.ProcessGroupGloo(store, rank, size, options)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, size, options)
-        # Connect eagerly so a missing peer fails here, inside the bounded rendezvous, not in the first allreduce.
-        pg.eager_connect_single_device(device)
-        return pg
-    raise CrossGroupConfigError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
-
-
-def check_backend(backend: str, device: torch.device) -> None:
-    """Refuse at once what no retry fixes: an unknown backend, NCCL without NCCL or without a CUDA device."""
-    if backend not in BACKENDS:
-        raise CrossGroupConfigError(f"CrossGroupComm backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
-    if backend != "nccl":
-        return
-    if not dist.is_nccl_available():
-        raise CrossGroupConfigError(
-            f"CrossGroupComm backend 'nccl' needs a torch build with NCCL, and torch {torch.__version__} has none: "
-            "install a CUDA build of torch, or use backend 'gloo' (CPU tensors)")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise CrossGroupConfigError(
-            f"CrossGroupComm backend 'nccl' needs a CUDA device, got device {str(device)!r} (CUDA available: "
-            f"{torch.cuda.is_available()}): pass a cuda device, or use backend 'gloo' for CPU training")
 
 
 class CrossGroupComm:
@@ -323,7 +110,7 @@ class CrossGroupComm:
         self._size = 0
         self._graveyard: list[_Parked] = []
         self._prepared: _Prepared | None = None
-        self._stores = _StorePool(timeouts.connect_timeout_ms)
+        self._stores = StorePool(timeouts.connect_timeout_ms)
         self._newest = -1  # the newest quorum configured or prepared: an older one is never built again
         self._target: int | None = None  # the quorum being configured or in use (for abort)
         self._builds = 0  # builds begun so far
@@ -338,7 +125,7 @@ class CrossGroupComm:
         self._closed = False
         # Every build thread alive, its deadline and what it builds.
         self._rendezvous: list[tuple[threading.Thread, float, _Prepared]] = []
-        _REAPER.start()
+        REAPER.start()
 
     @property
     def quorum_id(self) -> int | None:
@@ -482,7 +269,7 @@ class CrossGroupComm:
         for _, _, pending in rendezvous:
             pending.abandoned.set()
         for thread, deadline, _ in rendezvous:
-            thread.join(min(1.5 * _ARRIVAL_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
+            thread.join(min(1.5 * ARRIVAL_POLL_MS / 1000, max(0.0, deadline - time.monotonic())))
             if thread.is_alive():
                 _log.info("waiting up to %.0f s for a cross-group rendezvous to end (a member died inside it): a "
                           "thread inside it would crash the interpreter at exit", max(0.0, deadline - time.monotonic()))
@@ -495,7 +282,7 @@ class CrossGroupComm:
             time.sleep(_POLL_S[-1])
             self._reap()
         # Groups are destroyed now, not among interpreter-exit destructors.
-        if not _REAPER.drain(self._timeouts.collective_timeout_ms / 1000):
+        if not REAPER.drain(self._timeouts.collective_timeout_ms / 1000):
             _log.warning("retired cross-group process groups were not destroyed within collective_timeout_ms=%d",
                          self._timeouts.collective_timeout_ms)
         self._stores.clear()  # their connections go now, not among interpreter-exit destructors
@@ -609,14 +396,14 @@ class CrossGroupComm:
         done: list[object] = [p for p, f in zip(self._graveyard, finished, strict=True) if f]
         self._graveyard = [p for p, f in zip(self._graveyard, finished, strict=True) if not f]
         if done:
-            _REAPER.destroy(done)  # it empties this very list: no reference is left here to destroy one on return
+            REAPER.destroy(done)  # it empties this very list: no reference is left here to destroy one on return
 
     def _discard(self, prepared: _Prepared | None) -> None:
         """A prepared group nobody will use: its rendezvous is given up, or the group destroyed on the reaper thread
         once built."""
         if prepared is not None:
             prepared.abandoned.set()
-            prepared.build.add_done_callback(lambda future: _REAPER.destroy([future]))
+            prepared.build.add_done_callback(lambda future: REAPER.destroy([future]))
 
     def expect(self, quorum_id: int) -> None:
         """The step ahead uses quorum ``quorum_id``: forget aborts meant for older quorums, and from now on

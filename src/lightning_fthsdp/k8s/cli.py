@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         timeouts = recipe.ft.timeouts
         spec = JobSpec(args.name, args.image, to_yaml(recipe), recipe.launch.replicas, per, ranks,
                        recipe.trainer.accelerator != "cpu", recipe.ft.min_replicas, timeouts.heartbeat_timeout_ms,
-                       timeouts.join_timeout_ms, max(1, round(recipe.ft.lost_state_wait_s * 1000)),
+                       timeouts.join_timeout_ms, max(1, recipe.ft.lost_state_wait_ms),
                        recipe.launch.max_restarts, args.token_secret or f"{args.name}-token", args.namespace,
                        lighthouse_args=tuple(recipe.ft.stragglers.args()),
                        script=(str(args.script), *script_args(args)) if args.script is not None else ())

@@ -51,7 +51,7 @@ class JobSpec:
     heartbeat_timeout_ms: int
     join_timeout_ms: int
     lost_state_wait_ms: int
-    """The lighthouse's wait for a group holding the committed step (``ft.lost_state_wait_s``)."""
+    """The lighthouse's wait for a group holding the committed step (``ft.lost_state_wait_ms``)."""
     max_restarts: int
     """JobSet: the ``failurePolicy.maxRestarts`` budget (how restarts of one child Job count against it depends on
     the JobSet version; docs/kubernetes.md)."""

@@ -26,13 +26,11 @@ import contextlib
 import json
 import signal
 import string
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.config.env import ENV_RESUME_STEP
-from lightning_fthsdp.config.renamed import deprecation
 from lightning_fthsdp.launch import multirun
 from lightning_fthsdp.launch.job_args import add_arguments
 from lightning_fthsdp.launch.run_folder import prepare
@@ -53,25 +51,6 @@ if TYPE_CHECKING:
 EXTRAS = ("launch", "lightning", "sim")
 
 
-class RenamedFlag(argparse.Action):
-    """One option under its ``new`` name and its ``old`` one (accepted until 0.3, saying so on stderr); two different
-    values under the two names are refused."""
-
-    def __init__(self, *args: Any, old: str, new: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.old, self.new = old, new
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        if option_string == self.old:
-            print(f"fthsdp: {deprecation(self.old, self.new)}", file=sys.stderr)
-        given = getattr(namespace, self.dest)
-        if given is not None and given != values:
-            parser.error(f"{option_string} {values} contradicts the {given} given before ({self.new} is the new name "
-                         f"of {self.old}): pass it once")
-        setattr(namespace, self.dest, values)
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser(
         "launch", help="run a local job from a recipe: lighthouse, supervised groups, chaos, report",
@@ -85,11 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="with --script: the committed step the script trains to, for the view, the chaos "
                              "schedule and the report (default: the highest step a group ended at)")
     parser.add_argument("--replicas", type=int, default=None, help="replica groups (default: launch.replicas)")
-    renamed = {"action": RenamedFlag, "old": "--devices-per-replica", "new": "--shard-count"}
-    parser.add_argument("--shard-count", type=int, default=None, **renamed,  # type: ignore[arg-type]
+    parser.add_argument("--shard-count", type=int, default=None,
                         help="shard ranks per replica group (default: launch.shard_count)")
-    parser.add_argument("--devices-per-replica", type=int, dest="shard_count", **renamed,  # type: ignore[arg-type]
-                        help=argparse.SUPPRESS)
     parser.add_argument("--chaos", default=None, metavar="SPEC",
                         help="failures to inject, e.g. kill:every=20s,hang:at=45s:for=10s (default: launch.chaos)")
     parser.add_argument("--hosts", action=argparse.BooleanOptionalAction, default=None,
@@ -186,7 +162,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
     job = Job(out / "logs", min_replicas=recipe.ft.min_replicas, heartbeat_timeout_ms=timeouts.heartbeat_timeout_ms,
               join_timeout_ms=timeouts.join_timeout_ms, replica_ids=tuple(replica_ids),
               shard_count=recipe.launch.shard_count,
-              lost_state_wait_ms=max(1, round(recipe.ft.lost_state_wait_s * 1000)), lighthouse_host=host,
+              lost_state_wait_ms=max(1, recipe.ft.lost_state_wait_ms), lighthouse_host=host,
               lighthouse_prefix=prefix, hosts=cluster, straggler_policy=recipe.ft.stragglers)
     if placement is not None:  # a step the scheduler starts: as long as the groups wait to reach it
         job.lighthouse_start_s = timeouts.connect_timeout_ms / 1000

@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--shard-count", type=_positive, default=None,
                         help="the job's shard ranks per replica group: a group with another count is refused (default: "
                              "the live groups' count, as the first of them to ask sets it)")
-    parser.add_argument("--lost-state-wait-ms", type=_non_negative, default=int(QuorumRules.lost_state_wait_s * 1000),
+    parser.add_argument("--lost-state-wait-ms", type=_non_negative, default=QuorumRules.lost_state_wait_ms,
                         help="when no live group holds the committed step, wait this long for one before restarting "
                              "from an older step and reporting the steps lost (default %(default)s)")
     # Help from StragglerPolicy's field docstrings: one source for --help, the recipe keys and the docs.
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         store_port=args.store_port,
-        rules=QuorumRules(min_replicas=args.min_replicas, join_timeout_s=args.join_timeout_ms / 1000,
-                          lost_state_wait_s=args.lost_state_wait_ms / 1000),
+        rules=QuorumRules(min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
+                          lost_state_wait_ms=args.lost_state_wait_ms),
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         replica_ids=args.replica_ids,
         token=token,

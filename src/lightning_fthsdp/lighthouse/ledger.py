@@ -216,5 +216,5 @@ class CommitLedger:
             return held_id >= 0
         if held_members is None:
             raise MembersNeeded(f"this lighthouse formed a quorum {held_id} too, and has not settled (it started less "
-                                f"than lost_state_wait_s ago): only the members tell which of the two the group holds")
+                                f"than lost_state_wait_ms ago): only the members tell which of the two the group holds")
         return self._members[held_id] != hash(frozenset(held_members))

@@ -14,6 +14,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from lightning_fthsdp.config.timeouts import Timeouts
+
 REPLICA_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ALTERNATES = 2
 """Up-to-date members, besides the assigned source, that a catching-up group may fetch from in one step."""
@@ -250,9 +252,10 @@ def _apply_delta(delta: Mapping[str, object], held: Quorum | None, max_step: int
 class QuorumRules:
     min_replicas: int = 1
     """Fewest replica groups a quorum may have."""
-    join_timeout_s: float = 30.0
-    """Wait this long after the first request for heartbeating stragglers before answering without them."""
-    lost_state_wait_s: float = 30.0
+    join_timeout_ms: int = Timeouts.join_timeout_ms
+    """Wait this long after the first request for heartbeating stragglers before answering without them (the groups'
+    ``Timeouts.join_timeout_ms``)."""
+    lost_state_wait_ms: int = 30_000
     """When no live group holds the job's committed step, wait this long for one (a hung or partitioned holder may
     come back) before restarting the quorum from an older step and reporting the steps lost. Longer keeps more work
     after a transient failure of every holder; shorter gets training going sooner when they are really gone."""
@@ -260,11 +263,11 @@ class QuorumRules:
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"QuorumRules.min_replicas must be an integer >= 1, got {self.min_replicas!r}")
-        if not self.join_timeout_s > 0:
-            raise ValueError(f"QuorumRules.join_timeout_s must be > 0, got {self.join_timeout_s!r}")
-        if not self.lost_state_wait_s >= 0:
-            raise ValueError(f"QuorumRules.lost_state_wait_s must be >= 0 (0: do not wait), got "
-                             f"{self.lost_state_wait_s!r}")
+        if not self.join_timeout_ms > 0:
+            raise ValueError(f"QuorumRules.join_timeout_ms must be > 0, got {self.join_timeout_ms!r}")
+        if not self.lost_state_wait_ms >= 0:
+            raise ValueError(f"QuorumRules.lost_state_wait_ms must be >= 0 (0: do not wait), got "
+                             f"{self.lost_state_wait_ms!r}")
 
 
 def previous_from_requests(pending: Mapping[str, QuorumRequest]) -> tuple[int, frozenset[str]]:
@@ -341,7 +344,7 @@ def is_ready(
     if (alive if expected is None else expected) <= asked:
         return True
     first = min(pending[rid].arrived_s for rid in candidates)
-    return now - first >= rules.join_timeout_s
+    return now - first >= rules.join_timeout_ms / 1000
 
 
 def reference(

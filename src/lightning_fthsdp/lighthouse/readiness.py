@@ -118,7 +118,7 @@ class Readiness:
         if asked == len(self._alive) and (self._formed or not self._ref):
             return True
         oldest = self.oldest()
-        return oldest is not None and now - oldest >= self.rules.join_timeout_s
+        return oldest is not None and now - oldest >= self.rules.join_timeout_ms / 1000
 
     def _set_ref(self, quorum_id: int, members: frozenset[str]) -> None:
         self._ref_id, self._ref = quorum_id, members

@@ -173,7 +173,7 @@ class Lighthouse:
         self.rules = rules or QuorumRules()
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._token = token.encode() if token else None
-        self._registry = Registry(declared, grace_s=self.rules.join_timeout_s)
+        self._registry = Registry(declared, grace_s=self.rules.join_timeout_ms / 1000)
         self._ledger = CommitLedger()
         self._watch = Watch(_metrics(self.status))
         self._lost_since: float | None = None  # when a quorum below the committed step first waited for a holder
@@ -272,7 +272,7 @@ class Lighthouse:
         self._started_s = time.monotonic()
         # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
         # (and be believed) as a quorum below the committed step waits for them.
-        self._ledger.settles_at = self._started_s + self.rules.lost_state_wait_s
+        self._ledger.settles_at = self._started_s + self.rules.lost_state_wait_ms / 1000
         log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms; open-files limit %d (about as many "
                  "replica groups at most: raise the hard limit, ulimit -Hn, for more), connections without the token "
                  "capped at %d (%d per address)", self.url, self.store_address, self.rules, self.heartbeat_timeout_ms,
@@ -768,7 +768,7 @@ class Lighthouse:
         if self._lost_since is not None:
             return {"reason": "lost_state", "since_s": round(now - self._lost_since, 3), "asked": asked,
                     "detail": f"no live group holds the committed step {self._ledger.committed_step}: waiting up to "
-                              f"{self.rules.lost_state_wait_s:g} s for one"}
+                              f"{self.rules.lost_state_wait_ms} ms for one"}
         if oldest is not None and asked < self.rules.min_replicas:
             return {"reason": "min_replicas", "since_s": round(now - oldest, 3), "asked": asked,
                     "detail": f"{asked} of min_replicas={self.rules.min_replicas} groups asked for a quorum"}
@@ -989,12 +989,12 @@ class Lighthouse:
                     log.error("quorum %d resumes from the checkpoint of step %d (%s) although step %d was committed: "
                               "no group holding that state came back within %.0f s, so %d steps are lost",
                               quorum.quorum_id, quorum.max_step, lost.checkpoint, lost.committed_step,
-                              self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
+                              self.rules.lost_state_wait_ms / 1000, lost.committed_step - quorum.max_step)
                 else:
                     log.error("quorum %d restarts from step %d although step %d was committed: no group holding that "
                               "state came back within %.0f s and no newer durable checkpoint was reported, so %d "
                               "steps are lost", quorum.quorum_id, quorum.max_step, lost.committed_step,
-                              self.rules.lost_state_wait_s, lost.committed_step - quorum.max_step)
+                              self.rules.lost_state_wait_ms / 1000, lost.committed_step - quorum.max_step)
             self._end_lost_wait()
             self._ledger.record(quorum, adopted=receivers is not None)
             self._watch.decided(quorum)
@@ -1039,9 +1039,9 @@ class Lighthouse:
             self._join_timer.cancel()
             self._join_timer = None
         oldest = self._readiness.oldest()
-        if oldest is not None and oldest + self.rules.join_timeout_s > time.monotonic():
-            self._join_timer = asyncio.get_running_loop().call_at(oldest + self.rules.join_timeout_s,
-                                                                  self._join_deadline)
+        deadline = None if oldest is None else oldest + self.rules.join_timeout_ms / 1000
+        if deadline is not None and deadline > time.monotonic():
+            self._join_timer = asyncio.get_running_loop().call_at(deadline, self._join_deadline)
 
     def _join_deadline(self) -> None:
         self._join_timer = None
@@ -1049,14 +1049,14 @@ class Lighthouse:
 
     def _lost_wait_over(self, quorum: Quorum) -> bool:
         """Whether a quorum below the committed step may be answered: once no holder came back within
-        ``lost_state_wait_s`` of the first such decision (a timer decides again then)."""
+        ``lost_state_wait_ms`` of the first such decision (a timer decides again then)."""
         now = time.monotonic()
         if self._lost_since is None:
             self._lost_since = now
             log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
                         "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
-                        self.rules.lost_state_wait_s)
-        deadline = self._lost_since + self.rules.lost_state_wait_s
+                        self.rules.lost_state_wait_ms / 1000)
+        deadline = self._lost_since + self.rules.lost_state_wait_ms / 1000
         if now >= deadline:
             return True
         if self._lost_timer is None or self._lost_timer.when() != deadline:

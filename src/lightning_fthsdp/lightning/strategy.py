@@ -30,7 +30,6 @@ from typing_extensions import override
 
 from lightning_fthsdp.config import addresses
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_RESUME_STEP, resolve
-from lightning_fthsdp.config.renamed import renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.faults import Fault
@@ -60,7 +59,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         token: the job's shared secret; default ``$FTHSDP_TOKEN``. Prefer the variable: a value given here through
             a config file or LightningCLI's command line is readable in that file, in ``ps`` and in the saved config.
         replicas: replica groups in the job (the data is split over all of them, healthy or not); default
-            ``len(replica_ids)``, else ``$FTHSDP_REPLICAS`` (or, deprecated, ``$FTHSDP_NUM_REPLICA_GROUPS``), else 1.
+            ``len(replica_ids)``, else ``$FTHSDP_REPLICAS``, else 1.
         replica_ids: every group's id in data-shard order; this group's index is the position of ``replica_id``.
         replica_index: this group's data shard in ``[0, replicas)`` (instead of ``replica_ids``);
             default ``$FTHSDP_REPLICA_INDEX``, else 0 when there is one group.
@@ -93,8 +92,6 @@ class FTHSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint, process_group_backend: as for ``ModelParallelStrategy``.
         timeout: this group's own process group timeout; default ``timeouts.process_group_timeout_ms``, whose place
             in the hierarchy it must keep (it replaces that value).
-        num_replica_groups: deprecated (goes in 0.3), the old name of ``replicas``; giving both with different
-            values is a ValueError.
 
     Raises ValueError/TypeError at construction for missing or inconsistent settings and for arguments of other
     strategies; see docs/lightning.md for the failure semantics during training.
@@ -123,11 +120,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
-        num_replica_groups: int | None = None,
         **kwargs: Any,
     ) -> None:
         refusals.refuse_foreign_arguments(kwargs)
-        replicas = renamed_argument("FTHSDPStrategy", "replicas", replicas, "num_replica_groups", num_replica_groups)
         self.timeouts = timeouts or Timeouts()
         if timeout is not None:  # validated against the leader's quorum wait like the field it replaces
             self.timeouts = dataclasses.replace(self.timeouts,

@@ -23,7 +23,6 @@ that differ, a token the lighthouse refuses, a cross-group backend that cannot w
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,10 +33,10 @@ from lightning_fthsdp.config.addresses import advertise_host as advertised_host
 from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
 from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, VOTE, span
-from lightning_fthsdp.config.renamed import deprecation, renamed_argument
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
-from lightning_fthsdp.exchange.comm import CollectiveAborted, CrossGroupComm
+from lightning_fthsdp.exchange.comm import CrossGroupComm
+from lightning_fthsdp.exchange.errors import CollectiveAborted
 from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, LighthouseConnection, QuorumClient
 from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.lighthouse.member import MemberHeartbeat
@@ -66,7 +65,6 @@ class FTManager:
         token: the job's shared secret; default ``$FTHSDP_TOKEN`` (none when unset).
         process_group: this replica group's own process group (None for a one-rank group); the commit vote and
             the quorum broadcast run on it, so it must be a CPU-capable (gloo) group.
-        group: deprecated name of ``process_group`` (read until 0.3).
         backend: cross-group backend, ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         device: where gradients live; cross-group buffers are allocated there.
         timeouts: the validated timeout hierarchy.
@@ -78,7 +76,6 @@ class FTManager:
             groups' traffic). Refused at construction (ValueError naming the fix): loopback while the lighthouse is
             on another host, the wildcard ``0.0.0.0``/``::``, an address this host does not have. See
             ``lightning_fthsdp.config.addresses``.
-        state_host: deprecated name of ``advertise_host`` (read until 0.3).
         on_phase: failure-injection point (see lightning_fthsdp.faults), called with ``"allreduce"`` while a
             cross-group collective is in flight, ``"serve"`` when a catch-up transfer starts streaming from this
             rank, ``"fetch"`` when this rank starts fetching one.
@@ -120,11 +117,7 @@ class FTManager:
         checkpoint_dir: str | None = None,
         checkpoint_every_n_steps: int = 0,
         checkpoint_keep: int = 2,
-        group: dist.ProcessGroup | None = None,
-        state_host: str | None = None,
     ) -> None:
-        process_group = renamed_argument("FTManager", "process_group", process_group, "group", group)
-        advertise_host = renamed_argument("FTManager", "advertise_host", advertise_host, "state_host", state_host)
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
@@ -228,13 +221,6 @@ class FTManager:
         """One entry per catch-up of this group: source, step loaded, fetch_s (seconds the fetch took), replayed
         (steps it replayed after loading)."""
         return self._follower.catch_up_log
-
-    @property
-    def recoveries(self) -> list[dict[str, object]]:
-        """Deprecated name of ``catch_up_log`` (until 0.3)."""
-        warnings.warn(deprecation("FTManager.recoveries", "catch_up_log"),
-                      FutureWarning, stacklevel=2)
-        return self.catch_up_log
 
     @property
     def quorum(self) -> Quorum | None:

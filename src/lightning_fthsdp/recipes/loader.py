@@ -22,7 +22,6 @@ import dataclasses
 import math
 import os
 import typing
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_fthsdp.config.env import ENV_TOKEN
-from lightning_fthsdp.config.renamed import deprecation
 from lightning_fthsdp.recipes import defaults, groups, retired
 from lightning_fthsdp.recipes.overrides import Override, OverrideError, sweep_refusal
 from lightning_fthsdp.recipes.overrides import parse as parse_override
@@ -40,10 +38,6 @@ from lightning_fthsdp.recipes.schema import MAGNITUDE, RecipeConfig
 
 class RecipeError(ValueError):
     """A recipe or override that does not fit the schema; the message names key, value and allowed values."""
-
-
-#: Keys renamed in 0.2 (one name per concept), still read until 0.3 with a FutureWarning: old -> new.
-RENAMED_KEYS: dict[str, str] = {"launch.devices_per_replica": "launch.shard_count"}
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> RecipeConfig:
@@ -73,7 +67,6 @@ def _load(path: Path | None, overrides: Sequence[str]) -> RecipeConfig:
         raise RecipeError(str(err)) from None
     merged = _merge(OmegaConf.structured(RecipeConfig), plain, label)
     key_overrides = [o for o in parsed if not o.is_group]
-    _refuse_both_names([o.text for o in key_overrides])
     for override in key_overrides:
         plain, merged = _apply(override, plain, merged)
     _refuse_token_interpolation(merged, f"{label}{_with(overrides)}")
@@ -114,7 +107,7 @@ def split_overrides(overrides: Sequence[str]) -> list[Override]:
                     and (o.key, o.package) == (override.key, override.package) and o.option != option]
             if same:
                 raise RecipeError(f"{override.describe()} contradicts {same[0].text} given before: choose once")
-        elif not ("." in override.key or override.key in top_level or override.key in RENAMED_KEYS):
+        elif not ("." in override.key or override.key in top_level):
             raise RecipeError(f"{override.describe()}: {override.key!r} is neither a config group nor a key; groups: "
                               f"{', '.join(sorted(groups.GROUPS))}; keys: {', '.join(top_level)} (and their fields, "
                               "e.g. trainer.max_steps=50)")
@@ -127,9 +120,6 @@ def _apply(override: Override, plain: DictConfig, merged: DictConfig) -> tuple[D
     ``key=`` sets a key the config has, ``+key=`` adds one without a value, ``++key=`` either, ``~key`` removes what
     was set (the schema's default applies again)."""
     key, source = override.key, override.describe()
-    if key in RENAMED_KEYS:
-        _warn_renamed(source, key)
-        key = RENAMED_KEYS[key]
     current = OmegaConf.select(merged, key, default=_MISSING, throw_on_resolution_failure=False)
     if override.prefix == "~":
         if current is _MISSING:
@@ -189,7 +179,6 @@ class _Composer:
         old_form = retired.refusal(map(str, raw), f"recipe {path}")
         if old_form is not None:
             raise RecipeError(old_form)
-        _rename_keys(raw, f"recipe {path}")
         if not isinstance(entries, ListConfig) and entries != []:
             raise RecipeError(f"recipe {path}: defaults must be a list of recipe names and group: option entries, "
                               f"got {entries!r}")
@@ -261,36 +250,7 @@ class _Composer:
         return raw
 
 
-def _rename_keys(raw: DictConfig, source: str) -> None:
-    """Move each renamed key of one file to its new name, in place (before the merge: the schema rejects it)."""
-    for old, new in RENAMED_KEYS.items():
-        value = OmegaConf.select(raw, old, default=_MISSING)
-        if value is _MISSING:
-            continue
-        _warn_renamed(source, old)
-        if OmegaConf.select(raw, new, default=_MISSING) not in (_MISSING, value):
-            raise RecipeError(f"{source} sets both {old} (deprecated) and {new} to different values: keep {new}")
-        section, _, name = old.rpartition(".")
-        parent = OmegaConf.select(raw, section) if section else raw
-        parent.pop(name)
-        OmegaConf.update(raw, new, value, force_add=True)
-
-
 _MISSING = object()
-
-
-def _refuse_both_names(overrides: Sequence[str]) -> None:
-    """A renamed key given under both names with different values is a mistake, as in one recipe file."""
-    values = dict(override.partition("=")[::2] for override in overrides)
-    for old, new in RENAMED_KEYS.items():
-        if old in values and new in values and values[old] != values[new]:
-            raise RecipeError(f"overrides set both {old}={values[old]} (deprecated) and {new}={values[new]}: "
-                              f"keep {new}")
-
-
-def _warn_renamed(source: str, old: str) -> None:
-    warnings.warn(f"{source}: {deprecation(old, RENAMED_KEYS[old])}",
-                  FutureWarning, stacklevel=3)
 
 
 def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:

@@ -84,10 +84,10 @@ class FTConfig:
     """Write a checkpoint every this many committed steps (0: none, only load one). One contributing group writes
     it in the background (a CPU copy overlapped with forward and backward, then the disk): more often loses fewer
     steps when every holder fails at once, and costs that group more copies and I/O. Needs checkpoint_dir."""
-    lost_state_wait_s: float = _at_least(30.0, 0.0)
-    """When no live group holds the job's committed step, the lighthouse waits this long for one (a hung holder may
-    come back) before resuming from the newest checkpoint (or, without one, an older step) and reporting the steps
-    lost. Longer keeps more work after a transient failure of every holder; shorter trains again sooner."""
+    lost_state_wait_ms: int = _at_least(30_000, 0)
+    """When no live group holds the job's committed step, the lighthouse waits this many milliseconds for one (a hung
+    holder may come back) before resuming from the newest checkpoint (or, without one, an older step) and reporting
+    the steps lost. Longer keeps more work after a transient failure of every holder; shorter trains again sooner."""
     checkpoint_keep: int = _at_least(2, 1)
     """Complete checkpoints kept; older ones are removed once a newer one is complete."""
     advertise_host: str = ""

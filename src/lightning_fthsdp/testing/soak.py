@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.launch.invariants import assert_consistent, assert_exactly_once, assert_no_regression
 from lightning_fthsdp.launch.processes import Job
 from lightning_fthsdp.netcluster.cluster import Cluster
 from lightning_fthsdp.netcluster.faults import Flap, NetworkFault, cut, flap, partition, slowlink
+from lightning_fthsdp.testing.invariants import assert_consistent, assert_exactly_once, assert_no_regression
 
 PHASE_FAULTS = ("forward", "backward", "before", "allreduce", "commit", "optimizer")
 RECOVERY_FAULTS = ("fetch", "follow", "replay")
@@ -106,7 +106,7 @@ class _Incarnation:
 
 
 class _Tail:
-    """One group's JSONL file read incrementally; also what ``launch.invariants`` reads (``records``)."""
+    """One group's JSONL file read incrementally; also what ``testing.invariants`` reads (``records``)."""
 
     def __init__(self, replica_id: str, path: Path) -> None:
         self.replica_id, self.path = replica_id, path

@@ -1,8 +1,8 @@
 """Invariants every fault-tolerant run must keep, read from the groups' JSONL logs (the records of
 ``lightning_fthsdp.demo.train_plain``; every incarnation of a group appends to the same file).
 
-Each check raises AssertionError naming the step, the groups and what differs; the tests and the chaos soak
-(``lightning_fthsdp.launch.soak``) use them.
+Each check raises ``InvariantViolated`` (an AssertionError, so pytest reports it as a failed check) naming the step,
+the groups and what differs; the tests and the chaos soak (``lightning_fthsdp.testing.soak``) use them.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ from __future__ import annotations
 import itertools
 
 from lightning_fthsdp.launch.processes import Group
+
+
+class InvariantViolated(AssertionError):
+    """A run broke an invariant: the message names the step, the groups and what differs."""
 
 
 def kept_commits(*groups: Group, rank: int = 0) -> dict[int, int]:
@@ -40,15 +44,17 @@ def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
                 # its start went are not training of its own.
                 after = next((r for r in rows[i + 1:] if r["event"] not in ("discard", "follow", "fault", "phases")),
                              None)
-                assert after is None or after["event"] == "ready" or after.get("catch_up"), (
-                    f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
-                    f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
+                if not (after is None or after["event"] == "ready" or after.get("catch_up")):
+                    raise InvariantViolated(
+                        f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
+                        f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
         by_group.append({r["step"]: r["params_sha256"] for r in rows
                          if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
     common = set.intersection(*(set(d) for d in by_group))
     for step in sorted(set().union(*by_group)):
         digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True) if step in d}
-        assert len(set(digests.values())) == 1, f"parameters differ at step {step}: {digests}"
+        if len(set(digests.values())) != 1:
+            raise InvariantViolated(f"parameters differ at step {step}: {digests}")
     return common
 
 
@@ -64,7 +70,8 @@ def contributions_by_step(*groups: Group) -> dict[int, dict[str, list[int]]]:
             batches = {p: list(range(first, first + record["shares"][p]))
                        for p, first in record["contributions"].items()}
             known = steps.setdefault(record["step"], batches)
-            assert known == batches, f"step {record['step']}: {known} != {batches}"
+            if known != batches:
+                raise InvariantViolated(f"step {record['step']}: {known} != {batches}")
     return steps
 
 
@@ -72,13 +79,15 @@ def assert_exactly_once(*groups: Group) -> dict[str, list[int]]:
     """Over all committed steps 1..N, every group's stream was trained exactly once: 0, 1, 2, ... with no repeat
     and no gap. Returns each group's stream in step order."""
     steps = contributions_by_step(*groups)
-    assert sorted(steps) == list(range(1, max(steps) + 1)), f"committed steps have a gap: {sorted(steps)}"
+    if sorted(steps) != list(range(1, max(steps) + 1)):
+        raise InvariantViolated(f"committed steps have a gap: {sorted(steps)}")
     streams: dict[str, list[int]] = {}
     for step in sorted(steps):
         for replica_id, indices in steps[step].items():
             streams.setdefault(replica_id, []).extend(indices)
     for replica_id, indices in streams.items():
-        assert indices == list(range(len(indices))), f"stream of {replica_id}: {indices}"
+        if indices != list(range(len(indices))):
+            raise InvariantViolated(f"stream of {replica_id}: {indices}")
     return streams
 
 
@@ -88,12 +97,15 @@ def assert_no_step_lost(group: Group, final_step: int, rank: int = 0) -> None:
     completed falls one step behind and catches up)."""
     commits = group.records(rank=rank)
     steps = [r["step"] for r in commits]
-    assert steps == sorted(set(steps)), f"{group.replica_id} committed a step twice: {steps}"
-    assert steps and steps[-1] == final_step, f"{group.replica_id} ended at {steps[-1:]} not {final_step}"
+    if steps != sorted(set(steps)):
+        raise InvariantViolated(f"{group.replica_id} committed a step twice: {steps}")
+    if not steps or steps[-1] != final_step:
+        raise InvariantViolated(f"{group.replica_id} ended at {steps[-1:]} not {final_step}")
     for before, after in itertools.pairwise(commits):
-        assert after["step"] == before["step"] + 1 or after.get("catch_up"), (
-            f"{group.replica_id} skipped steps {before['step'] + 1}..{after['step'] - 1} without catching up: "
-            f"{steps}")
+        if after["step"] != before["step"] + 1 and not after.get("catch_up"):
+            raise InvariantViolated(
+                f"{group.replica_id} skipped steps {before['step'] + 1}..{after['step'] - 1} without catching up: "
+                f"{steps}")
 
 
 def assert_no_regression(*groups: Group, rank: int = 0) -> None:
@@ -109,7 +121,8 @@ def assert_no_regression(*groups: Group, rank: int = 0) -> None:
     for quorum_id, rows in itertools.groupby(commits, key=lambda c: c[0]):
         here = [(step, quorum_id, replica_id) for _, step, replica_id in rows]
         for step, _, replica_id in here:
-            assert before is None or step >= before[0], (
-                f"{replica_id} committed step {step} in quorum {quorum_id} although {before[2]} had committed step "
-                f"{before[0]} in quorum {before[1]}: {before[0] - step} committed steps lost")
+            if before is not None and step < before[0]:
+                raise InvariantViolated(
+                    f"{replica_id} committed step {step} in quorum {quorum_id} although {before[2]} had committed step "
+                    f"{before[0]} in quorum {before[1]}: {before[0] - step} committed steps lost")
         before = max(here) if before is None else max(before, *here)
