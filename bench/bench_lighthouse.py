@@ -2,7 +2,7 @@
 
 One lighthouse subprocess (the real ``fthsdp lighthouse`` command, default heartbeat timeout) and ``--generators`` load-
 generator processes, each an asyncio loop standing in for a share of the groups. Every group speaks the real protocol as
-its leader does (``lighthouse.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
+its leader does (``membership.client.Heartbeat`` and ``QuorumClient`` on one ``LighthouseConnection``): one keep-alive
 connection carrying heartbeat long-polls (the group's other ranks beat to their leader, never here) and, in a quorum
 round, the group's quorum request beside its held heartbeat, each with a request id, the quorum answer coming as soon as
 the quorum is decided (a new quorum wakes no held heartbeat: the leader relays its answer to its ranks); the request
@@ -21,7 +21,7 @@ seconds, the lighthouse's and each generator's, are counted over it; its answer 
 groups that never failed (a false death revived since counts) and those of them dead at the end are read from
 ``/status``.
 
-The quorum requests are the real client's (``lighthouse.client.quorum_request_body``): the quorum held is named by its
+The quorum requests are the real client's (``membership.client.quorum_request_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
 delta against the quorum held, are decoded with ``Quorum.from_json`` into the quorum each group holds next. Every group
 of a generator holds the same quorum and the lighthouse sends every holder of one quorum the same bytes (each round
@@ -61,8 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.client import quorum_request_body, with_members
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.membership.client import quorum_request_body, with_members
+from lightning_fthsdp.protocol.quorum import Quorum
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse.json"
 CONNECT_BATCH = 256  # stay well under the listen backlog

@@ -18,8 +18,8 @@ from pathlib import Path
 PACKAGE = "lightning_fthsdp"
 
 PLANES: tuple[frozenset[str], ...] = (
-    frozenset({"config", "faults", "netcluster"}),  # netcluster: hosts on network namespaces, stdlib only
-    frozenset({"lighthouse", "exchange", "recovery", "data"}),
+    frozenset({"config", "faults", "netcluster", "protocol"}),  # netcluster: hosts on network namespaces, stdlib only
+    frozenset({"lighthouse", "membership", "exchange", "recovery", "data"}),  # the service and the ranks' side
     frozenset({"manager"}),
     frozenset({"lightning", "accelerate", "models", "recipes", "sim"}),
     frozenset({"launch"}),

@@ -1,7 +1,7 @@
 """The lighthouse past its capacity, with 300 simulated group leaders (``bench/bench_lighthouse.py``'s generators,
 speaking the real protocol) heartbeating every 250 ms against a 1 s timeout: stopped for 2.5 timeouts, then starved
 beside a busy loop on one core, it declares nobody dead, answers ``/status`` under the load and is back to its round
-times once the load falls. Among those leaders, real ones (``lighthouse.client.Heartbeat`` in processes of their own)
+times once the load falls. Among those leaders, real ones (``membership.client.Heartbeat`` in processes of their own)
 that crash or hang are still found: a crash at once, a hang within the timeout."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from bench.bench_lighthouse import TOKEN, Fleet, overload
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.client import Heartbeat
+from lightning_fthsdp.membership.client import Heartbeat
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -19,8 +19,8 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange import rendezvous
 from lightning_fthsdp.exchange.backends import new_backend
 from lightning_fthsdp.exchange.comm import CrossGroupComm
-from lightning_fthsdp.lighthouse.group_relay import GroupRelay
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.membership.relay import GroupRelay
 from lightning_fthsdp.recovery.server import StateServer
 from tests.unit.test_comm import TIMEOUTS, run_ranks
 

@@ -14,9 +14,9 @@ import torch
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.client import Heartbeat
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.manager import CommitsFailed, FTManager
+from lightning_fthsdp.membership.client import Heartbeat
 from tests.lighthouse_thread import LighthouseThread
 
 FAST = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=500, collective_timeout_ms=1_000,

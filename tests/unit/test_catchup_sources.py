@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.sources import sources
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from lightning_fthsdp.recovery.catchup import CatchUp, Source
 from lightning_fthsdp.recovery.server import StateServer
 from lightning_fthsdp.recovery.snapshot import snapshot

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from lightning_fthsdp.recovery.checkpoint import (
     COMPLETE,
     CheckpointError,

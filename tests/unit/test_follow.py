@@ -9,9 +9,9 @@ import torch
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.step import Progress
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from lightning_fthsdp.recovery.catchup import CatchUp, Fetched, Source
 from lightning_fthsdp.recovery.torch_state import StateTree
 

@@ -39,10 +39,10 @@ BROKEN_TREES = {
     }, "lightning_fthsdp.config.env imports lightning_fthsdp.manager.manager"),
     "a cross import within one plane": ({
         "recovery/__init__.py": "",
-        "recovery/catchup.py": "from lightning_fthsdp.lighthouse.client import Heartbeat\n",
+        "recovery/catchup.py": "from lightning_fthsdp.membership.client import Heartbeat\n",
         "lighthouse/__init__.py": "",
-        "lighthouse/client.py": "Heartbeat = None\n",
-    }, "recovery.catchup imports lightning_fthsdp.lighthouse.client"),
+        "membership/client.py": "Heartbeat = None\n",
+    }, "recovery.catchup imports lightning_fthsdp.membership.client"),
     "a module-level cycle inside a package": ({
         "exchange/__init__.py": "",
         "exchange/a.py": "from . import b\n",

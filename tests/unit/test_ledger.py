@@ -6,8 +6,8 @@ import pytest
 
 from lightning_fthsdp.lighthouse.http import HttpError
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.lighthouse.registry import Registry, check_incarnation
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 
 def quorum(quorum_id: int, max_step: int) -> Quorum:

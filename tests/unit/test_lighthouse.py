@@ -25,11 +25,12 @@ import pytest
 from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.client import Heartbeat
-from lightning_fthsdp.lighthouse.group_relay import GroupRelay
-from lightning_fthsdp.lighthouse.member import MemberHeartbeat
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.server import REVIVAL_NEWS_S
+from lightning_fthsdp.membership.client import Heartbeat
+from lightning_fthsdp.membership.member import MemberHeartbeat
+from lightning_fthsdp.membership.relay import GroupRelay
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from tests.lighthouse_thread import LighthouseThread
 
 LISTENING = re.compile(r"^fthsdp lighthouse listening on (http://[\d.]+:(\d+)) store ([\d.]+:\d+)$")
@@ -541,7 +542,8 @@ def test_a_leader_relays_its_quorum_answer_to_its_ranks_at_once(lighthouse: Call
 
 def test_importing_the_lighthouse_imports_no_torch() -> None:
     """Every lighthouse module imports, in a fresh interpreter, without torch (only a starting lighthouse loads it, for
-    its TCPStore) and without any package of ours but config."""
+    its TCPStore) and without any package of ours but config and the wire types (protocol): nothing of the ranks'
+    side (membership)."""
     code = (
         "import importlib, pkgutil, sys\n"
         "import lightning_fthsdp.lighthouse as package\n"
@@ -553,9 +555,27 @@ def test_importing_the_lighthouse_imports_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     loaded = done.stdout.split()
     assert "lightning_fthsdp.lighthouse.server" in loaded and "lightning_fthsdp.lighthouse.readiness" in loaded
-    allowed = {"lightning_fthsdp", "lightning_fthsdp.config", "lightning_fthsdp.lighthouse"}
+    allowed = {"lightning_fthsdp", "lightning_fthsdp.config", "lightning_fthsdp.protocol",
+               "lightning_fthsdp.lighthouse"}
     unexpected = [name for name in loaded if ".".join(name.split(".")[:2]) not in allowed]
     assert not unexpected, unexpected
+
+
+def test_the_ranks_side_imports_nothing_of_the_lighthouse_service() -> None:
+    """The two sides of the control plane share only the wire types: every module of ``membership`` imports, in a
+    fresh interpreter, without any module of ``lighthouse``."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import lightning_fthsdp.membership as package\n"
+        "for module in pkgutil.iter_modules(package.__path__):\n"
+        "    importlib.import_module(f'lightning_fthsdp.membership.{module.name}')\n"
+        "print(' '.join(sorted(name for name in sys.modules if name.startswith('lightning_fthsdp'))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    assert {"lightning_fthsdp.membership.client", "lightning_fthsdp.protocol.quorum"} <= set(loaded), loaded
+    assert not [name for name in loaded if name.startswith("lightning_fthsdp.lighthouse")], loaded
 
 
 def test_a_group_behind_that_has_not_asked_yet_holds_up_no_quorum(lighthouse: Callable[..., str]) -> None:

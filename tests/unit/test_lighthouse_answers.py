@@ -12,10 +12,10 @@ import pytest
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse import client as client_module
 from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES
-from lightning_fthsdp.lighthouse.client import QuorumClient
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.membership import client as client_module
+from lightning_fthsdp.membership.client import QuorumClient
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from tests.unit.test_lighthouse import Client, form, inc, lighthouse, qr, replica
 
 __all__ = ["lighthouse"]  # the fixture, shared with test_lighthouse

@@ -26,8 +26,8 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.rendezvous import rendezvous_prefix
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.client import Heartbeat, QuorumClient
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from lightning_fthsdp.membership.client import Heartbeat, QuorumClient
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import LISTENING, Client, hb, inc, leave
 

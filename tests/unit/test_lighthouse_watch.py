@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_fthsdp.lighthouse.events import EventLog
 from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.lighthouse.watch import Watch
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 
 class Clock:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.membership import Membership
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
 from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.membership.view import Membership
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=1_000, collective_timeout_ms=2_000,
                     quorum_timeout_ms=3_000, connect_timeout_ms=4_000, join_timeout_ms=1_000)

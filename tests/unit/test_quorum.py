@@ -6,16 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fthsdp.lighthouse.quorum import (
-    Quorum,
-    QuorumRequest,
-    QuorumRules,
-    adopt,
-    check_replica_id,
-    decide,
-    is_late_member,
-    is_ready,
-)
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_late_member, is_ready
+from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id
 
 
 def req(rid: str, step: int = 0, at: float = 0.0, **kw: object) -> QuorumRequest:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES, KEPT_BASES, QuorumAnswers
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 BASE = Quorum(3, (Member("a", 7, "a:1"), Member("b", 7, "b:1"), Member("c", 7, "c:1")), 7, 2)
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRequest, QuorumRules, is_ready, reference
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, is_ready, reference
 from lightning_fthsdp.lighthouse.readiness import Readiness
+from lightning_fthsdp.protocol.quorum import Member, Quorum, QuorumRequest
 
 IDS = "abcd"
 

@@ -10,10 +10,11 @@ import torch
 
 from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RANGES, RENDEZVOUS, VOTE
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum, QuorumRules
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.manager import FTManager, StepDriver
 from lightning_fthsdp.manager.checkpoints import is_writer
 from lightning_fthsdp.manager.step import Progress, StepState
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 from tests.lighthouse_thread import LighthouseThread
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=50, heartbeat_timeout_ms=500, collective_timeout_ms=5_000,

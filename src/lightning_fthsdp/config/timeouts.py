@@ -8,7 +8,7 @@ The replica group's own process group outlasts the longest wait of its leader fo
 (``connect_timeout + quorum_timeout`` plus slack), which every other rank of the group sits out in a broadcast.
 
 The lighthouse's ``--heartbeat-timeout-ms`` is the one that declares groups dead: a group's commit lease follows the
-lighthouse's value as soon as it answers (see ``lighthouse.client.Heartbeat.lease_valid``).
+lighthouse's value as soon as it answers (see ``membership.client.Heartbeat.lease_valid``).
 """
 
 from __future__ import annotations

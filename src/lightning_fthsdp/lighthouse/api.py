@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from lightning_fthsdp.config.addresses import state_server_location
 from lightning_fthsdp.lighthouse.exclusions import Exclusion
 from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, json_response, require, require_int
-from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, check_replica_id
 from lightning_fthsdp.lighthouse.registry import check_incarnation
 from lightning_fthsdp.lighthouse.stragglers import MAX_STEP_S
+from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id
 
 MAX_QUORUM_TIMEOUT_MS = 3_600_000
 GZIP_OVER_BYTES = 16384
@@ -49,7 +49,7 @@ class HeartbeatRequest:
     """The epoch the rank last saw: while it is still the lighthouse's, the answer is held up to ``wait_ms``."""
     wait_ms: int
     lost: tuple[int, ...] = ()
-    """The ranks of the group its leader has lost now (``lighthouse.group_relay``): the group stays dead while any
+    """The ranks of the group its leader has lost now (``membership.relay``): the group stays dead while any
     is. Empty from a client that heartbeats per rank."""
     losses: int = 0
     """How many ranks the leader has lost so far: a heartbeat reporting fewer losses than the lighthouse knows was

@@ -24,8 +24,9 @@ from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
 from lightning_fthsdp.config.timeouts import Timeouts, field_docs
-from lightning_fthsdp.lighthouse.quorum import QuorumRules, check_replica_id
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.stragglers import MODES, StragglerPolicy
+from lightning_fthsdp.protocol.quorum import check_replica_id
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.protocol.quorum import Quorum
 
 MAX_QUORUMS = 4096
 """Quorums whose step ranges the ledger keeps (a claim naming an older one is held to the step bound only)."""

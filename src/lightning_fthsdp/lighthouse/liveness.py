@@ -2,7 +2,7 @@
 a process of that replica group died (crash detection; hangs are left to the heartbeat timeout).
 
 Our own clients heartbeat from each group's leader only (its other ranks beat to the leader, which reports one lost
-itself, see ``lighthouse.group_relay``): one connection per group. A client that heartbeats from every rank is still
+itself, see ``membership.relay``): one connection per group. A client that heartbeats from every rank is still
 served, one connection per rank."""
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import heapq
 import itertools
 from collections.abc import Mapping, Set
 
-from lightning_fthsdp.lighthouse.quorum import Quorum, QuorumRequest, QuorumRules, previous_from_requests
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, previous_from_requests
+from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest
 
 
 class Readiness:

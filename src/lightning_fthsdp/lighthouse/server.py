@@ -73,19 +73,12 @@ from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
-from lightning_fthsdp.lighthouse.quorum import (
-    Quorum,
-    QuorumRequest,
-    QuorumRules,
-    adopt,
-    check_replica_id,
-    decide,
-    is_late_member,
-)
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 from lightning_fthsdp.lighthouse.stragglers import Change, StragglerPolicy, Stragglers
 from lightning_fthsdp.lighthouse.watch import Watch
+from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id
 
 if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
     from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from lightning_fthsdp.lighthouse.events import EventLog
 from lightning_fthsdp.lighthouse.ledger import LostState
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.protocol.quorum import Quorum
 
 if TYPE_CHECKING:  # prometheus_client is imported only where the metrics are made
     from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics

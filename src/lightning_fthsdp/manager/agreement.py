@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_TOKEN
-from lightning_fthsdp.lighthouse.client import Excluded, LighthouseRejected
-from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.request import QuorumUnavailable
+from lightning_fthsdp.membership.client import Excluded, LighthouseRejected
+from lightning_fthsdp.protocol.quorum import Quorum
 
 _GATEWAY_TIMEOUT = 504
 _UNAUTHORIZED = 401

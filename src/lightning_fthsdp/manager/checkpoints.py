@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_fthsdp.config import log
-from lightning_fthsdp.lighthouse.client import CheckpointReporter, LighthouseRejected, LighthouseUnavailable
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.membership.client import CheckpointReporter, LighthouseRejected, LighthouseUnavailable
+from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.recovery.checkpoint import CheckpointInfo, CheckpointWriter, read_shard
 from lightning_fthsdp.recovery.expected import expect
 from lightning_fthsdp.recovery.torch_state import StateTree

@@ -11,9 +11,9 @@ import torch
 
 from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.quorum import Quorum
 from lightning_fthsdp.manager.sources import sources
 from lightning_fthsdp.manager.step import HeldStep, Progress
+from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.recovery.catchup import CatchUp
 from lightning_fthsdp.recovery.torch_state import StateTree
 from lightning_fthsdp.recovery.wire import split_tree

@@ -37,15 +37,15 @@ from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CrossGroupComm
 from lightning_fthsdp.exchange.errors import CollectiveAborted
-from lightning_fthsdp.lighthouse.client import CheckpointReporter, Heartbeat, LighthouseConnection, QuorumClient
-from lightning_fthsdp.lighthouse.group_relay import GroupRelay
-from lightning_fthsdp.lighthouse.member import MemberHeartbeat
-from lightning_fthsdp.lighthouse.quorum import Quorum, check_replica_id
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
 from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
+from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, LighthouseConnection, QuorumClient
+from lightning_fthsdp.membership.member import MemberHeartbeat
+from lightning_fthsdp.membership.relay import GroupRelay
+from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 

@@ -12,15 +12,15 @@ from http import HTTPStatus
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.client import (
+from lightning_fthsdp.manager.probe import unreachable
+from lightning_fthsdp.membership.client import (
     Excluded,
     LighthouseRejected,
     LighthouseUnavailable,
     ProbeRequested,
     QuorumClient,
 )
-from lightning_fthsdp.lighthouse.quorum import Member, Quorum
-from lightning_fthsdp.manager.probe import unreachable
+from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 
 class QuorumUnavailable(RuntimeError):

@@ -2,7 +2,7 @@
 
 The quorum assigns each group behind ``max_step`` one source (``catch_up_from``, round robin over the up-to-date
 members). A fetch from it can fail (the source died, refused, sent a corrupt or foreign state): the recovering rank
-then tries, within the same step, the next ``lighthouse.quorum.ALTERNATES`` up-to-date members after its source in
+then tries, within the same step, the next ``protocol.quorum.ALTERNATES`` up-to-date members after its source in
 member order (``Quorum.candidates``), each at most once. Those members snapshot and serve the step's state too
 (``Quorum.serving``), so the extra cost of an alternative is bounded (at most ``ALTERNATES`` extra snapshots per
 catching-up group, taken on other hosts in parallel).
@@ -10,7 +10,7 @@ catching-up group, taken on other hosts in parallel).
 
 from __future__ import annotations
 
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.recovery.catchup import Source
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.recovery.expected import Counters
 from lightning_fthsdp.recovery.torch_state import StateTree
 

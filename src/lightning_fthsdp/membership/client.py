@@ -3,7 +3,7 @@
 Liveness has two levels. A group's leader (shard rank 0) heartbeats on one persistent connection: the lighthouse
 declares the group dead the moment that connection closes (a crash) or falls silent past the heartbeat timeout (a
 hang), and answers the heartbeat long-polls of everyone else at once, so survivors learn of a death without waiting
-for a collective timeout. The group's other ranks beat to their leader (``lighthouse.group_relay``), which reports
+for a collective timeout. The group's other ranks beat to their leader (``membership.relay``), which reports
 one lost at once and relays every answer to them. Only the leader asks for quorums, on the same connection as its
 heartbeats, where each request is answered as soon as it is ready (``LighthouseConnection``): one persistent
 lighthouse connection per group. A checkpoint's report, rare, uses a short connection of its own.
@@ -27,9 +27,9 @@ from http import HTTPStatus
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import ANSWER_SLACK_MS, Timeouts
-from lightning_fthsdp.lighthouse.group_relay import GroupRelay
-from lightning_fthsdp.lighthouse.membership import Membership, MembershipView
-from lightning_fthsdp.lighthouse.quorum import Quorum
+from lightning_fthsdp.membership.relay import GroupRelay
+from lightning_fthsdp.membership.view import Membership, MembershipView
+from lightning_fthsdp.protocol.quorum import Quorum
 
 _MAX_LINE = 65536
 
@@ -294,7 +294,7 @@ class Heartbeat(MembershipView):
     """The leader's heartbeat: a daemon thread that heartbeats as long-polls, reports who the lighthouse declared dead,
     and relays every answer to the group's other ranks (``relay``; None for a one-rank group).
 
-    ``on_dead``, ``on_quorum``, ``on_lost`` and the lease are ``lighthouse.membership.Membership``'s. ``deaths`` is
+    ``on_dead``, ``on_quorum``, ``on_lost`` and the lease are ``membership.view.Membership``'s. ``deaths`` is
     how often the lighthouse has declared this group dead, as of the last acknowledged heartbeat. ``incarnation``:
     this start of the group's processes (the same on every rank; see lighthouse.registry). A rank the relay loses is
     reported at once (``POST /v1/lost``, answered at once beside a held heartbeat or quorum request), and every

@@ -1,5 +1,5 @@
 """A non-leader rank's side of the lower level of liveness: it beats to its group's leader and learns the
-lighthouse's answers from it (see ``lighthouse.group_relay``); it never talks to the lighthouse for liveness."""
+lighthouse's answers from it (see ``membership.relay``); it never talks to the lighthouse for liveness."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.lighthouse.group_relay import BEAT, LEAVE, LineReader, encode
-from lightning_fthsdp.lighthouse.membership import Membership, MembershipView
+from lightning_fthsdp.membership.relay import BEAT, LEAVE, LineReader, encode
+from lightning_fthsdp.membership.view import Membership, MembershipView
 
 
 class MemberHeartbeat(MembershipView):
     """The heartbeat of rank ``rank`` (> 0) of a group whose leader relays at ``leader`` (``HOST:PORT``).
 
-    The same contract as ``lighthouse.client.Heartbeat`` (``on_dead``, ``on_quorum``, ``on_lost``, the lease): the
+    The same contract as ``membership.client.Heartbeat`` (``on_dead``, ``on_quorum``, ``on_lost``, the lease): the
     leader's relayed answers feed the same ``Membership``. A broken connection to the leader leaves the lease
     unverified (the leader died, and the group with it), never "away": only the lighthouse's absence holds a lease.
     """

@@ -1,7 +1,7 @@
 """What one rank knows of the job's membership from the lighthouse's heartbeat answers, and its commit lease.
 
 A group's leader gets the answers from the lighthouse itself; its other ranks get the same answers relayed by the
-leader (``lighthouse.group_relay``). Both feed them here, so every rank reacts alike: the dead groups (the watchdog
+leader (``membership.relay``). Both feed them here, so every rank reacts alike: the dead groups (the watchdog
 that aborts an in-flight exchange), the newest quorum (its rendezvous started early), a lighthouse that went away,
 and the lease that fences a commit.
 """
