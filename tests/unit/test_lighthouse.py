@@ -540,20 +540,24 @@ def test_a_leader_relays_its_quorum_answer_to_its_ranks_at_once(lighthouse: Call
         leader.leave()
 
 
-def test_importing_the_lighthouse_imports_no_torch() -> None:
-    """Every lighthouse module imports, in a fresh interpreter, without torch (only a starting lighthouse loads it, for
-    its TCPStore) and without any package of ours but config and the wire types (protocol): nothing of the ranks'
-    side (membership)."""
+def loaded_by_importing(package: str) -> list[str]:
+    """The modules of torch and of ours that importing every module of ``package`` loads, in a fresh interpreter."""
     code = (
         "import importlib, pkgutil, sys\n"
-        "import lightning_fthsdp.lighthouse as package\n"
+        f"import {package} as package\n"
         "for module in pkgutil.iter_modules(package.__path__):\n"
-        "    importlib.import_module(f'lightning_fthsdp.lighthouse.{module.name}')\n"
+        f"    importlib.import_module(f'{package}.{{module.name}}')\n"
         "print(' '.join(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'lightning_fthsdp'))))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    loaded = done.stdout.split()
+    return done.stdout.split()
+
+
+def test_importing_the_lighthouse_imports_no_torch() -> None:
+    """Every lighthouse module imports without torch (only a starting lighthouse loads it, for its TCPStore) and
+    without any package of ours but config and the wire types (protocol): nothing of the ranks' side (membership)."""
+    loaded = loaded_by_importing("lightning_fthsdp.lighthouse")
     assert "lightning_fthsdp.lighthouse.server" in loaded and "lightning_fthsdp.lighthouse.readiness" in loaded
     allowed = {"lightning_fthsdp", "lightning_fthsdp.config", "lightning_fthsdp.protocol",
                "lightning_fthsdp.lighthouse"}
@@ -562,18 +566,9 @@ def test_importing_the_lighthouse_imports_no_torch() -> None:
 
 
 def test_the_ranks_side_imports_nothing_of_the_lighthouse_service() -> None:
-    """The two sides of the control plane share only the wire types: every module of ``membership`` imports, in a
-    fresh interpreter, without any module of ``lighthouse``."""
-    code = (
-        "import importlib, pkgutil, sys\n"
-        "import lightning_fthsdp.membership as package\n"
-        "for module in pkgutil.iter_modules(package.__path__):\n"
-        "    importlib.import_module(f'lightning_fthsdp.membership.{module.name}')\n"
-        "print(' '.join(sorted(name for name in sys.modules if name.startswith('lightning_fthsdp'))))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    loaded = done.stdout.split()
+    """The two sides of the control plane share only the wire types: every module of ``membership`` imports without
+    any module of ``lighthouse``."""
+    loaded = loaded_by_importing("lightning_fthsdp.membership")
     assert {"lightning_fthsdp.membership.client", "lightning_fthsdp.protocol.quorum"} <= set(loaded), loaded
     assert not [name for name in loaded if name.startswith("lightning_fthsdp.lighthouse")], loaded
 
