@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lightning_fthsdp.testing.soak import Soak, SoakConfig, format_table
+from lightning_fthsdp.testing.soak import Soak, SoakConfig
+from lightning_fthsdp.testing.soak_report import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

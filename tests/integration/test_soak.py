@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fthsdp.testing.soak import Soak, SoakConfig, format_table
+from lightning_fthsdp.testing.soak import Soak, SoakConfig
+from lightning_fthsdp.testing.soak_report import format_table
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning_fthsdp.config import log
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.request import QuorumUnavailable
-from lightning_fthsdp.membership.client import LighthouseRejected
+from lightning_fthsdp.membership.connection import LighthouseRejected
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 QUORUM = Quorum(3, (Member("a", 2, "h:1"), Member("b", 1)), 2, 1, catch_up_from={"b": "a"})

@@ -20,8 +20,9 @@ import pytest
 
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits
-from lightning_fthsdp.lighthouse.http import MAX_PER_TURN, Connection, Request, Response, json_response
+from lightning_fthsdp.lighthouse.http import MAX_PER_TURN, Connection
 from lightning_fthsdp.lighthouse.listener import Listener
+from lightning_fthsdp.lighthouse.messages import Request, Response, json_response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from tests.lighthouse_thread import LighthouseThread
 

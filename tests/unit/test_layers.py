@@ -40,7 +40,7 @@ BROKEN_TREES = {
     "a cross import within one plane": ({
         "recovery/__init__.py": "",
         "recovery/catchup.py": "from lightning_fthsdp.membership.client import Heartbeat\n",
-        "lighthouse/__init__.py": "",
+        "membership/__init__.py": "",
         "membership/client.py": "Heartbeat = None\n",
     }, "recovery.catchup imports lightning_fthsdp.membership.client"),
     "a module-level cycle inside a package": ({

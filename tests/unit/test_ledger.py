@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fthsdp.lighthouse.http import HttpError
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
+from lightning_fthsdp.lighthouse.messages import HttpError
 from lightning_fthsdp.lighthouse.registry import Registry, check_incarnation
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 

@@ -13,8 +13,8 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES
-from lightning_fthsdp.membership import client as client_module
 from lightning_fthsdp.membership.client import QuorumClient
+from lightning_fthsdp.membership.connection import LighthouseConnection
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 from tests.unit.test_lighthouse import Client, form, inc, lighthouse, qr, replica
 
@@ -70,13 +70,13 @@ def test_the_client_resends_its_members_to_a_restarted_lighthouse_and_keeps_its_
     (428), at once; it adopts their quorum (the id survives), and later answers are deltas that rebuild the whole
     quorum."""
     sent: list[bool] = []  # per quorum request: whether it carried members
-    post = client_module.LighthouseConnection.post
+    post = LighthouseConnection.post
 
     def spy(conn: Any, path: str, body: dict[str, Any], timeout_s: float, **kwargs: Any) -> dict[str, Any]:
         sent.append("members" in body)
         return post(conn, path, body, timeout_s, **kwargs)
 
-    monkeypatch.setattr(client_module.LighthouseConnection, "post", spy)
+    monkeypatch.setattr(LighthouseConnection, "post", spy)
     url = lighthouse(min_replicas=2)
     clients = {rid: QuorumClient(url, None, TIMEOUTS, inc(rid)) for rid in "ab"}
 

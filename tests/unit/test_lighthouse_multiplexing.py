@@ -24,10 +24,12 @@ import pytest
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
-from lightning_fthsdp.lighthouse.http import Connection, HttpError, Pending, Request, Response
+from lightning_fthsdp.lighthouse.http import Connection
+from lightning_fthsdp.lighthouse.messages import HttpError, Pending, Request, Response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.server import Lighthouse
-from lightning_fthsdp.membership.client import Heartbeat, LighthouseConnection, LighthouseUnavailable, QuorumClient
+from lightning_fthsdp.membership.client import Heartbeat, QuorumClient
+from lightning_fthsdp.membership.connection import LighthouseConnection, LighthouseUnavailable
 from tests.lighthouse_thread import LighthouseThread
 from tests.unit.test_lighthouse import Client, hb, qr, replica
 

@@ -12,7 +12,8 @@ import pytest
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.manager.request import QuorumRequester, QuorumUnavailable
-from lightning_fthsdp.membership.client import Excluded, LighthouseUnavailable, ProbeRequested, QuorumClient
+from lightning_fthsdp.membership.client import Excluded, ProbeRequested, QuorumClient
+from lightning_fthsdp.membership.connection import LighthouseUnavailable
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 TIMEOUTS = Timeouts(heartbeat_interval_ms=10, heartbeat_timeout_ms=50, collective_timeout_ms=100,

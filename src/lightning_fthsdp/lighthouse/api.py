@@ -1,7 +1,7 @@
 """The lighthouse API at its edge: the token check, each endpoint's request body parsed and validated, and the
 encoded quorum answer.
 
-Every check raises :class:`~lightning_fthsdp.lighthouse.http.HttpError` naming the field, the value and the fix, and
+Every check raises :class:`~lightning_fthsdp.lighthouse.messages.HttpError` naming the field, the value and the fix, and
 runs before the server changes any state, so a rejected request leaves the lighthouse as it was.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from lightning_fthsdp.config.addresses import state_server_location
 from lightning_fthsdp.lighthouse.exclusions import Exclusion
-from lightning_fthsdp.lighthouse.http import HttpError, Request, Response, json_response, require, require_int
+from lightning_fthsdp.lighthouse.messages import HttpError, Request, Response, json_response, require, require_int
 from lightning_fthsdp.lighthouse.registry import check_incarnation
 from lightning_fthsdp.lighthouse.stragglers import MAX_STEP_S
 from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id

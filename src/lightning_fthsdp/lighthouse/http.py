@@ -32,15 +32,14 @@ import array
 import asyncio
 import fcntl
 import functools
-import json
 import logging
 import re
 import termios
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from lightning_fthsdp.lighthouse.messages import Gate, Handler, HttpError, Pending, Request, Response, error_response
 
 MAX_BODY = 1 << 20
 MAX_HEAD = 64 << 10
@@ -59,104 +58,6 @@ idle (the next long-poll follows each answer at once); a leader's quorum connect
 client reconnects when it finds it closed."""
 
 log = logging.getLogger("fthsdp.lighthouse")
-
-
-class HttpError(Exception):
-    """Raised by a handler (or the parser) to answer ``status`` with ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
-
-
-@dataclass
-class Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    gzipped: bytes | None = None
-    """``body`` gzip-compressed, sent instead to clients that send ``Accept-Encoding: gzip``. For answers shared
-    by many clients: a quorum's answer grows with its members and goes to every one of them, so compressing it
-    once saves bytes on every connection."""
-    headers: tuple[tuple[str, str], ...] = ()
-    """Extra response headers (name, value), e.g. ``WWW-Authenticate`` on a 401."""
-
-
-def json_response(obj: object, status: int = 200) -> Response:
-    return Response(status, json.dumps(obj, separators=(",", ":")).encode())
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    query: dict[str, str]
-    headers: dict[str, str]
-    """Lower-cased names."""
-    body: bytes
-    connection: Connection = field(repr=False)
-    request_id: str | None = None
-    """The client's ``X-Request-Id`` (see ``Connection``): its answer carries it and may overtake earlier ones."""
-    keep_alive: bool = True
-    pending: Pending | None = field(default=None, repr=False)
-    """Set by ``defer``."""
-
-    def defer(self) -> Pending:
-        """The answer comes later: the handler returns this, and gives the answer through it when it has one."""
-        self.pending = Pending(self)
-        self.connection.deferred(self.pending)
-        return self.pending
-
-    def json_object(self) -> dict[str, object]:
-        """The body as a JSON object, or HttpError 400 saying what is wrong with it."""
-        try:
-            data = json.loads(self.body)
-        except (ValueError, RecursionError) as e:  # also int strings past Python's digit limit, and deep nesting
-            raise HttpError(400, f"request body is not valid JSON ({type(e).__name__}: {e}): send a JSON object "
-                                 f"of plain fields") from None
-        if not isinstance(data, dict):
-            raise HttpError(400, f"request body must be a JSON object, got {type(data).__name__}")
-        return data
-
-
-class Pending:
-    """A request answered later (``Request.defer``): ``answer`` or ``fail`` writes the answer at once, the first call
-    only. If the connection closes first, ``on_cancel(self)`` runs (when set) and the answer is never written.
-
-    No future and no task per request: at scale every group's request arrives at once, and a task, its coroutine
-    frames and a future's callbacks cost more than the answer."""
-
-    __slots__ = ("done", "on_cancel", "request")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.done = False
-        self.on_cancel: Callable[[Pending], object] | None = None
-
-    def answer(self, response: Response) -> None:
-        if not self.done:
-            self.done = True
-            self.request.connection.answered(self, response)
-
-    def fail(self, error: HttpError) -> None:
-        self.answer(_error(error.status, error.message, error.headers))
-
-    def cancel(self) -> None:
-        """The connection closed: no answer."""
-        if not self.done:
-            self.done = True
-            if self.on_cancel is not None:
-                self.on_cancel(self)
-
-
-Handler = Callable[[Request], Response | Pending]
-"""Answers a request at once (a ``Response``), or later (``request.defer()``). Raises ``HttpError`` for an error
-answer at once."""
-Gate = Callable[[Request], None]
-"""Raises ``HttpError`` for a request the connection may not make (no token): that answer is its last. Sees the head
-only (``Request.body`` is empty): a refused request's body is never waited for."""
 
 
 class Connection(asyncio.Protocol):
@@ -317,7 +218,7 @@ class Connection(asyncio.Protocol):
             del self._buffer[: body_start + min(length, available)]
             self._parsed = None
             self._discard = max(0, length - available)
-            self._write(_error(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True,
+            self._write(error_response(413, f"request body of {length} bytes is over the {MAX_BODY} byte limit"), True,
                         request_id=request_id)
             return not self._discard
         if len(self._buffer) < body_start + length:
@@ -366,10 +267,10 @@ class Connection(asyncio.Protocol):
         try:
             answer = self._handler(request)
         except HttpError as e:
-            answer = _error(e.status, e.message, e.headers)
+            answer = error_response(e.status, e.message, e.headers)
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
-            answer = _error(500, "internal error in the lighthouse; see its log")
+            answer = error_response(500, "internal error in the lighthouse; see its log")
         if isinstance(answer, Response) and request.pending is not None:  # deferred, then failed: this answers it
             request.pending.done = True
             self._in_flight.discard(request.pending)
@@ -444,28 +345,9 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
         """Answer ``status`` and close: nothing after this request is read."""
-        self._write(_error(status, message, headers), False)
+        self._write(error_response(status, message, headers), False)
         self._buffer.clear()
         self.close()
-
-
-def require(body: dict[str, object], name: str, kind: type, what: str) -> Any:
-    """``body[name]`` if it is a ``kind`` (bool is no int), else HttpError 400 naming the field and value."""
-    if name not in body:
-        raise HttpError(400, f"missing field {name!r}: send it as {what}")
-    value = body[name]
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
-    return value
-
-
-def require_int(body: dict[str, object], name: str, minimum: int | None) -> int:
-    """``body[name]`` if it is an int >= ``minimum`` (None: any), else HttpError 400."""
-    what = "an integer" if minimum is None else f"an integer >= {minimum}"
-    value = require(body, name, int, what)
-    if minimum is not None and value < minimum:
-        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
-    return value
 
 
 @functools.cache
@@ -486,10 +368,6 @@ _Head = tuple[str, str, dict[str, str], bool, dict[str, str], int]
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 """A control character other than tab, CR and LF ending a line excepted: a proxy or another parser could split or join
 the head there."""
-
-
-def _error(status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> Response:
-    return Response(status, json.dumps({"error": message}, separators=(",", ":")).encode(), headers=headers)
 
 
 def _parse_head(head: bytes) -> _Head:

@@ -16,7 +16,7 @@ from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from lightning_fthsdp.lighthouse.http import HttpError
+from lightning_fthsdp.lighthouse.messages import HttpError
 
 INCARNATION_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -58,21 +58,12 @@ from lightning_fthsdp.lighthouse.exclusions import (
     probe_peers,
     unreachable_pairs,
 )
-from lightning_fthsdp.lighthouse.http import (
-    IDLE_TIMEOUT_S,
-    REQUEST_TIMEOUT_S,
-    Connection,
-    Handler,
-    HttpError,
-    Pending,
-    Request,
-    Response,
-    json_response,
-)
+from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
 from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
+from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
@@ -1101,7 +1092,6 @@ class Lighthouse:
                     self._stragglers.forget(replica_id)
                 log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                          ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
-
 
 
 def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_TOKEN
 from lightning_fthsdp.manager.request import QuorumUnavailable
-from lightning_fthsdp.membership.client import Excluded, LighthouseRejected
+from lightning_fthsdp.membership.client import Excluded
+from lightning_fthsdp.membership.connection import LighthouseRejected
 from lightning_fthsdp.protocol.quorum import Quorum
 
 _GATEWAY_TIMEOUT = 504

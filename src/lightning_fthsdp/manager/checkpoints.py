@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lightning_fthsdp.config import log
-from lightning_fthsdp.membership.client import CheckpointReporter, LighthouseRejected, LighthouseUnavailable
+from lightning_fthsdp.membership.client import CheckpointReporter
+from lightning_fthsdp.membership.connection import LighthouseRejected, LighthouseUnavailable
 from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.recovery.checkpoint import CheckpointInfo, CheckpointWriter, read_shard
 from lightning_fthsdp.recovery.expected import expect

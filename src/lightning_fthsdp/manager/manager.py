@@ -42,7 +42,8 @@ from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
 from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
-from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, LighthouseConnection, QuorumClient
+from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, QuorumClient
+from lightning_fthsdp.membership.connection import LighthouseConnection
 from lightning_fthsdp.membership.member import MemberHeartbeat
 from lightning_fthsdp.membership.relay import GroupRelay
 from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id

@@ -13,13 +13,8 @@ from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.manager.probe import unreachable
-from lightning_fthsdp.membership.client import (
-    Excluded,
-    LighthouseRejected,
-    LighthouseUnavailable,
-    ProbeRequested,
-    QuorumClient,
-)
+from lightning_fthsdp.membership.client import Excluded, ProbeRequested, QuorumClient
+from lightning_fthsdp.membership.connection import LighthouseRejected, LighthouseUnavailable
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 

@@ -36,7 +36,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,7 +45,9 @@ from typing import Any
 from lightning_fthsdp.launch.processes import Job
 from lightning_fthsdp.netcluster.cluster import Cluster
 from lightning_fthsdp.netcluster.faults import Flap, NetworkFault, cut, flap, partition, slowlink
+from lightning_fthsdp.testing import soak_report
 from lightning_fthsdp.testing.invariants import assert_consistent, assert_exactly_once, assert_no_regression
+from lightning_fthsdp.testing.soak_records import Incarnation, SoakGroup, StruckFault, Tail
 
 PHASE_FAULTS = ("forward", "backward", "before", "allreduce", "commit", "optimizer")
 RECOVERY_FAULTS = ("fetch", "follow", "replay")
@@ -89,87 +90,6 @@ class SoakConfig:
     network fault weighs them up)."""
 
 
-@dataclass
-class _Incarnation:
-    spawned: float
-    fault: str | None
-    commits: list[tuple[float, int]] = field(default_factory=list)
-    """(time, step) of each commit."""
-    catch_up_at: list[float] = field(default_factory=list)
-    """Times of the commits that ended a catch-up (their gap is this group's own recovery, not a stall)."""
-    stopped: list[tuple[float, float]] = field(default_factory=list)
-    """When it was stopped (seconds since the soak began, like every time here)."""
-    imports_done: float | None = None
-    ready: float | None = None
-    ended: float | None = None
-    end: str = ""
-
-
-class _Tail:
-    """One group's JSONL file read incrementally; also what ``testing.invariants`` reads (``records``)."""
-
-    def __init__(self, replica_id: str, path: Path) -> None:
-        self.replica_id, self.path = replica_id, path
-        self.rows: list[dict[str, Any]] = []
-        self._offset = 0
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as file:
-            file.seek(self._offset)
-            data = file.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        new = []
-        for line in data[:end].splitlines():
-            try:
-                new.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by SIGKILL, completed by the soak before the next incarnation wrote
-        self.rows += new
-        return new
-
-    def seal(self) -> None:
-        """End a dead incarnation's last line so the next one starts a fresh one."""
-        if self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
-            with self.path.open("ab") as file:
-                file.write(b"\n")
-
-    def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
-        return [r for r in self.rows if (event is None or r["event"] == event) and (rank is None or r["rank"] == rank)]
-
-
-@dataclass
-class _Group:
-    replica_id: str
-    tail: _Tail
-    fault_file: Path
-    incarnations: list[_Incarnation] = field(default_factory=list)
-    pid: int = 0
-    alive: bool = False
-    stopped_since: float | None = None
-    resolve_at: float = 0.0
-    restart_at: float | None = None
-    kill_at: float | None = None
-    """An external kill planned for this incarnation (a failure faster than its restart)."""
-    armed: str | None = None
-    """The fault in its fault file (None: nothing)."""
-    armed_at: float = 0.0
-    acked: str | None = None
-    """The fault the process last said it armed."""
-    fired: bool = False
-    doomed: bool = False
-    """Killed by us, not yet reaped."""
-    last_step: int = 0
-    last_event: str = ""
-    last_commit_t: float = 0.0
-
-    @property
-    def current(self) -> _Incarnation:
-        return self.incarnations[-1]
-
-
 class Soak:
     """One soak run in ``workdir``: ``run()`` returns the result document (also what ``bench_soak`` writes)."""
 
@@ -179,7 +99,7 @@ class Soak:
         self.job = Job(workdir, min_replicas=1, heartbeat_timeout_ms=config.heartbeat_timeout_ms,
                        join_timeout_ms=config.join_timeout_ms, collective_timeout_ms=config.collective_timeout_ms,
                        replica_ids=config.replica_ids)
-        self.groups = {rid: _Group(rid, _Tail(rid, workdir / f"{rid}.jsonl"), workdir / f"{rid}.fault")
+        self.groups = {rid: SoakGroup(rid, Tail(rid, workdir / f"{rid}.jsonl"), workdir / f"{rid}.fault")
                        for rid in config.replica_ids}
         self.t0 = self.wall0 = 0.0
         self.events: list[dict[str, Any]] = []
@@ -191,7 +111,7 @@ class Soak:
         self._injected: set[str] = set()
         self.checks = 0
         self.cluster: Cluster | None = None
-        self.network_faults: list[_NetworkFault] = []
+        self.network_faults: list[StruckFault] = []
 
     # ------------------------------------------------------------------------------------------------ the run
 
@@ -274,7 +194,7 @@ class Soak:
                 fault.ended = now - self.t0
                 self._event("healed", fault.who, fault=fault.kind)
 
-    def _read(self, group: _Group) -> None:
+    def _read(self, group: SoakGroup) -> None:
         for row in group.tail.read():
             if row.get("rank", 0) != 0:
                 continue
@@ -352,14 +272,14 @@ class Soak:
         self._network_fault(kind, (group,), make(self.cluster, group.replica_id))
         return True
 
-    def _faulted(self, group: _Group) -> bool:
+    def _faulted(self, group: SoakGroup) -> bool:
         return any(f.ended is None and group.replica_id in f.who.split(",") for f in self.network_faults)
 
-    def _network_fault(self, kind: str, groups: tuple[_Group, ...], handle: NetworkFault) -> None:
+    def _network_fault(self, kind: str, groups: tuple[SoakGroup, ...], handle: NetworkFault) -> None:
         now = time.monotonic()
         who = ",".join(g.replica_id for g in groups)
         heal_at = now + (3600.0 if isinstance(handle, Flap) else self.rng.uniform(*self.config.network_fault_s))
-        self.network_faults.append(_NetworkFault(kind, who, handle, now - self.t0, heal_at))
+        self.network_faults.append(StruckFault(kind, who, handle, now - self.t0, heal_at))
         self._event("network", who, fault=kind, detail=handle.detail)
 
     def _inject_phase(self) -> bool:
@@ -423,7 +343,7 @@ class Soak:
 
     # -------------------------------------------------------------------------------------- the bookkeeping
 
-    def _holders(self) -> list[_Group]:
+    def _holders(self) -> list[SoakGroup]:
         """Groups holding the job's committed state now: alive, running, committed this incarnation, at the job's
         step (or one behind, a log line away), untouched by any fault (a group cut off may be declared dead any
         moment)."""
@@ -434,21 +354,21 @@ class Soak:
                 and g.last_step >= top - 1 and now - g.last_commit_t < 2.0 and g.kill_at is None and not g.doomed
                 and not g.armed and not g.acked and not g.fired and not self._faulted(g)]
 
-    def _safe_without(self, *taken: _Group) -> bool:
+    def _safe_without(self, *taken: SoakGroup) -> bool:
         """Whether an untouched up-to-date group remains once ``taken`` fail."""
         return any(g not in taken for g in self._holders())
 
-    def _arm(self, group: _Group, spec: str) -> None:
+    def _arm(self, group: SoakGroup, spec: str) -> None:
         group.armed, group.armed_at = spec, time.monotonic()
         _write_atomic(group.fault_file, spec)
         self._event("armed", group.replica_id, spec=spec)
 
-    def _disarm(self, group: _Group) -> None:
+    def _disarm(self, group: SoakGroup) -> None:
         if group.armed is not None:
             group.armed, group.fired = None, False
             _write_atomic(group.fault_file, "")
 
-    def _spawn(self, group: _Group, chaos: bool) -> None:
+    def _spawn(self, group: SoakGroup, chaos: bool) -> None:
         """Start an incarnation of ``group``; under chaos a restart draws its own fault (``_incarnation_fault``)
         or, sometimes, an external kill while it starts."""
         fault = self._incarnation_fault() if chaos and group.incarnations else None
@@ -460,20 +380,20 @@ class Soak:
         proc = self.job.start_group(group.replica_id, STEPS, step_time_ms=self.config.step_time_ms, extra=extra).proc
         group.pid, group.alive, group.restart_at, group.stopped_since = proc.pid, True, None, None
         group.last_event, group.kill_at, group.doomed = "", None, False
-        group.incarnations.append(_Incarnation(time.monotonic() - self.t0, fault))
+        group.incarnations.append(Incarnation(time.monotonic() - self.t0, fault))
         if chaos and fault is None and len(group.incarnations) > 1 and self.rng.random() < 0.15:
             group.kill_at = time.monotonic() + self.rng.uniform(0.3, 5.0)
         self._event("spawned", group.replica_id, fault=fault,
                     kill_in=round(group.kill_at - time.monotonic(), 3) if group.kill_at else None)
 
-    def _kill(self, group: _Group, why: str) -> None:
+    def _kill(self, group: SoakGroup, why: str) -> None:
         if group.alive:
             group.doomed = True
             self._event("kill", group.replica_id, why=why)
             os.killpg(group.pid, signal.SIGCONT)
             os.killpg(group.pid, signal.SIGKILL)
 
-    def _ended(self, group: _Group, returncode: int) -> None:
+    def _ended(self, group: SoakGroup, returncode: int) -> None:
         now = time.monotonic()
         group.alive = False
         inc = group.current
@@ -572,39 +492,10 @@ class Soak:
     # --------------------------------------------------------------------------------------------- results
 
     def _result(self, chaos_s: float, settled: bool) -> dict[str, Any]:
-        fired = [e for e in self.events if e["event"] == "fired"]
-        by_kind: dict[str, int] = {}
-        for e in fired:
-            key = f"{e['spec'].split(':')[0]} {e['phase']}"
-            by_kind[key] = by_kind.get(key, 0) + 1
-        for e in self.events:
-            if e["event"] == "kill":
-                by_kind[f"sigkill external ({e['why']})"] = by_kind.get(f"sigkill external ({e['why']})", 0) + 1
-            elif e["event"] == "stop":
-                by_kind[f"sigstop external ({e['why']})"] = by_kind.get(f"sigstop external ({e['why']})", 0) + 1
-            elif e["event"] == "lighthouse killed":
-                by_kind[f"lighthouse killed ({e['during']})"] = by_kind.get(f"lighthouse killed ({e['during']})", 0) + 1
-            elif e["event"] == "network":
-                by_kind[f"network {e['fault']}"] = by_kind.get(f"network {e['fault']}", 0) + 1
-        stalls = self._stalls()
-        recoveries = self._recoveries()
-        commits = max((step for g in self.groups.values() for inc in g.incarnations for _, step in inc.commits),
-                      default=0)
         return {
             "config": asdict(self.config),
             "chaos_s": round(chaos_s, 1),
-            "steps_committed": commits,
-            "failures": sum(by_kind.values()),
-            "failures_by_kind": dict(sorted(by_kind.items())),
-            "restarts": sum(len(g.incarnations) - 1 for g in self.groups.values()),
-            "stall_s": {kind: _stats(values) for kind, values in stalls.items()},
-            "network_faults": [{"kind": f.kind, "who": f.who, "detail": f.handle.detail, "at_s": round(f.started, 3),
-                                "for_s": None if f.ended is None else round(f.ended - f.started, 3)}
-                               for f in self.network_faults],
-            "recovery_s": {kind: _stats([r[kind] for r in recoveries if r[kind] is not None])
-                           for kind in ("kill_to_commit", "spawn_to_commit", "imports", "build", "join_to_commit")}
-                          | {f"{kind} heal_to_commit": _stats(values) for kind, values in self._healed().items()},
-            "recoveries": recoveries,
+            **soak_report.figures(self.groups, self.events, self.network_faults, self.lighthouse_down),
             "lost_steps": self.lost_steps,
             "settled": settled,
             "invariant_checks": self.checks,
@@ -613,95 +504,6 @@ class Soak:
             "limits": LIMITS,
             "events": self.events,
         }
-
-    def _stalls(self) -> dict[str, list[float]]:
-        """Gaps between consecutive commits of a group not failing itself (within one incarnation, not stopped,
-        not its own catch-up, not under a network fault of its own), by what else happened meanwhile: ``all``;
-        ``quiet`` (nothing); ``failure`` (another group died or stopped); ``recovering`` (another group was
-        restarting, no failure); ``lighthouse`` (it was down); ``network`` (another group was under a network
-        fault), and ``network KIND`` by the fault's kind."""
-        deaths = [e["t"] for e in self.events if e["event"] in ("died", "stopped", "stop")]
-        recovering = [(inc.spawned, inc.commits[0][0] if inc.commits else inc.ended or 1e18, g.replica_id)
-                      for g in self.groups.values() for inc in g.incarnations[1:]]
-        out: dict[str, list[float]] = {"all": [], "quiet": [], "failure": [], "recovering": [], "lighthouse": [],
-                                       "network": []}
-        network = [(f.started, f.ended if f.ended is not None else 1e18, f.who.split(","), f.kind)
-                   for f in self.network_faults]
-        for group in self.groups.values():
-            for inc in group.incarnations:
-                for (t1, _), (t2, _) in zip(inc.commits, inc.commits[1:], strict=False):
-                    if any(a < t2 and t1 < b for a, b in inc.stopped) or t2 in inc.catch_up_at or any(
-                            a < t2 and t1 < b and group.replica_id in who for a, b, who, _ in network):
-                        continue
-                    gap = t2 - t1
-                    out["all"].append(gap)
-                    kinds = [kind for a, b, _, kind in network if a < t2 and t1 < b]
-                    if kinds:
-                        out["network"].append(gap)
-                        out.setdefault(f"network {kinds[0]}", []).append(gap)
-                    elif any(a < t2 and t1 < b for a, b in self.lighthouse_down):
-                        out["lighthouse"].append(gap)
-                    elif any(t1 - 0.05 <= t <= t2 for t in deaths):
-                        out["failure"].append(gap)
-                    elif any(a < t2 and t1 < b for a, b, rid in recovering if rid != group.replica_id):
-                        out["recovering"].append(gap)
-                    else:
-                        out["quiet"].append(gap)
-        return out
-
-    def _healed(self) -> dict[str, list[float]]:
-        """Network fault kind -> for each healed one, seconds from its heal to the next commit of every group it struck
-        (the slowest of them): how long the job took to have them back."""
-        out: dict[str, list[float]] = {}
-        for fault in self.network_faults:
-            if fault.ended is None:
-                continue
-            after = [min((t for inc in self.groups[rid].incarnations for t, _ in inc.commits if t >= fault.ended),
-                         default=None) for rid in fault.who.split(",")]
-            if all(t is not None for t in after):
-                out.setdefault(fault.kind, []).append(max(after) - fault.ended)  # type: ignore[type-var,operator]
-        return out
-
-    def _recoveries(self) -> list[dict[str, Any]]:
-        out = []
-        for group in self.groups.values():
-            for before, inc in zip(group.incarnations, group.incarnations[1:], strict=False):
-                first = inc.commits[0][0] if inc.commits else None
-                out.append({"group": group.replica_id, "died_at": before.ended, "spawned_at": round(inc.spawned, 3),
-                            "fault": inc.fault,
-                            "kill_to_commit": _span(before.ended, first),
-                            "spawn_to_commit": _span(inc.spawned, first),
-                            # Its phases: interpreter start and imports; model, optimizer and manager built; from
-                            # then to its first commit (join the quorum, fetch, follow and replay).
-                            "imports": _span(inc.spawned, inc.imports_done if first else None),
-                            "build": _span(inc.imports_done, inc.ready if first else None),
-                            "join_to_commit": _span(inc.ready, first)})
-        return out
-
-
-@dataclass
-class _NetworkFault:
-    kind: str
-    who: str
-    """The group(s) it strikes, comma separated."""
-    handle: NetworkFault
-    started: float
-    heal_at: float
-    """Monotonic time to heal it (a flap heals itself when its cycles end)."""
-    ended: float | None = None
-
-
-def _span(start: float | None, end: float | None) -> float | None:
-    return round(end - start, 3) if start is not None and end is not None else None
-
-
-def _stats(values: list[float]) -> dict[str, float | int | None]:
-    if not values:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return {"n": len(values), "p50": round(statistics.median(ordered), 3), "p99": round(p99, 3),
-            "max": round(ordered[-1], 3)}
 
 
 def _proc_state(pid: int) -> str:
@@ -719,21 +521,3 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The soak's result as a plain-text table."""
-    lines = [f"soak: {result['chaos_s']} s of chaos, seed {result['config']['seed']}, "
-             f"{len(result['config']['replica_ids'])} groups, {result['steps_committed']} steps committed, "
-             f"{result['failures']} failures, {result['restarts']} restarts",
-             "", f"{'failure':<52} {'count':>5}"]
-    lines += [f"{kind:<52} {count:>5}" for kind, count in result["failures_by_kind"].items()]
-    lines += ["", f"{'seconds':<34} {'n':>5} {'p50':>8} {'p99':>8} {'max':>8}"]
-    for title, stats in [*((f"healthy stall ({k})", v) for k, v in result["stall_s"].items()),
-                         *((f"recovery ({k.replace('_', ' ')})", v) for k, v in result["recovery_s"].items())]:
-        cells = [f"{stats[k]:>8.3f}" if stats[k] is not None else f"{'-':>8}" for k in ("p50", "p99", "max")]
-        lines.append(f"{title:<34} {stats['n']:>5} {' '.join(cells)}")
-    lines += ["", f"lost steps (lighthouse): {result['lost_steps'] or 'none'}",
-              f"invariant checks: {result['invariant_checks']} (consistent, exactly once, no regression)",
-              f"settled (all groups training together after the chaos): {result['settled']}",
-              f"findings: {len(result['findings'])}", *(f"  - {f}" for f in result["findings"]),
-              f"limit: {result['limits']}"]
-    return "\n".join(lines)
