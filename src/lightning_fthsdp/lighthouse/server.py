@@ -63,6 +63,7 @@ from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
+from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
 from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
@@ -160,7 +161,7 @@ class Lighthouse:
         self._registry = Registry(declared, grace_s=self.rules.join_timeout_ms / 1000)
         self._ledger = CommitLedger()
         self._watch = Watch(_metrics(self.status))
-        self._lost_since: float | None = None  # when a quorum below the committed step first waited for a holder
+        self._lost = LostStateWait(self.rules.lost_state_wait_ms / 1000)
         self._lost_timer: asyncio.TimerHandle | None = None
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
@@ -749,8 +750,8 @@ class Lighthouse:
         holder before resuming from a checkpoint or an older step). None when nobody waits for either."""
         oldest = self._readiness.oldest()
         asked = self._readiness.asked
-        if self._lost_since is not None:
-            return {"reason": "lost_state", "since_s": round(now - self._lost_since, 3), "asked": asked,
+        if self._lost.waiting:
+            return {"reason": "lost_state", "since_s": round(self._lost.waited_s(now), 3), "asked": asked,
                     "detail": f"no live group holds the committed step {self._ledger.committed_step}: waiting up to "
                               f"{self.rules.lost_state_wait_ms} ms for one"}
         if oldest is not None and asked < self.rules.min_replicas:
@@ -1034,15 +1035,13 @@ class Lighthouse:
     def _lost_wait_over(self, quorum: Quorum) -> bool:
         """Whether a quorum below the committed step may be answered: once no holder came back within
         ``lost_state_wait_ms`` of the first such decision (a timer decides again then)."""
-        now = time.monotonic()
-        if self._lost_since is None:
-            self._lost_since = now
+        if not self._lost.waiting:
             log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
                         "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
-                        self.rules.lost_state_wait_ms / 1000)
-        deadline = self._lost_since + self.rules.lost_state_wait_ms / 1000
-        if now >= deadline:
+                        self._lost.wait_s)
+        if self._lost.over(time.monotonic()):
             return True
+        deadline = self._lost.deadline
         if self._lost_timer is None or self._lost_timer.when() != deadline:
             if self._lost_timer is not None:
                 self._lost_timer.cancel()
@@ -1055,7 +1054,7 @@ class Lighthouse:
 
     def _end_lost_wait(self) -> None:
         """No quorum waits for a holder of the committed step (any more)."""
-        self._lost_since = None
+        self._lost.end()
         if self._lost_timer is not None:
             self._lost_timer.cancel()
             self._lost_timer = None
