@@ -594,3 +594,30 @@ def test_a_group_behind_that_has_not_asked_yet_holds_up_no_quorum(lighthouse: Ca
     code_b, with_b = asking.recv()
     assert code == code_b == 200 and with_b["quorum_id"] == fourth["quorum_id"], (fourth, with_b)
     assert with_b["max_step"] == 3 and with_b["catch_up_from"] == {"b": "a"}, with_b
+
+
+@pytest.mark.parametrize(("lost_hung", "cause", "how"), [
+    ([1], "hang", "it sent the leader nothing for the heartbeat timeout"),
+    ([], "crash", "its connection to the leader closed"),
+])
+def test_a_heartbeat_that_reports_a_lost_rank_first_names_its_cause(
+        lighthouse: Callable[..., str], lost_hung: list[int], cause: str, how: str) -> None:
+    """The leader's heartbeat may reach the lighthouse before its ``POST /v1/lost``: the group is declared dead with the
+    same cause and words either way."""
+    url = lighthouse()
+    leader = Client(url)
+    assert leader.call("POST", "/v1/heartbeat", hb("a"))[0] == 200
+    beat = hb("a") | {"losses": 1, "lost": [1], "lost_hung": lost_hung}
+    assert leader.call("POST", "/v1/heartbeat", beat)[0] == 200
+    code, events = leader.call("GET", "/events")
+    assert code == 200
+    [death] = [e for e in events["events"] if e["kind"] == "death"]
+    assert (death["replica_id"], death["cause"]) == ("a", cause), death
+    assert f"its leader lost rank 1: {how}" in death["text"], death
+
+
+def test_a_heartbeat_naming_a_hung_rank_it_did_not_lose_is_refused(lighthouse: Callable[..., str]) -> None:
+    url = lighthouse()
+    beat = hb("a") | {"losses": 1, "lost": [1], "lost_hung": [2]}
+    code, body = Client(url).call("POST", "/v1/heartbeat", beat | {"shard_count": 3})
+    assert code == 400 and "field 'lost_hung' must list ranks of 'lost'" in body["error"], body

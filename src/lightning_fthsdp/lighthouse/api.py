@@ -54,6 +54,9 @@ class HeartbeatRequest:
     losses: int = 0
     """How many ranks the leader has lost so far: a heartbeat reporting fewer losses than the lighthouse knows was
     sent before the newest one and revives nothing."""
+    lost_hung: tuple[int, ...] = ()
+    """Those of ``lost`` that went silent (a hang); the others' connections closed (a crash). The heartbeat may
+    reach the lighthouse before the leader's ``POST /v1/lost``: either one names the cause."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,11 @@ def parse_heartbeat(request: Request) -> HeartbeatRequest:
     if not all(isinstance(r, int) and not isinstance(r, bool) and 0 < r < shard_count for r in lost):
         raise HttpError(400, f"field 'lost' must list ranks from 1 to shard_count - 1 = {shard_count - 1}, got "
                              f"{lost!r}")
+    hung = require(body, "lost_hung", list, "a list of ranks of 'lost'") if "lost_hung" in body else []
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r in lost for r in hung):
+        raise HttpError(400, f"field 'lost_hung' must list ranks of 'lost' ({lost!r}) that went silent, got {hung!r}")
     return HeartbeatRequest(replica_id, _incarnation(body), _rank(body), step, shard_count, known_epoch, wait_ms,
-                            tuple(lost), losses)
+                            tuple(lost), losses, tuple(hung))
 
 
 LOSS_CAUSES = ("crash", "hang")

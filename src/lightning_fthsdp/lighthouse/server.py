@@ -339,8 +339,8 @@ class Lighthouse:
         if beat.losses >= record.losses:  # else sent before the newest loss report: it revives nothing
             record.losses, record.lost = beat.losses, beat.lost
             if beat.lost:
-                self._declare_dead(replica_id, "crash", f"its leader reports rank(s) "
-                                                        f"{','.join(map(str, beat.lost))} lost")
+                cause = "hang" if set(beat.lost) <= set(beat.lost_hung) else "crash"
+                self._declare_dead(replica_id, cause, _loss(beat.lost, cause))
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
@@ -650,9 +650,7 @@ class Lighthouse:
         record = self._registry.owner(lost.replica_id, lost.incarnation)
         record.losses = max(record.losses, lost.losses)
         record.lost = tuple(sorted({*record.lost, lost.rank}))
-        how = ("its connection to the leader closed" if lost.cause == "crash" else
-               "it sent the leader nothing for the heartbeat timeout")
-        self._declare_dead(lost.replica_id, lost.cause, f"its leader lost rank {lost.rank}: {how}")
+        self._declare_dead(lost.replica_id, lost.cause, _loss((lost.rank,), lost.cause))
         return json_response({})
 
     def _checkpoint(self, request: Request) -> Response:
@@ -1022,6 +1020,14 @@ class Lighthouse:
                     self._stragglers.forget(replica_id)
                 log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                          ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
+
+
+def _loss(ranks: Iterable[int], cause: str) -> str:
+    """Why a group whose leader lost ``ranks`` is dead, in the same words whichever report (its heartbeat or its
+    ``POST /v1/lost``) came first."""
+    how = ("its connection to the leader closed" if cause == "crash" else
+           "it sent the leader nothing for the heartbeat timeout")
+    return f"its leader lost rank {','.join(map(str, ranks))}: {how}"
 
 
 def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:

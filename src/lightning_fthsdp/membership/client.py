@@ -106,7 +106,9 @@ class Heartbeat(MembershipView):
                 "wait_ms": self._timeouts.heartbeat_interval_ms,
             }
             if self._relay is not None:
-                body["losses"], body["lost"] = self._relay.losses, self._relay.lost
+                lost = self._relay.lost
+                body["losses"], body["lost"] = self._relay.losses, list(lost)
+                body["lost_hung"] = [rank for rank, cause in lost.items() if cause == "hang"]
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:

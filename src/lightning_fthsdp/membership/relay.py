@@ -98,10 +98,11 @@ class GroupRelay:
         self._threads: list[threading.Thread] = []
 
     @property
-    def lost(self) -> list[int]:
-        """The ranks lost now (a hung rank that beats again is no longer lost; a crashed one stays)."""
+    def lost(self) -> dict[int, str]:
+        """The ranks lost now and why, ``crash`` or ``hang`` (a hung rank that beats again is no longer lost; a
+        crashed one stays)."""
         with self._lock:
-            return sorted(self._lost)
+            return dict(sorted(self._lost.items()))
 
     def start(self, on_member_lost: Callable[[int, str, str], None]) -> None:
         self._on_member_lost = on_member_lost
