@@ -32,7 +32,7 @@ from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.addresses import advertise_host as advertised_host
 from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
-from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, VOTE, span
+from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, REPLAY, VOTE, span
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CrossGroupComm
@@ -412,7 +412,8 @@ class FTManager:
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
         if ok and self._follower.active:
-            self._held = self._follower.load()
+            with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
+                self._held = self._follower.load()
         if ok:
             assert state.quorum is not None, "a step commits only inside a quorum"
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
