@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 import lightning_fthsdp  # noqa: F401  (registers strategy="fthsdp")
 from hf_models import MarkovTokens, StepPace, add_training_flags, causal_lm, warmup_cosine
+from lightning_fthsdp.lightning import release_process_groups
 
 
 class HFCausalLM(pl.LightningModule):
@@ -82,6 +83,7 @@ def main() -> None:
     loss = trainer.callback_metrics.get("train_loss")  # absent if this group trained no step (it only caught up)
     if trainer.is_global_zero and loss is not None:
         print(f"step {trainer.global_step}: loss {float(loss):.3f} (the data's floor: {data.floor:.3f})", flush=True)
+    release_process_groups()  # torch's C++ teardown at interpreter exit now and then aborts a finished run
 
 
 if __name__ == "__main__":
