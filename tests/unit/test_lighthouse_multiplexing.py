@@ -91,13 +91,13 @@ def test_a_request_with_an_id_is_answered_beside_a_held_heartbeat(lighthouse: Ca
     pipe.send("/v1/heartbeat", hb("a"), "2")
     epoch = pipe.recv()[1]["epoch"]
     pipe.send("/v1/heartbeat", hb("a", epoch, wait_ms=1_500), "3")
-    wait_for(lambda: len(thread.lighthouse._held) == 1, 5, "a's heartbeat to be held")
+    wait_for(lambda: len(thread.lighthouse._heartbeats) == 1, 5, "a's heartbeat to be held")
     start = time.monotonic()
     pipe.send("/v1/quorum", qr("a", step=1, quorum_id=0, members=("a",), committed_in=0), "4")  # the same quorum
     code, quorum, request_id = pipe.recv()
     assert request_id == "4" and code == 200 and quorum["quorum_id"] == 0, quorum
     assert time.monotonic() - start < 1.0, "the quorum answer waited for the held heartbeat"
-    assert len(thread.lighthouse._held) == 1 and not pipe.readable(), "the heartbeat was answered early"
+    assert len(thread.lighthouse._heartbeats) == 1 and not pipe.readable(), "the heartbeat was answered early"
     code, beat, request_id = pipe.recv()
     assert request_id == "3" and code == 200 and time.monotonic() - start >= 1.0 and beat["dead"] == [], beat
     group = replica(Client(url).status(), "a")
@@ -111,7 +111,7 @@ def test_plain_pipelined_requests_are_answered_in_order(lighthouse: Callable[...
     pipe.send("/v1/heartbeat", hb("a"))
     epoch = pipe.recv()[1]["epoch"]
     pipe.send("/v1/heartbeat", hb("a", epoch, wait_ms=600))
-    wait_for(lambda: len(thread.lighthouse._held) == 1, 5, "a's heartbeat to be held")
+    wait_for(lambda: len(thread.lighthouse._heartbeats) == 1, 5, "a's heartbeat to be held")
     start = time.monotonic()
     pipe.send("/v1/quorum", qr("a"))
     code, beat, _ = pipe.recv()
@@ -180,7 +180,7 @@ def test_the_client_carries_a_heartbeat_and_a_quorum_request_on_one_connection(
         epoch = conn.post("/v1/heartbeat", hb("a"), timeout_s=10)["epoch"]
         with ThreadPoolExecutor(1) as pool:
             beat = pool.submit(conn.post, "/v1/heartbeat", hb("a", epoch, wait_ms=1_000), 10)
-            wait_for(lambda: len(thread.lighthouse._held) == 1, 5, "a's heartbeat to be held")
+            wait_for(lambda: len(thread.lighthouse._heartbeats) == 1, 5, "a's heartbeat to be held")
             start = time.monotonic()
             quorum = conn.post("/v1/quorum", qr("a", step=1, quorum_id=0, members=("a",), committed_in=0),
                                timeout_s=10)
@@ -206,7 +206,7 @@ def test_a_late_answer_to_a_request_that_timed_out_is_dropped_and_the_connection
         epoch = conn.post("/v1/heartbeat", hb("a"), timeout_s=10)["epoch"]
         with ThreadPoolExecutor(1) as pool:
             beat = pool.submit(conn.post, "/v1/heartbeat", hb("a", epoch, wait_ms=3_000), 10)
-            wait_for(lambda: len(thread.lighthouse._held) == 1, 5, "a's heartbeat to be held")
+            wait_for(lambda: len(thread.lighthouse._heartbeats) == 1, 5, "a's heartbeat to be held")
             with pytest.raises(LighthouseUnavailable) as timed_out:
                 conn.post("/v1/quorum", qr("a"), timeout_s=0.3)
             assert timed_out.value.timed_out
@@ -402,9 +402,9 @@ def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_wit
             body = json.dumps(hb(rid, 0, wait_ms=60_000)).encode()
             connection.data_received(b"POST /v1/heartbeat HTTP/1.1\r\nX-Request-Id: 1\r\nContent-Length: %d\r\n\r\n%s"
                                      % (len(body), body))
-        first = next(iter(lighthouse._held))
+        first = next(iter(lighthouse._heartbeats))
         lighthouse._bump_epoch()  # a death, say: every held heartbeat is answered on the next turn
-        lighthouse._release(first)  # its deadline, due earlier in this same turn
+        lighthouse._heartbeats.release(first)  # its deadline, due earlier in this same turn
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         await lighthouse.stop()

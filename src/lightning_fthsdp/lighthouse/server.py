@@ -38,26 +38,17 @@ from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
 from lightning_fthsdp.lighthouse.api import (
     QuorumAnswers,
-    StepTiming,
     authorize,
     check_shard_count,
-    excluded_answer,
     parse_checkpoint,
     parse_heartbeat,
     parse_leave,
     parse_lost,
     parse_quorum,
-    probe_answer,
 )
-from lightning_fthsdp.lighthouse.deadlines import Deadline, Deadlines
-from lightning_fthsdp.lighthouse.exclusions import (
-    MAX_PROBE_TARGETS,
-    Exclusions,
-    fewest_to_exclude,
-    peers_of,
-    probe_peers,
-    unreachable_pairs,
-)
+from lightning_fthsdp.lighthouse.deadlines import Deadlines
+from lightning_fthsdp.lighthouse.excluder import Excluder
+from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats, HeldTable
 from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
 from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
@@ -69,7 +60,7 @@ from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_la
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 from lightning_fthsdp.lighthouse.status_view import StatusView
-from lightning_fthsdp.lighthouse.stragglers import Change, StragglerPolicy, Stragglers
+from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 from lightning_fthsdp.lighthouse.watch import Watch
 from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id
 
@@ -87,10 +78,6 @@ abandoning a quorum over a dead list older than the quorum)."""
 BEHIND_SHARE = 0.5
 """The lighthouse counts as behind (``lag.Lag``) when its timers run later than this share of the heartbeat timeout:
 a client gives up on a heartbeat answered a timeout late, and its connection's close is then no crash."""
-MAX_PARTITION_STAY_S = 300.0
-"""Longest a group excluded for a partition stays out once it reaches its peers again (see ``_excluded_request``)."""
-MIN_STRAGGLER_HOLD_S = 0.01
-"""Shortest hold of an excluded straggler's request: one whose steps take no time must not spin on the lighthouse."""
 
 
 class Lighthouse:
@@ -167,16 +154,14 @@ class Lighthouse:
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
+        self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
+        self._deadlines = Deadlines(ran=self._lag.ran)
         self._waiters: dict[str, Pending] = {}  # each group's held quorum request
-        self._deadline_of: dict[Pending, tuple[str, Deadline]] = {}  # each held quorum request's group, deadline
-        self._exclusions = Exclusions()
-        self._reports: dict[str, tuple[str, ...]] = {}  # pending requests that report groups they could not reach
-        self._probe_key: tuple[int, int, bool] = (-1, -1, False)  # (quorum id, liveness changes, all alive)
+        self._deadline_of = HeldTable(self._deadlines)  # the same requests, each with its group and deadline
         self._liveness_changes = 0  # deaths and revivals so far (a revival is no new epoch)
-        self._excluded_held: dict[Pending, tuple[str, Deadline]] = {}  # excluded groups' requests: a probe interval
-        # Each group's step times, always measured (O(1) a request) and shown; the policy flags or evicts only when
-        # it is report or evict.
-        self._stragglers = Stragglers(straggler_policy or StragglerPolicy())
+        self._excluder = Excluder(self.rules, heartbeat_timeout_ms, self._registry, self._readiness, self._watch,
+                                  self._deadlines, straggler_policy or StragglerPolicy(), self._take_pending,
+                                  functools.partial(self._schedule_decide, True), time.monotonic)
         self._previous: Quorum | None = None
         self._answers = QuorumAnswers()  # the encoded answers of _previous
         # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
@@ -184,20 +169,11 @@ class Lighthouse:
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
         self._group_connections = GroupConnections()
-        self._epoch = 0
-        # The held heartbeats (the group each answers, its deadline), each answered at the next wake (a death or a
-        # leave) or its deadline: a dict, so a deadline releasing one costs O(1) (a waiter list of an Event or a
-        # shared future is scanned on every timeout: O(groups^2) per interval at scale).
-        self._held: dict[Pending, tuple[str, Deadline]] = {}
-        # Held at an epoch a death or a leave has changed since: answered at the next wake (see _bump_epoch).
-        self._stale: dict[Pending, tuple[str, Deadline]] = {}
         self._wake_timer: asyncio.TimerHandle | None = None
         self._revival_timer: asyncio.TimerHandle | None = None
-        self._woke_at = -WAKE_WINDOW_S
-        self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
-        self._deadlines = Deadlines(ran=self._lag.ran)
+        self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answer, WAKE_WINDOW_S)
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
-                                  self._stragglers, self._exclusions, self._lag, self._lost,
+                                  self._excluder.stragglers, self._excluder.exclusions, self._lag, self._lost,
                                   self._heartbeat_connections, self._group_connections)
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
@@ -344,14 +320,14 @@ class Lighthouse:
             self._touch(record, replica_id, beat.step)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
-        if self._epoch == beat.known_epoch and beat.wait_ms > 0:
-            return self._hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
+        if self._heartbeats.epoch == beat.known_epoch and beat.wait_ms > 0:
+            return self._heartbeats.hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         return self._heartbeat_answer(replica_id)
 
     def _heartbeat_answer(self, replica_id: str) -> Response:
         if self._heartbeat_body is None:  # cached until a death, a leave, a quorum or revivals (_revived) change it
             self._heartbeat_body = json.dumps({
-                "epoch": self._epoch,
+                "epoch": self._heartbeats.epoch,
                 "quorum_id": self._previous.quorum_id if self._previous else -1,
                 "quorum_size": len(self._previous.members) if self._previous else 0,
                 "store": self.store_address,
@@ -366,31 +342,9 @@ class Lighthouse:
                                                             self._previous.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
-    def _hold(self, request: Request, replica_id: str, timeout_s: float) -> Pending:
-        """The heartbeat answer of ``replica_id`` once the epoch changes or ``timeout_s`` passed."""
-        waiter = request.defer()
-        self._held[waiter] = replica_id, self._deadlines.add(timeout_s, functools.partial(self._release, waiter))
-        waiter.on_cancel = self._unhold
-        return waiter
-
-    def _release(self, waiter: Pending) -> None:
-        """A held heartbeat's time is up."""
-        replica_id = self._unhold(waiter)
-        if replica_id is not None:
-            waiter.answer(self._heartbeat_answer(replica_id))
-
-    def _unhold(self, waiter: Pending) -> str | None:
-        """A held heartbeat is answered or its connection closed (see ``_settle``)."""
-        return self._settle(self._held, waiter) or self._settle(self._stale, waiter)
-
     def _wake(self) -> None:
-        """Answer the heartbeats held at an epoch a death or a leave changed, after every change of this event-loop
-        turn (or of the wake window)."""
-        self._wake_timer, self._woke_at = None, time.monotonic()
-        stale, self._stale = self._stale, {}
-        for waiter, (replica_id, deadline) in stale.items():
-            self._deadlines.cancel(deadline)
-            waiter.answer(self._heartbeat_answer(replica_id))
+        self._wake_timer = None
+        self._heartbeats.wake(time.monotonic())
 
     def _quorum(self, request: Request) -> Response | Pending:
         asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
@@ -410,203 +364,25 @@ class Lighthouse:
             self._note_discard(replica_id, asked)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
+        now = time.monotonic()
         if timing is not None:
-            self._note_timing(asked, timing)
-        if replica_id in self._exclusions:
-            held = self._excluded_request(request, asked, timeout_ms)
-            if held is not None:
-                return held
-        elif self._probe_wanted(asked):
-            assert self._previous is not None
-            targets = self._probe_targets(replica_id, self._exchange_peers(replica_id))
-            return probe_answer(targets, f"the exchange of quorum {self._previous.quorum_id} failed while every member "
-                                         f"lived: report the members you cannot reach")
-        elif asked.unreachable:
-            # Only what it was asked to probe counts (a stale or forged report must not exclude a healthy group).
-            asked = dataclasses.replace(asked, unreachable=tuple(
-                set(asked.unreachable) & set(self._exchange_peers(replica_id))))
+            self._excluder.note_timing(asked, timing, self._previous, now)
+        asked, answer = self._excluder.screen(request, asked, timeout_ms, self._previous, self._liveness_changes, now)
+        if answer is not None:
+            return answer
         if self._previous is not None and is_late_member(self._previous, asked):
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
             return self._answers.to(asked.members_digest)
         waiter = request.defer()
-        deadline = self._deadlines.add(timeout_ms / 1000, functools.partial(self._time_out, timeout_ms, waiter))
-        self._deadline_of[waiter] = replica_id, deadline
+        self._deadline_of.add(waiter, replica_id, timeout_ms / 1000, functools.partial(self._time_out, timeout_ms))
         waiter.on_cancel = self._forget
         self._add_pending(asked, waiter)
         return waiter
 
-    def _probe_wanted(self, asked: QuorumRequest) -> bool:
-        """Whether ``asked`` must first probe the members of its quorum: its cross-group collective failed while every
-        member lived (no death explains it: a cut between members may). Whether every member lives is worked out once
-        per quorum and change of liveness (a death or a revival), not per request."""
-        previous = self._previous
-        if not asked.exchange_failed or asked.unreachable is not None or previous is None \
-                or len(previous.members) < 2 or asked.replica_id not in previous \
-                or asked.quorum_id != previous.quorum_id:
-            return False
-        if self._probe_key[:2] != (previous.quorum_id, self._liveness_changes):
-            records = [self._registry.get(rid) for rid in previous.member_ids]
-            self._probe_key = (previous.quorum_id, self._liveness_changes,
-                               all(record is not None and not record.dead for record in records))
-        return self._probe_key[2]
-
-    def _exchange_peers(self, replica_id: str) -> list[str]:
-        """The members of the current quorum ``replica_id`` is asked to probe (``exclusions.probe_peers``); none when
-        it is no member."""
-        previous = self._previous
-        if previous is None or replica_id not in previous:
-            return []
-        return probe_peers(previous.member_ids, previous.rank_of(replica_id))
-
-    def _probe_targets(self, replica_id: str, peers: Collection[str]) -> dict[str, str]:
-        """``peers`` but ``replica_id`` that live, each with the address its leader serves state on (at most
-        ``MAX_PROBE_TARGETS``)."""
-        targets: dict[str, str] = {}
-        for rid in peers:
-            record = self._registry.get(rid)
-            if rid != replica_id and record is not None and not record.dead and record.address:
-                targets[rid] = record.address
-                if len(targets) == MAX_PROBE_TARGETS:
-                    break
-        return targets
-
-    def _excluded_request(self, request: Request, asked: QuorumRequest, timeout_ms: int) -> Pending | None:
-        """An excluded group asks: admit it (None: its request goes on as any other) when it reached every peer it
-        was cut from that still lives, else hold the request for a probe interval and answer it with those peers."""
-        replica_id = asked.replica_id
-        exclusion = self._exclusions.get(replica_id)
-        assert exclusion is not None
-        if exclusion.reason == "straggler":
-            return self._straggler_request(request, replica_id, exclusion.times, timeout_ms)
-        targets = self._probe_targets(replica_id, sorted(exclusion.peers))
-        # A cut that keeps coming back (or lets new connections through one way only) would cost every member a failed
-        # exchange, a collective timeout, each time the group is admitted: from its second exclusion on, it stays out
-        # at least a heartbeat timeout, doubled with each one.
-        least_s = 0.0 if exclusion.times == 1 else min(
-            MAX_PARTITION_STAY_S, self.heartbeat_timeout_ms / 1000 * 2 ** (exclusion.times - 2))
-        reached = asked.unreachable is not None and not set(asked.unreachable) & set(targets)
-        if not targets or (reached and time.monotonic() - exclusion.since_s >= least_s):
-            self._exclusions.admit(replica_id)
-            log.info("replica %s reaches %s again: admitted", replica_id, ",".join(sorted(targets)) or "its peers")
-            self._watch.readmitted(replica_id, exclusion.reason)
-            return None
-        if asked.unreachable is None:  # it has not probed yet (a restart, say): tell it whom at once
-            return excluded_answer(replica_id, exclusion, targets, time.monotonic())
-        return self._hold_excluded(request, replica_id, min(timeout_ms, self.heartbeat_timeout_ms) / 1000)
-
-    def _hold_excluded(self, request: Request, replica_id: str, interval_s: float) -> Pending:
-        """Hold an excluded group's request for ``interval_s``, then answer it (``_answer_excluded``)."""
-        waiter = request.defer()
-        self._excluded_held[waiter] = replica_id, self._deadlines.add(
-            interval_s, functools.partial(self._answer_excluded, waiter))
-        waiter.on_cancel = lambda w: self._settle(self._excluded_held, w)
-        return waiter
-
-    # ---- stragglers (lighthouse.stragglers) ----
-
-    def _note_timing(self, asked: QuorumRequest, timing: StepTiming) -> None:
-        """Record the times of the requester's last step; a step of the current quorum whose every member has
-        reported closes a round, after which (every few rounds) the policy reviews the groups. Only an exchange that
-        succeeded in the quorum the lighthouse holds counts towards a round (a failed one's wait is its failure, not
-        a straggler)."""
-        previous = self._previous
-        in_round = (timing.wait_s is not None and not asked.commit_failed and previous is not None
-                    and asked.quorum_id == previous.quorum_id and asked.replica_id in previous)
-        due = self._stragglers.record(asked.replica_id, timing.compute_s, timing.wait_s if in_round else None,
-                                      (asked.quorum_id, asked.step), previous.member_set if in_round else ())
-        if due and self._stragglers.policy.acts:
-            self._review_stragglers()
-
-    def _review_stragglers(self) -> None:
-        """Carry out the policy's changes: flags go to the log and the event log, evictions and trials exclude."""
-        for change in self._stragglers.review(self._readiness.alive, self.rules.min_replicas):
-            if change.kind in ("evict", "trial"):
-                self._exclude_straggler(change)
-                continue
-            exclusion = self._exclusions.get(change.replica_id)
-            if change.kind == "convicted" and exclusion is not None and exclusion.reason == "straggler":
-                exclusion.detail = change.detail  # it stays out: /status says why now
-            log.log(logging.WARNING if change.kind in ("flagged", "convicted") else logging.INFO,
-                    "replica %s %s: %s", change.replica_id, change.kind, change.detail)
-            self._watch.straggler(change.kind, change.replica_id, change.detail)
-
-    def _exclude_straggler(self, change: Change) -> None:
-        replica_id, now = change.replica_id, time.monotonic()
-        exclusion = self._exclusions.exclude(replica_id, "straggler", change.detail, now)
-        self._stragglers.excluded(replica_id)
-        log.warning("replica %s excluded from the quorum (%s): %s", replica_id, change.kind, change.detail)
-        self._watch.excluded(replica_id, exclusion.reason, change.detail)
-        waiter = self._waiters.get(replica_id)
-        self._drop_pending(replica_id)
-        if waiter is not None:
-            self._end_wait(waiter)
-            waiter.answer(excluded_answer(replica_id, exclusion, {}, now))
-        self._schedule_decide(force=True)  # the others may all have asked: they need not wait for it
-
-    def _straggler_request(self, request: Request, replica_id: str, times: int, timeout_ms: int) -> Pending | None:
-        """An excluded straggler asks: admit it (None: its request goes on as any other, and it catches up) when the
-        policy lets it back or the quorum cannot do without it, else hold the request for about one of the job's
-        steps (so it asks at the job's pace, not in a tight loop) and answer that it is still out."""
-        counted = len(self._readiness.alive)
-        why = (f"only {counted} groups count without it, fewer than min_replicas={self.rules.min_replicas}"
-               if counted < self.rules.min_replicas else self._stragglers.readmission(replica_id, times))
-        if why is not None:
-            self._exclusions.admit(replica_id)
-            self._stragglers.admitted(replica_id)
-            log.info("replica %s admitted again: %s", replica_id, why)
-            self._watch.readmitted(replica_id, "straggler", why)
-            return None
-        pace_s = self._stragglers.pace_s()
-        interval_s = min(timeout_ms, self.heartbeat_timeout_ms) / 1000
-        return self._hold_excluded(request, replica_id, max(MIN_STRAGGLER_HOLD_S, min(interval_s, pace_s or
-                                                                                     interval_s)))
-
-    def _answer_excluded(self, waiter: Pending) -> None:
-        replica_id = self._settle(self._excluded_held, waiter)
-        exclusion = self._exclusions.get(replica_id) if replica_id is not None else None
-        if replica_id is not None:
-            targets = self._probe_targets(replica_id, sorted(exclusion.peers)) if exclusion is not None else {}
-            if exclusion is None:  # 503: the client asks again
-                waiter.fail(HttpError(503, f"replica {replica_id!r} is no longer excluded: ask again"))
-            else:
-                waiter.answer(excluded_answer(replica_id, exclusion, targets, time.monotonic()))
-
-    def _exclude_partitioned(self) -> None:
-        """Keep out the fewest groups that leave no unreachable pair among the groups asking (see
-        ``lighthouse.exclusions``); their held requests are answered with the peers to probe."""
-        alive = self._readiness.alive
-        pairs = unreachable_pairs(self._reports, [rid for rid in self._readiness.pending if rid in alive])
-        if not pairs:
-            return
-        steps = {rid: request.step for rid, request in self._readiness.pending.items()}
-        now = time.monotonic()
-        paired = peers_of(pairs)
-        for replica_id in sorted(fewest_to_exclude(pairs, steps)):
-            peers = paired[replica_id]
-            detail = f"cannot exchange with {','.join(sorted(peers))} (probed after a failed exchange)"
-            exclusion = self._exclusions.exclude(replica_id, "partition", detail, now, peers)
-            log.warning("replica %s excluded from the quorum: it %s", replica_id, detail)
-            self._watch.excluded(replica_id, exclusion.reason, detail)
-            waiter = self._waiters.get(replica_id)
-            self._drop_pending(replica_id)
-            if waiter is not None:
-                self._end_wait(waiter)
-                waiter.answer(excluded_answer(replica_id, exclusion, self._probe_targets(replica_id, sorted(peers)),
-                                              now))
-
     def _end_wait(self, waiter: Pending) -> str | None:
-        """A held quorum request is answered or gone (see ``_settle``)."""
-        return self._settle(self._deadline_of, waiter)
-
-    def _settle(self, table: dict[Pending, tuple[str, Deadline]], waiter: Pending) -> str | None:
-        """Take ``waiter`` out of ``table`` (``_held`` or ``_deadline_of``) and call off its deadline. Returns its
-        group, None if it was out already."""
-        entry = table.pop(waiter, None)
-        if entry is None:
-            return None
-        self._deadlines.cancel(entry[1])
-        return entry[0]
+        """A held quorum request is answered or gone (``HeldTable.settle``)."""
+        return self._deadline_of.settle(waiter)
 
     def _forget(self, waiter: Pending) -> str | None:
         """A held quorum request's time is up or its client went away: forget the request. Returns its group (None:
@@ -635,8 +411,7 @@ class Lighthouse:
             self._heartbeat_connections.release((replica_id, rank))
             return json_response({})
         self._registry.remove(replica_id)
-        self._exclusions.forget(replica_id)
-        self._stragglers.forget(replica_id)
+        self._excluder.forget(replica_id)
         self._fail_pending(replica_id, HttpError(410, f"replica {replica_id!r} left while its quorum request was held"))
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
@@ -685,7 +460,7 @@ class Lighthouse:
 
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
-        return self._status_view.document(time.monotonic(), self._previous, self._epoch, self.store_address,
+        return self._status_view.document(time.monotonic(), self._previous, self._heartbeats.epoch, self.store_address,
                                           self._started_s)
 
     # ---- state changes ----
@@ -797,26 +572,29 @@ class Lighthouse:
     def _sync_alive(self, replica_id: str) -> None:
         """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
         counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic(),
-                                       self._ledger.committed_step) and replica_id not in self._exclusions
+                                       self._ledger.committed_step) and replica_id not in self._excluder
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
+        waiter = self._take_pending(replica_id)
+        if waiter is not None:
+            waiter.fail(error)
+
+    def _take_pending(self, replica_id: str) -> Pending | None:
+        """The group's held quorum request taken out of the round, to be answered by the caller (None: none held)."""
         waiter = self._waiters.get(replica_id)
         self._drop_pending(replica_id)
         if waiter is not None:
             self._end_wait(waiter)
-            waiter.fail(error)
+        return waiter
 
     def _add_pending(self, request: QuorumRequest, waiter: Pending) -> None:
         replica_id = request.replica_id
         old = self._waiters.get(replica_id)
         self._readiness.add(request)
-        if request.unreachable:
-            self._reports[replica_id] = request.unreachable
-        else:
-            self._reports.pop(replica_id, None)
+        self._excluder.reported(replica_id, request.unreachable)
         self._waiters[replica_id] = waiter
         self._sync_alive(replica_id)
         if old is not None:
@@ -833,7 +611,7 @@ class Lighthouse:
 
     def _drop_pending(self, replica_id: str) -> None:
         self._readiness.drop(replica_id)
-        self._reports.pop(replica_id, None)
+        self._excluder.reported(replica_id, None)
         self._waiters.pop(replica_id, None)
         self._sync_alive(replica_id)
 
@@ -851,14 +629,9 @@ class Lighthouse:
 
     def _bump_epoch(self) -> None:
         """A new epoch (a death or a leave): the held heartbeats learn it now."""
-        self._epoch += 1
         self._heartbeat_body = None
-        if not self._held:
-            return
-        self._stale.update(self._held)
-        self._held = {}
-        if self._wake_timer is None:
-            delay = max(0.0, self._woke_at + WAKE_WINDOW_S - time.monotonic())
+        delay = self._heartbeats.new_epoch(time.monotonic())
+        if delay is not None:
             self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
     # ---- deciding ----
@@ -886,8 +659,7 @@ class Lighthouse:
                 self._startup_timer = asyncio.get_running_loop().call_at(self._started_s + self._startup_grace_s,
                                                                          self._schedule_decide, True)
         else:
-            if self._reports:
-                self._exclude_partitioned()
+            self._excluder.exclude_partitioned(time.monotonic())
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
                             time.monotonic(), self._seen_committed())
         if quorum is not None and quorum.max_step >= self._ledger.committed_step:
@@ -1014,10 +786,9 @@ class Lighthouse:
             if strays:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
-                    self._exclusions.forget(replica_id)
+                    self._excluder.forget(replica_id)
                     self._heartbeat_connections.release_group(replica_id)
                     self._watch.forget(replica_id)
-                    self._stragglers.forget(replica_id)
                 log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                          ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
 

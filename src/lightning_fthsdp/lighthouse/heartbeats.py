@@ -1,0 +1,120 @@
+"""The held heartbeats: each group's heartbeat long-poll, answered when the epoch changes (a death or a leave) or at
+its deadline, whichever comes first.
+
+Every call that depends on time takes ``now``; the deadlines come from the ``Deadlines`` handed in (the lighthouse's
+grid of event-loop timers; a test's own), and the wake after an epoch change is the caller's timer, armed for the
+delay ``new_epoch`` returns. A burst of changes is told in one wake: deaths closer together than ``wake_window_s``
+answer each held heartbeat once, not once per death.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from lightning_fthsdp.lighthouse.deadlines import Deadline
+from lightning_fthsdp.lighthouse.messages import Pending, Request, Response
+
+
+class DeadlineTimers(Protocol):
+    """What the held tables need of ``deadlines.Deadlines``."""
+
+    def add(self, delay_s: float, callback: Callable[[], None]) -> Deadline: ...
+
+    def cancel(self, deadline: Deadline) -> None: ...
+
+
+class HeldTable:
+    """Held requests, each with its group and a deadline: a dict, so a deadline answering one costs O(1) (a waiter
+    list of an Event or a shared future is scanned on every timeout: O(groups^2) per interval at scale)."""
+
+    def __init__(self, deadlines: DeadlineTimers) -> None:
+        self._deadlines = deadlines
+        self._entries: dict[Pending, tuple[str, Deadline]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Pending]:
+        return iter(self._entries)
+
+    def add(self, waiter: Pending, replica_id: str, timeout_s: float, due: Callable[[Pending], None]) -> None:
+        """Hold ``waiter`` for ``replica_id``; ``due(waiter)`` runs after ``timeout_s`` unless it is settled first."""
+        self._entries[waiter] = replica_id, self._deadlines.add(timeout_s, functools.partial(due, waiter))
+
+    def settle(self, waiter: Pending) -> str | None:
+        """Take ``waiter`` out and call off its deadline. Returns its group, None if it was out already."""
+        entry = self._entries.pop(waiter, None)
+        if entry is None:
+            return None
+        self._deadlines.cancel(entry[1])
+        return entry[0]
+
+    def take_all(self) -> dict[Pending, tuple[str, Deadline]]:
+        """Every entry, the table left empty (their deadlines still run: see ``HeldHeartbeats.new_epoch``)."""
+        entries, self._entries = self._entries, {}
+        return entries
+
+    def extend(self, entries: dict[Pending, tuple[str, Deadline]]) -> None:
+        self._entries.update(entries)
+
+
+class HeldHeartbeats:
+    """The held heartbeat long-polls at the current ``epoch``; ``answer(replica_id)`` writes a group's answer."""
+
+    def __init__(self, deadlines: DeadlineTimers, answer: Callable[[str], Response], wake_window_s: float) -> None:
+        self.epoch = 0
+        self._answer = answer
+        self._wake_window_s = wake_window_s
+        self._deadlines = deadlines
+        self._held = HeldTable(deadlines)
+        # Held at an epoch a death or a leave has changed since: answered at the next wake.
+        self._stale = HeldTable(deadlines)
+        self._wake_armed = False
+        self._woke_at = -wake_window_s
+
+    def __len__(self) -> int:
+        """How many are held at the current epoch."""
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[Pending]:
+        return iter(self._held)
+
+    def hold(self, request: Request, replica_id: str, timeout_s: float) -> Pending:
+        """The heartbeat answer of ``replica_id`` once the epoch changes or ``timeout_s`` passed."""
+        waiter = request.defer()
+        self._held.add(waiter, replica_id, timeout_s, self.release)
+        waiter.on_cancel = self._settle
+        return waiter
+
+    def release(self, waiter: Pending) -> None:
+        """A held heartbeat's time is up: answered with the current epoch (once: see ``_settle``)."""
+        replica_id = self._settle(waiter)
+        if replica_id is not None:
+            waiter.answer(self._answer(replica_id))
+
+    def new_epoch(self, now: float) -> float | None:
+        """The epoch changes: every heartbeat held now is answered at the next wake. Returns the delay after which the
+        caller runs ``wake`` (at least the rest of the wake window since the last), or None: no wake is needed or one is
+        armed already."""
+        self.epoch += 1
+        if not len(self._held):
+            return None
+        self._stale.extend(self._held.take_all())
+        if self._wake_armed:
+            return None
+        self._wake_armed = True
+        return max(0.0, self._woke_at + self._wake_window_s - now)
+
+    def wake(self, now: float) -> None:
+        """Answer the heartbeats held at an epoch that changed since (after every change of an event-loop turn, or of
+        the wake window)."""
+        self._wake_armed, self._woke_at = False, now
+        for waiter, (replica_id, deadline) in self._stale.take_all().items():
+            self._deadlines.cancel(deadline)
+            waiter.answer(self._answer(replica_id))
+
+    def _settle(self, waiter: Pending) -> str | None:
+        """A held heartbeat is answered or its connection closed."""
+        return self._held.settle(waiter) or self._stale.settle(waiter)
