@@ -14,6 +14,16 @@ def quorum(quorum_id: int, max_step: int) -> Quorum:
     return Quorum(quorum_id, (Member("a", max_step), Member("b", max_step)), max_step, 1)
 
 
+def refusal(ledger: CommitLedger, *claim: object, **more: object) -> str | None:
+    """Why ``ledger`` refuses a claim of group a (None: believed); a refusal is a 409 naming the group."""
+    try:
+        ledger.check_claim("a", *claim, **more)  # type: ignore[arg-type]
+    except HttpError as e:
+        assert e.status == 409 and e.message.startswith("replica 'a' claims "), e.message
+        return e.message
+    return None
+
+
 def ledger_of(*answered: tuple[int, int]) -> CommitLedger:
     ledger = CommitLedger()
     for quorum_id, max_step in answered:
@@ -24,15 +34,15 @@ def ledger_of(*answered: tuple[int, int]) -> CommitLedger:
 def test_a_lighthouse_believes_commits_in_quorums_before_it_until_it_settles() -> None:
     """A fresh ledger knows nothing; a lighthouse that may have restarted believes a commit in a quorum it did not
     form (the holders of the job's state are coming back to it) until ``settles_at``; never a claim of no commit."""
-    assert CommitLedger().refusal(10**9, 12, -1, now=0.0) is None
+    assert refusal(CommitLedger(), 10**9, 12, -1, now=0.0) is None
     ledger = ledger_of((0, 0))
     ledger.settles_at = 30.0
-    assert ledger.refusal(100, 12, -1, now=29.0) is None
-    assert "beyond" in str(ledger.refusal(100, 12, -1, now=30.0))
-    assert "beyond" in str(ledger.refusal(100, -1, -1, now=0.0))
-    assert "beyond" in str(ledger.refusal(100, 0, -1, now=0.0, held=(0, ("a", "b"))))  # its own quorum 0
+    assert refusal(ledger, 100, 12, -1, now=29.0) is None
+    assert "beyond" in str(refusal(ledger, 100, 12, -1, now=30.0))
+    assert "beyond" in str(refusal(ledger, 100, -1, -1, now=0.0))
+    assert "beyond" in str(refusal(ledger, 100, 0, -1, now=0.0, held=(0, ("a", "b"))))  # its own quorum 0
     # Quorum ids start again with each lighthouse: a group holding another quorum 0 (other members) is from before.
-    assert ledger.refusal(100, 0, -1, now=0.0, held=(0, ("a", "c"))) is None
+    assert refusal(ledger, 100, 0, -1, now=0.0, held=(0, ("a", "c"))) is None
 
 
 @pytest.mark.parametrize(("step", "committed_in", "lost_contact_in", "refused"), [
@@ -54,7 +64,7 @@ def test_a_lighthouse_believes_commits_in_quorums_before_it_until_it_settles() -
 def test_a_claim_is_checked_against_what_was_answered(step: int, committed_in: int, lost_contact_in: int,
                                                       refused: str | None) -> None:
     ledger = ledger_of((0, 0), (0, 2), (1, 3), (1, 4), (2, 5))
-    reason = ledger.refusal(step, committed_in, lost_contact_in, now=0.0, answered_in=2)  # a member of quorum 2
+    reason = refusal(ledger, step, committed_in, lost_contact_in, now=0.0, answered_in=2)  # a member of quorum 2
     assert (reason is None) == (refused is None) and (refused is None or refused in str(reason)), reason
 
 
@@ -66,7 +76,7 @@ def test_a_quorum_below_the_committed_step_is_recorded_as_lost_once() -> None:
     ledger.record(quorum(1, 3))
     # The job goes on from step 3: its next steps are not below the committed step, nor is step 8 reachable.
     assert ledger.lost == [lost] and ledger.committed_step == 3
-    assert "beyond" in str(ledger.refusal(8, 0, -1, now=0.0))
+    assert "beyond" in str(refusal(ledger, 8, 0, -1, now=0.0))
 
 
 def test_incarnations_and_declared_ids() -> None:
@@ -124,8 +134,8 @@ def test_a_holder_of_an_adopted_quorum_may_be_one_step_past_the_step_it_was_adop
     the quorum they hold); b, not answered by this lighthouse yet, asks holding step 51 committed in quorum 0."""
     ledger = CommitLedger()
     ledger.record(quorum(0, 50), adopted=True)
-    assert ledger.refusal(51, 0, -1, now=0.0, answered_in=-1) is None
+    assert refusal(ledger, 51, 0, -1, now=0.0, answered_in=-1) is None
     ledger.record(quorum(1, 60))  # then quorum 1, formed here: quorum 0 committed steps 50..51 at most
-    assert "committed steps 50..51 only" in str(ledger.refusal(55, 0, -1, now=0.0, answered_in=-1))
+    assert "committed steps 50..51 only" in str(refusal(ledger, 55, 0, -1, now=0.0, answered_in=-1))
     formed_here = ledger_of((0, 50))  # a quorum this lighthouse formed: only its answered members committed in it
-    assert "was not answered quorum 0" in str(formed_here.refusal(51, 0, -1, now=0.0, answered_in=-1))
+    assert "was not answered quorum 0" in str(refusal(formed_here, 51, 0, -1, now=0.0, answered_in=-1))

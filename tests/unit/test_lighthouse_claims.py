@@ -14,6 +14,7 @@ from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.k8s.manifests import JobSpec
 from lightning_fthsdp.k8s.manifests import lighthouse as k8s_lighthouse
 from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.lighthouse.messages import HttpError
 from tests.unit.test_ledger import ledger_of
 from tests.unit.test_lighthouse import Client, form, hb, lighthouse, qr, replica
 
@@ -203,12 +204,18 @@ def test_only_a_group_seen_committing_its_state_is_a_catch_up_source(lighthouse:
 
 def test_the_ledger_believes_the_next_step_only_from_a_member_of_a_quorum_that_did_not_discard_it() -> None:
     ledger = ledger_of((0, 0), (0, 1))  # quorum 0 answered at steps 0 and 1: the committed step is 1
-    assert ledger.refusal(2, 0, -1, now=0.0, answered_in=0) is None
-    assert "was not answered quorum 0" in str(ledger.refusal(2, 0, -1, now=0.0, answered_in=-1))
+    ledger.check_claim("a", 2, 0, -1, now=0.0, answered_in=0)
+    with pytest.raises(HttpError, match=r"replica 'a' claims .* was not answered quorum 0") as refused:
+        ledger.check_claim("a", 2, 0, -1, now=0.0, answered_in=-1)
+    assert refused.value.status == 409
     assert ledger.note_discard(0, 0) is None  # not the quorum's last step: its members committed step 1
     assert ledger.note_discard(0, 1) == 2 and ledger.note_discard(0, 1) is None  # news once
     moved_on = ledger_of((0, 0), (0, 1), (1, 1))
     assert moved_on.note_discard(0, 1) is None  # reported once quorum 1 was formed: a member stopped and resumed
     for step, committed_in, lost_contact_in in ((2, 0, -1), (5, 0, 0), (2, None, -1)):
-        assert "discarded step 2" in str(ledger.refusal(step, committed_in, lost_contact_in, now=0.0, answered_in=0))
-    assert ledger.refusal(1, 0, -1, now=0.0, answered_in=0) is None  # what its members hold
+        with pytest.raises(HttpError, match="discarded step 2"):
+            ledger.check_claim("a", step, committed_in, lost_contact_in, now=0.0, answered_in=0)
+    ledger.check_claim("a", 1, 0, -1, now=0.0, answered_in=0)  # what its members hold
+    with pytest.raises(HttpError, match="discarded step 2"):
+        ledger.check_discarded("a", 2, 0)
+    ledger.check_discarded("a", 1, 0)

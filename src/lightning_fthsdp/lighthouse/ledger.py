@@ -21,17 +21,27 @@ the others discarded.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from lightning_fthsdp.lighthouse.messages import HttpError
 from lightning_fthsdp.protocol.quorum import Quorum
+
+log = logging.getLogger("fthsdp.lighthouse")
 
 MAX_QUORUMS = 4096
 """Quorums whose step ranges the ledger keeps (a claim naming an older one is held to the step bound only)."""
 
 
 class MembersNeeded(Exception):
-    """``CommitLedger.refusal`` needs the members of the quorum the claimer holds, which it was not given."""
+    """``CommitLedger.check_claim`` needs the members of the quorum the claimer holds, which it was not given."""
+
+
+def _refuse(replica_id: str, reason: str) -> HttpError:
+    """409 for what ``replica_id`` claims (``reason``: "claims ..." or "reports ..."), logged: a refusal is news."""
+    log.warning("refused replica %s: it %s", replica_id, reason)
+    return HttpError(409, f"replica {replica_id!r} {reason}")
 
 
 @dataclass
@@ -125,16 +135,15 @@ class CommitLedger:
         self.committed_step = quorum.max_step
         return lost
 
-    def note_checkpoint(self, step: int, path: str, writer: str) -> str | None:
-        """Record a complete checkpoint of ``step``; returns why it is refused (None: recorded, or older than the one
-        known, which is kept). A checkpoint holds a committed state: at most the committed step + 1 (its writer
+    def note_checkpoint(self, step: int, path: str, writer: str) -> None:
+        """Record a complete checkpoint of ``step`` (one older than the one known is not kept); HttpError 409 when
+        ``writer`` cannot hold it. A checkpoint holds a committed state: at most the committed step + 1 (its writer
         committed in the newest quorum)."""
         if self._newest >= 0 and step > self.committed_step + 1:
-            return (f"reports a checkpoint of step {step}, beyond the job's committed step {self.committed_step} + 1: "
-                    f"that state was never committed by this job")
+            raise _refuse(writer, f"reports a checkpoint of step {step}, beyond the job's committed step "
+                                  f"{self.committed_step} + 1: that state was never committed by this job")
         if self.checkpoint is None or step >= self.checkpoint.step:
             self.checkpoint = DurableCheckpoint(step, path, writer)
-        return None
 
     def resume_point(self, quorum: Quorum) -> DurableCheckpoint | None:
         """The checkpoint a quorum below the committed step resumes from: the newest, when it is ahead of what the
@@ -143,10 +152,10 @@ class CommitLedger:
             return self.checkpoint
         return None
 
-    def refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
-                held: tuple[int, Collection[str] | None] = (-1, ()), answered_in: int = -1) -> str | None:
-        """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: not stated, as in a heartbeat)
-        is refused, or None when it is consistent with what this lighthouse answered.
+    def check_claim(self, replica_id: str, step: int, committed_in: int | None, lost_contact_in: int, now: float,
+                    held: tuple[int, Collection[str] | None] = (-1, ()), answered_in: int = -1) -> None:
+        """HttpError 409 for a claim of ``replica_id`` to hold ``step`` committed in quorum ``committed_in`` (None:
+        not stated, as in a heartbeat) that is not consistent with what this lighthouse answered.
 
         ``lost_contact_in``: the quorum the claimer's incarnation was answered last, if the lighthouse has declared
         it dead since (-1 otherwise). Such a group kept that quorum while it could not reach the lighthouse and
@@ -155,6 +164,19 @@ class CommitLedger:
         then MembersNeeded is raised where they decide). ``answered_in``: the newest quorum the claimer's incarnation
         was answered (-1: none): only the incarnations answered a quorum commit in it.
         """
+        reason = self._refusal(step, committed_in, lost_contact_in, now, held, answered_in)
+        if reason is not None:
+            raise _refuse(replica_id, reason)
+
+    def check_discarded(self, replica_id: str, step: int, committed_in: int | None) -> None:
+        """HttpError 409 for a claim of ``replica_id`` to hold ``step`` committed in quorum ``committed_in`` (None:
+        the newest, as a heartbeat's) that its members discarded."""
+        reason = self._discard_refusal(step, committed_in)
+        if reason is not None:
+            raise _refuse(replica_id, reason)
+
+    def _refusal(self, step: int, committed_in: int | None, lost_contact_in: int, now: float,
+                 held: tuple[int, Collection[str] | None], answered_in: int) -> str | None:
         if self._newest < 0:
             return None
         if (now < self.settles_at and committed_in is not None and committed_in >= 0
@@ -162,7 +184,7 @@ class CommitLedger:
             return None
         # Before the lost-contact exemption: a member that trained on without the lighthouse did so with the others,
         # and one of them discarded the step.
-        reason = self.discard_refusal(step, committed_in)
+        reason = self._discard_refusal(step, committed_in)
         if reason is not None:
             return reason
         if lost_contact_in == self._newest and committed_in in (None, lost_contact_in):
@@ -196,9 +218,7 @@ class CommitLedger:
                     f"{last + 1} only: that state was never committed by this job")
         return None
 
-    def discard_refusal(self, step: int, committed_in: int | None) -> str | None:
-        """Why a claim to hold ``step`` committed in quorum ``committed_in`` (None: the newest, as a heartbeat's) is
-        one its members discarded (None: it is not)."""
+    def _discard_refusal(self, step: int, committed_in: int | None) -> str | None:
         in_quorum = self._newest if committed_in is None else committed_in
         discarded = self._discarded.get(in_quorum)
         if discarded is None or step < discarded or (committed_in is None and step != discarded):

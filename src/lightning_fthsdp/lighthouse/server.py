@@ -31,7 +31,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.lighthouse import page as lighthouse_page
@@ -39,19 +39,19 @@ from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, rai
 from lightning_fthsdp.lighthouse.api import (
     QuorumAnswers,
     authorize,
-    check_shard_count,
     parse_checkpoint,
     parse_heartbeat,
     parse_leave,
     parse_lost,
     parse_quorum,
 )
+from lightning_fthsdp.lighthouse.claims import Claims
 from lightning_fthsdp.lighthouse.deadlines import Deadlines
 from lightning_fthsdp.lighthouse.excluder import Excluder
 from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats, HeldTable
 from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
 from lightning_fthsdp.lighthouse.lag import Lag
-from lightning_fthsdp.lighthouse.ledger import CommitLedger, MembersNeeded
+from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
 from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
@@ -154,6 +154,7 @@ class Lighthouse:
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
+        self._claims = Claims(self._registry, self._ledger, self._readiness, shard_count)
         self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
         self._deadlines = Deadlines(ran=self._lag.ran)
         self._waiters: dict[str, Pending] = {}  # each group's held quorum request
@@ -306,11 +307,11 @@ class Lighthouse:
     def _heartbeat(self, request: Request) -> Response | Pending:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
-        self._check_shard_count(replica_id, beat.shard_count)
+        self._claims.check_shard_count(replica_id, beat.shard_count, self._previous)
         # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
-        self._check_claim(replica_id, beat.incarnation, beat.step, None)
+        self._claims.check_heartbeat(replica_id, beat.incarnation, beat.step, time.monotonic())
         record = self._admit(replica_id, beat.incarnation, beat.step)
         if beat.losses >= record.losses:  # else sent before the newest loss report: it revives nothing
             record.losses, record.lost = beat.losses, beat.lost
@@ -349,19 +350,16 @@ class Lighthouse:
     def _quorum(self, request: Request) -> Response | Pending:
         asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
-        self._check_shard_count(replica_id, asked.shard_count)
+        self._claims.check_shard_count(replica_id, asked.shard_count, self._previous)
         self._registry.check(replica_id, incarnation, 0)
-        try:
-            self._check_claim(replica_id, incarnation, asked.step, asked.committed_in,
-                              (asked.quorum_id, self._held_members(asked)))
-        except MembersNeeded as e:
-            raise _members_needed(asked, str(e)) from None
+        self._claims.check_request(asked, incarnation, time.monotonic(), self._previous, self._answers)
         self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
         self._group_connections.carried(replica_id, request.connection)
         self._registry.addressed(replica_id, asked.address)
         if asked.commit_failed:
             self._watch.discarded(replica_id, asked.step)
-            self._note_discard(replica_id, asked)
+            for rid, refusal in self._claims.discarded(asked).items():
+                self._fail_pending(rid, refusal)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
         now = time.monotonic()
@@ -431,10 +429,7 @@ class Lighthouse:
     def _checkpoint(self, request: Request) -> Response:
         replica_id, incarnation, step, path = parse_checkpoint(request)
         self._registry.owner(replica_id, incarnation)
-        reason = self._ledger.note_checkpoint(step, path, replica_id)
-        if reason is not None:
-            log.warning("refused the checkpoint of replica %s: it %s", replica_id, reason)
-            raise HttpError(409, f"replica {replica_id!r} {reason}")
+        self._ledger.note_checkpoint(step, path, replica_id)
         log.info("replica %s wrote the checkpoint of step %d at %s", replica_id, step, path)
         checkpoint = self._ledger.checkpoint
         return json_response({"checkpoint": checkpoint.to_json() if checkpoint else None})
@@ -464,66 +459,6 @@ class Lighthouse:
                                           self._started_s)
 
     # ---- state changes ----
-
-    def _held_members(self, asked: QuorumRequest) -> Collection[str] | None:
-        """The members of the quorum ``asked`` holds (None: not known). A request sends them only when the lighthouse
-        asks for them (428), so they come from the member list this lighthouse answered under the request's members
-        digest where it can. A lighthouse without a previous quorum (fresh or restarted) asks for them at once: it
-        continues the quorum the groups hold (``quorum.adopt``, ``quorum.reference``)."""
-        if asked.members or asked.quorum_id < 0:
-            return asked.members
-        if self._previous is None:
-            raise _members_needed(asked, "this lighthouse holds no quorum yet (it is new, or was restarted) and "
-                                         "continues the one the groups hold")
-        base = self._answers.base(asked.members_digest)
-        return base.member_set if base is not None else None
-
-    def _check_claim(self, replica_id: str, incarnation: str, step: int, committed_in: int | None,
-                     held: tuple[int, Collection[str] | None] = (-1, ())) -> None:
-        """Refuse (409) a claimed state this job never committed, before it changes anything. MembersNeeded when
-        that takes the members of the quorum held and ``held`` has none."""
-        record = self._registry.get(replica_id)
-        own = record if record is not None and record.incarnation == incarnation else None
-        lost_contact_in = own.answered if own is not None and own.lost_contact else -1
-        reason = self._ledger.refusal(step, committed_in, lost_contact_in, time.monotonic(), held,
-                                      own.answered if own is not None else -1)
-        if reason is not None:
-            log.warning("refused replica %s: it %s", replica_id, reason)
-            raise HttpError(409, f"replica {replica_id!r} {reason}")
-
-    def _check_shard_count(self, replica_id: str, shard_count: int) -> None:
-        """Refuse (409) a group whose shard count is not the job's (``api.check_shard_count``)."""
-        def lives(rid: str) -> bool:
-            record = self._registry.get(rid)
-            return record is not None and not record.dead
-
-        check_shard_count(replica_id, shard_count, self.shard_count, self._previous, self._readiness.pending, lives)
-
-    def _seen_committed(self) -> frozenset[str]:
-        """The requesters whose incarnation this lighthouse answered the quorum they claim to have committed in (or a
-        later one): the only catch-up sources ``decide`` assigns while one of them is up to date."""
-        seen = []
-        for replica_id, request in self._readiness.pending.items():
-            record = self._registry.get(replica_id)
-            if record is not None and 0 <= request.committed_in <= record.answered:
-                seen.append(replica_id)
-        return frozenset(seen)
-
-    def _note_discard(self, replica_id: str, asked: QuorumRequest) -> None:
-        """A group reports that its commit failed because it could not build its quorum's cross-group group (not
-        only a collective or its lease: another member may have completed a collective this one saw fail, and
-        committed), in the quorum it was answered, at that quorum's last step: no member can have committed that step,
-        so the ledger learns that the quorum committed nothing more, and the held requests claiming a commit there are
-        refused (a claim that arrived first must not become the others' catch-up source)."""
-        record = self._registry.get(replica_id)
-        if not asked.rendezvous_failed or record is None or record.answered != asked.quorum_id or \
-                self._ledger.note_discard(asked.quorum_id, asked.step) is None:
-            return
-        for rid, request in list(self._readiness.pending.items()):
-            reason = self._ledger.discard_refusal(request.step, request.committed_in)
-            if reason is not None:
-                log.warning("refused the held request of replica %s: it %s", rid, reason)
-                self._fail_pending(rid, HttpError(409, f"replica {rid!r} {reason}"))
 
     def _admit(self, replica_id: str, incarnation: str, step: int) -> GroupRecord:
         """The group's record, spoken for by ``incarnation`` (checked already) which claims ``step``. A new
@@ -661,7 +596,7 @@ class Lighthouse:
         else:
             self._excluder.exclude_partitioned(time.monotonic())
             quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
-                            time.monotonic(), self._seen_committed())
+                            time.monotonic(), self._claims.seen_committed())
         if quorum is not None and quorum.max_step >= self._ledger.committed_step:
             self._end_lost_wait()
         elif quorum is not None and not self._lost_wait_over(quorum):
@@ -810,12 +745,6 @@ def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
         log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
         return None
     return LighthouseMetrics(status)
-
-
-def _members_needed(asked: QuorumRequest, why: str) -> HttpError:
-    """428 for a quorum request that holds a quorum and sent no members where the lighthouse needs them."""
-    return HttpError(428, f"the quorum request of {asked.replica_id!r} holds quorum {asked.quorum_id} but sent no "
-                          f"'members': {why}; resend it with the members of the quorum it holds")
 
 
 def _declared_id(replica_id: str) -> str:
