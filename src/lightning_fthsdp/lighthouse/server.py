@@ -25,7 +25,6 @@ decision would answer, kept per event), ``liveness`` (which connection's close d
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
@@ -47,6 +46,7 @@ from lightning_fthsdp.lighthouse.api import (
 )
 from lightning_fthsdp.lighthouse.claims import Claims
 from lightning_fthsdp.lighthouse.deadlines import Deadlines
+from lightning_fthsdp.lighthouse.decider import Decider
 from lightning_fthsdp.lighthouse.excluder import Excluder
 from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats, HeldTable
 from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
@@ -54,9 +54,8 @@ from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
-from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
 from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
-from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide, is_late_member
+from lightning_fthsdp.lighthouse.quorum import QuorumRules, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 from lightning_fthsdp.lighthouse.status_view import StatusView
@@ -132,8 +131,6 @@ class Lighthouse:
         startup_grace_ms = heartbeat_timeout_ms if startup_grace_ms is None else startup_grace_ms
         if not isinstance(startup_grace_ms, int) or startup_grace_ms < 0:
             raise ValueError(f"Lighthouse startup_grace_ms must be an integer >= 0, got {startup_grace_ms!r}")
-        self._startup_grace_s = startup_grace_ms / 1000
-        self._startup_timer: asyncio.TimerHandle | None = None
         declared = None if replica_ids is None else frozenset(_declared_id(rid) for rid in replica_ids)
         if shard_count is not None and (not isinstance(shard_count, int) or isinstance(shard_count, bool)
                                         or shard_count < 1):
@@ -149,8 +146,7 @@ class Lighthouse:
         self._registry = Registry(declared, grace_s=self.rules.join_timeout_ms / 1000)
         self._ledger = CommitLedger()
         self._watch = Watch(_metrics(self.status))
-        self._lost = LostStateWait(self.rules.lost_state_wait_ms / 1000)
-        self._lost_timer: asyncio.TimerHandle | None = None
+        self._again_timer: asyncio.TimerHandle | None = None  # decides again when a wait ends (Decision.again_at)
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
@@ -173,8 +169,11 @@ class Lighthouse:
         self._wake_timer: asyncio.TimerHandle | None = None
         self._revival_timer: asyncio.TimerHandle | None = None
         self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answer, WAKE_WINDOW_S)
+        self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
+                                self._excluder.exclude_partitioned, self._claims.seen_committed,
+                                startup_grace_ms / 1000, time.monotonic())
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
-                                  self._excluder.stragglers, self._excluder.exclusions, self._lag, self._lost,
+                                  self._excluder.stragglers, self._excluder.exclusions, self._lag, self._decider.lost,
                                   self._heartbeat_connections, self._group_connections)
         self._heartbeat_body: bytes | None = None
         self._decide_scheduled = False
@@ -186,7 +185,6 @@ class Lighthouse:
         self._store: Any = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._started_s = time.monotonic()
         self.store_address = ""
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/heartbeat": ("POST", self._heartbeat),
@@ -235,10 +233,10 @@ class Lighthouse:
             raise
         self.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
-        self._started_s = time.monotonic()
+        self._decider.started_s = time.monotonic()
         # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
         # (and be believed) as a quorum below the committed step waits for them.
-        self._ledger.settles_at = self._started_s + self.rules.lost_state_wait_ms / 1000
+        self._ledger.settles_at = self._decider.started_s + self.rules.lost_state_wait_ms / 1000
         log.info("lighthouse on %s, store %s, %s, heartbeat timeout %d ms; open-files limit %d (about as many "
                  "replica groups at most: raise the hard limit, ulimit -Hn, for more), connections without the token "
                  "capped at %d (%d per address)", self.url, self.store_address, self.rules, self.heartbeat_timeout_ms,
@@ -249,7 +247,7 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        for timer in (self._join_timer, self._lost_timer, self._startup_timer, self._wake_timer, self._revival_timer):
+        for timer in (self._join_timer, self._again_timer, self._wake_timer, self._revival_timer):
             if timer is not None:
                 timer.cancel()
         self._deadlines.close()
@@ -456,7 +454,7 @@ class Lighthouse:
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
         return self._status_view.document(time.monotonic(), self._previous, self._heartbeats.epoch, self.store_address,
-                                          self._started_s)
+                                          self._decider.started_s)
 
     # ---- state changes ----
 
@@ -582,43 +580,10 @@ class Lighthouse:
         self._decide_scheduled = False
         if self._stopping:
             return
-        receivers: frozenset[str] | None = None
-        adopted = adopt(self._readiness.pending) if self._previous is None else None
-        if adopted is not None:
-            quorum, receivers = adopted
-            log.info("adopting quorum %d (members %s) held by %s", quorum.quorum_id, ",".join(quorum.member_ids),
-                     ",".join(sorted(receivers)))
-        elif self._previous is None and time.monotonic() < self._started_s + self._startup_grace_s:
-            quorum = None
-            if self._startup_timer is None:
-                self._startup_timer = asyncio.get_running_loop().call_at(self._started_s + self._startup_grace_s,
-                                                                         self._schedule_decide, True)
-        else:
-            self._excluder.exclude_partitioned(time.monotonic())
-            quorum = decide(self.rules, self._previous, self._readiness.pending, frozenset(self._readiness.alive),
-                            time.monotonic(), self._claims.seen_committed())
-        if quorum is not None and quorum.max_step >= self._ledger.committed_step:
-            self._end_lost_wait()
-        elif quorum is not None and not self._lost_wait_over(quorum):
-            quorum = None
+        decision = self._decider.decide(time.monotonic(), self._previous)
+        self._decide_again_at(decision.again_at)
+        quorum = decision.quorum
         if quorum is not None:
-            if quorum.max_step < self._ledger.committed_step:
-                quorum = self._resume_from_checkpoint(quorum)
-                lost = self._ledger.note_lost(quorum)
-                self._watch.lost(lost)
-                if lost.checkpoint is not None:
-                    log.error("quorum %d resumes from the checkpoint of step %d (%s) although step %d was committed: "
-                              "no group holding that state came back within %.0f s, so %d steps are lost",
-                              quorum.quorum_id, quorum.max_step, lost.checkpoint, lost.committed_step,
-                              self.rules.lost_state_wait_ms / 1000, lost.committed_step - quorum.max_step)
-                else:
-                    log.error("quorum %d restarts from step %d although step %d was committed: no group holding that "
-                              "state came back within %.0f s and no newer durable checkpoint was reported, so %d "
-                              "steps are lost", quorum.quorum_id, quorum.max_step, lost.committed_step,
-                              self.rules.lost_state_wait_ms / 1000, lost.committed_step - quorum.max_step)
-            self._end_lost_wait()
-            self._ledger.record(quorum, adopted=receivers is not None)
-            self._watch.decided(quorum)
             changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
             self._previous = quorum
             self._readiness.formed(quorum)
@@ -627,32 +592,32 @@ class Lighthouse:
                     ",".join(quorum.member_ids), quorum.max_step,
                     f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
             self._answers.formed(quorum, self.store_address)
-            answered_before, self._answered = self._answered, set(quorum.member_ids if receivers is None else receivers)
+            answered_before = self._answered
+            self._answered = set(quorum.member_ids if decision.receivers is None else decision.receivers)
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
-                waiter, request = self._waiters.get(replica_id), self._readiness.pending.get(replica_id)
-                self._drop_pending(replica_id)
+                request = self._readiness.pending.get(replica_id)
+                waiter = self._take_pending(replica_id)
                 if waiter is not None:
-                    response = self._answers.to(request.members_digest if request is not None else "")
-                    self._end_wait(waiter)
-                    waiter.answer(response)
+                    waiter.answer(self._answers.to(request.members_digest if request is not None else ""))
             if changed or self._answered != answered_before:
                 # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
                 # relay; the members have it from their answers already, so no held heartbeat is woken for it.
                 self._heartbeat_body = None
         self._arm_join_timer()
 
-    def _resume_from_checkpoint(self, quorum: Quorum) -> Quorum:
-        """``quorum`` (below the committed step, after the wait for a holder) resuming from the newest checkpoint when
-        that is ahead of every member: each loads it, nobody catches up from a peer, and all contribute once loaded."""
-        checkpoint = self._ledger.resume_point(quorum)
-        if checkpoint is None:
-            return quorum
-        # A new quorum id: the members' cross-group groups of the old one must not be reused across a load.
-        quorum_id = quorum.quorum_id + 1 if self._previous is not None and quorum.quorum_id == \
-            self._previous.quorum_id else quorum.quorum_id
-        return dataclasses.replace(quorum, quorum_id=quorum_id, max_step=checkpoint.step, catch_up_from={},
-                                   following=frozenset(), resume_step=checkpoint.step, resume_path=checkpoint.path)
+    def _decide_again_at(self, when: float | None) -> None:
+        """Keep one timer that decides again at ``when`` (None: none)."""
+        timer = self._again_timer
+        if timer is not None and (when is None or timer.when() != when):
+            timer.cancel()
+            self._again_timer = timer = None
+        if when is not None and timer is None:
+            self._again_timer = asyncio.get_running_loop().call_at(when, self._decide_again)
+
+    def _decide_again(self) -> None:
+        self._again_timer = None
+        self._schedule_decide(force=True)
 
     def _arm_join_timer(self) -> None:
         """Wake at the oldest candidate's join deadline (never for a deadline already past: no busy loop)."""
@@ -667,33 +632,6 @@ class Lighthouse:
     def _join_deadline(self) -> None:
         self._join_timer = None
         self._schedule_decide(force=True)
-
-    def _lost_wait_over(self, quorum: Quorum) -> bool:
-        """Whether a quorum below the committed step may be answered: once no holder came back within
-        ``lost_state_wait_ms`` of the first such decision (a timer decides again then)."""
-        if not self._lost.waiting:
-            log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
-                        "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
-                        self._lost.wait_s)
-        if self._lost.over(time.monotonic()):
-            return True
-        deadline = self._lost.deadline
-        if self._lost_timer is None or self._lost_timer.when() != deadline:
-            if self._lost_timer is not None:
-                self._lost_timer.cancel()
-            self._lost_timer = asyncio.get_running_loop().call_at(deadline, self._lost_deadline)
-        return False
-
-    def _lost_deadline(self) -> None:
-        self._lost_timer = None
-        self._schedule_decide(force=True)
-
-    def _end_lost_wait(self) -> None:
-        """No quorum waits for a holder of the committed step (any more)."""
-        self._lost.end()
-        if self._lost_timer is not None:
-            self._lost_timer.cancel()
-            self._lost_timer = None
 
     async def _expire_loop(self) -> None:
         timeout_s = self.heartbeat_timeout_ms / 1000
