@@ -138,3 +138,36 @@ def test_deaths_within_the_wake_window_wake_each_held_heartbeat_once_and_revival
         await lighthouse.stop()
 
     asyncio.run(run())
+
+
+def test_a_join_deadline_that_passes_between_a_decision_and_its_timer_still_wakes_the_next_decision() -> None:
+    """A decision just before the oldest request's join deadline answers nobody; by the time it arms the join timer
+    the deadline has passed (a busy loop, a slow turn). The timer is armed against the decision's own ``now``, so it
+    fires at once and the next decision answers: without it nothing would decide until another request came."""
+    from lightning_fthsdp.lighthouse.quorum import QuorumRules
+    from tests.unit.test_lighthouse import qr
+
+    async def run() -> None:
+        lighthouse = Lighthouse(host="127.0.0.1", port=0, startup_grace_ms=0, heartbeat_timeout_ms=60_000,
+                                rules=QuorumRules(min_replicas=2, join_timeout_ms=200))
+        await lighthouse.start()
+        leaders = {rid: Leader(lighthouse, rid) for rid in ("a", "b", "c")}
+        for leader in leaders.values():
+            leader.beat(-1, wait_ms=0)
+        for rid in ("a", "b"):  # c lives and does not ask: the rules wait for the join timeout
+            body = json.dumps(qr(rid, 0)).encode()
+            leaders[rid].connection.data_received(
+                b"POST /v1/quorum HTTP/1.1\r\nX-Request-Id: 9\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        asked = time.monotonic()
+        lighthouse._join_timer.cancel()  # the timer armed at the arrivals stands for the decision's own
+        lighthouse._join_timer = None
+        await asyncio.sleep(0.3)  # the deadline passes
+        lighthouse._arm_join_timer(asked + 0.1)  # a decision's now before the deadline
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        answered = [leaders[rid].answers()[-1] for rid in ("a", "b")]
+        await lighthouse.stop()
+        for answer in answered:
+            assert [m["replica_id"] for m in answer["members"]] == ["a", "b"], answer
+
+    asyncio.run(run())

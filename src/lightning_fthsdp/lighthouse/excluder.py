@@ -22,7 +22,7 @@ from lightning_fthsdp.lighthouse.exclusions import (
     probe_peers,
     unreachable_pairs,
 )
-from lightning_fthsdp.lighthouse.heartbeats import DeadlineTimers, HeldTable
+from lightning_fthsdp.lighthouse.held import DeadlineTimers, HeldTable
 from lightning_fthsdp.lighthouse.messages import HttpError, Pending, Request, Response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness

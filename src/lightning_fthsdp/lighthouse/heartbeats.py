@@ -9,55 +9,10 @@ answer each held heartbeat once, not once per death.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
-from lightning_fthsdp.lighthouse.deadlines import Deadline
+from lightning_fthsdp.lighthouse.held import DeadlineTimers, HeldTable
 from lightning_fthsdp.lighthouse.messages import Pending, Request, Response
-
-
-class DeadlineTimers(Protocol):
-    """What the held tables need of ``deadlines.Deadlines``."""
-
-    def add(self, delay_s: float, callback: Callable[[], None]) -> Deadline: ...
-
-    def cancel(self, deadline: Deadline) -> None: ...
-
-
-class HeldTable:
-    """Held requests, each with its group and a deadline: a dict, so a deadline answering one costs O(1) (a waiter
-    list of an Event or a shared future is scanned on every timeout: O(groups^2) per interval at scale)."""
-
-    def __init__(self, deadlines: DeadlineTimers) -> None:
-        self._deadlines = deadlines
-        self._entries: dict[Pending, tuple[str, Deadline]] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[Pending]:
-        return iter(self._entries)
-
-    def add(self, waiter: Pending, replica_id: str, timeout_s: float, due: Callable[[Pending], None]) -> None:
-        """Hold ``waiter`` for ``replica_id``; ``due(waiter)`` runs after ``timeout_s`` unless it is settled first."""
-        self._entries[waiter] = replica_id, self._deadlines.add(timeout_s, functools.partial(due, waiter))
-
-    def settle(self, waiter: Pending) -> str | None:
-        """Take ``waiter`` out and call off its deadline. Returns its group, None if it was out already."""
-        entry = self._entries.pop(waiter, None)
-        if entry is None:
-            return None
-        self._deadlines.cancel(entry[1])
-        return entry[0]
-
-    def take_all(self) -> dict[Pending, tuple[str, Deadline]]:
-        """Every entry, the table left empty (their deadlines still run: see ``HeldHeartbeats.new_epoch``)."""
-        entries, self._entries = self._entries, {}
-        return entries
-
-    def extend(self, entries: dict[Pending, tuple[str, Deadline]]) -> None:
-        self._entries.update(entries)
 
 
 class HeldHeartbeats:

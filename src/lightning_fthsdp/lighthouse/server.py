@@ -48,7 +48,8 @@ from lightning_fthsdp.lighthouse.claims import Claims
 from lightning_fthsdp.lighthouse.deadlines import Deadlines
 from lightning_fthsdp.lighthouse.decider import Decider
 from lightning_fthsdp.lighthouse.excluder import Excluder
-from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats, HeldTable
+from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats
+from lightning_fthsdp.lighthouse.held import HeldRequests
 from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
 from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
@@ -61,7 +62,7 @@ from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 from lightning_fthsdp.lighthouse.status_view import StatusView
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 from lightning_fthsdp.lighthouse.watch import Watch
-from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest, check_replica_id
+from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
 
 if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
     from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
@@ -153,11 +154,11 @@ class Lighthouse:
         self._claims = Claims(self._registry, self._ledger, self._readiness, shard_count)
         self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
         self._deadlines = Deadlines(ran=self._lag.ran)
-        self._waiters: dict[str, Pending] = {}  # each group's held quorum request
-        self._deadline_of = HeldTable(self._deadlines)  # the same requests, each with its group and deadline
+        self._held = HeldRequests(self._deadlines, self._readiness, self._request_changed,
+                                  functools.partial(self._schedule_decide, True), self.rules.min_replicas)
         self._liveness_changes = 0  # deaths and revivals so far (a revival is no new epoch)
         self._excluder = Excluder(self.rules, heartbeat_timeout_ms, self._registry, self._readiness, self._watch,
-                                  self._deadlines, straggler_policy or StragglerPolicy(), self._take_pending,
+                                  self._deadlines, straggler_policy or StragglerPolicy(), self._held.take,
                                   functools.partial(self._schedule_decide, True), time.monotonic)
         self._previous: Quorum | None = None
         self._answers = QuorumAnswers()  # the encoded answers of _previous
@@ -370,33 +371,14 @@ class Lighthouse:
             self._answered.add(replica_id)
             self._registry.answered(replica_id, self._previous.quorum_id)
             return self._answers.to(asked.members_digest)
-        waiter = request.defer()
-        self._deadline_of.add(waiter, replica_id, timeout_ms / 1000, functools.partial(self._time_out, timeout_ms))
-        waiter.on_cancel = self._forget
-        self._add_pending(asked, waiter)
+        waiter = self._held.hold(request, asked, timeout_ms)
+        if self._join_timer is None:
+            self._arm_join_timer(time.monotonic())
+        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once. Only a request
+        # that holds a quorum can make an adoption possible; the others wait for the rules (forcing a decision, O(n),
+        # on every arrival of a fresh job's burst would cost O(n^2)).
+        self._schedule_decide(force=self._previous is None and asked.quorum_id >= 0)
         return waiter
-
-    def _end_wait(self, waiter: Pending) -> str | None:
-        """A held quorum request is answered or gone (``HeldTable.settle``)."""
-        return self._deadline_of.settle(waiter)
-
-    def _forget(self, waiter: Pending) -> str | None:
-        """A held quorum request's time is up or its client went away: forget the request. Returns its group (None:
-        it was answered or forgotten already)."""
-        replica_id = self._end_wait(waiter)
-        if replica_id is not None and self._waiters.get(replica_id) is waiter:
-            self._drop_pending(replica_id)
-            self._schedule_decide(force=True)
-        return replica_id
-
-    def _time_out(self, timeout_ms: int, waiter: Pending) -> None:
-        replica_id = self._forget(waiter)
-        if replica_id is None:
-            return
-        waiter.fail(HttpError(
-            504, f"no quorum containing {replica_id!r} within timeout_ms={timeout_ms}: {self._readiness.asked} "
-                 f"of {len(self._readiness.alive)} alive replicas asked, min_replicas={self.rules.min_replicas}; "
-                 f"raise timeout_ms or start more replica groups"))
 
     def _leave(self, request: Request) -> Response:
         replica_id, rank, incarnation = parse_leave(request)
@@ -504,48 +486,21 @@ class Lighthouse:
 
     def _sync_alive(self, replica_id: str) -> None:
         """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
-        counts = self._registry.counts(replica_id, replica_id in self._waiters, time.monotonic(),
+        counts = self._registry.counts(replica_id, replica_id in self._held, time.monotonic(),
                                        self._ledger.committed_step) and replica_id not in self._excluder
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._answered.discard(replica_id)
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
-        waiter = self._take_pending(replica_id)
+        waiter = self._held.take(replica_id)
         if waiter is not None:
             waiter.fail(error)
 
-    def _take_pending(self, replica_id: str) -> Pending | None:
-        """The group's held quorum request taken out of the round, to be answered by the caller (None: none held)."""
-        waiter = self._waiters.get(replica_id)
-        self._drop_pending(replica_id)
-        if waiter is not None:
-            self._end_wait(waiter)
-        return waiter
-
-    def _add_pending(self, request: QuorumRequest, waiter: Pending) -> None:
-        replica_id = request.replica_id
-        old = self._waiters.get(replica_id)
-        self._readiness.add(request)
-        self._excluder.reported(replica_id, request.unreachable)
-        self._waiters[replica_id] = waiter
-        self._sync_alive(replica_id)
-        if old is not None:
-            self._end_wait(old)
-            # 503, which the group's requester retries: an answer it still reads is a request it sent before a
-            # connection it thought lost (a cut), and the newer one is its own.
-            old.fail(HttpError(503, f"superseded by a newer quorum request from {replica_id!r}"))
-        if self._join_timer is None:
-            self._arm_join_timer()
-        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once. Only a request
-        # that holds a quorum can make an adoption possible; the others wait for the rules (forcing a decision, O(n),
-        # on every arrival of a fresh job's burst would cost O(n^2)).
-        self._schedule_decide(force=self._previous is None and request.quorum_id >= 0)
-
-    def _drop_pending(self, replica_id: str) -> None:
-        self._readiness.drop(replica_id)
-        self._excluder.reported(replica_id, None)
-        self._waiters.pop(replica_id, None)
+    def _request_changed(self, replica_id: str) -> None:
+        """The group's held quorum request came or went."""
+        asked = self._readiness.pending.get(replica_id)
+        self._excluder.reported(replica_id, asked.unreachable if asked is not None else None)
         self._sync_alive(replica_id)
 
     def _revived(self) -> None:
@@ -580,7 +535,8 @@ class Lighthouse:
         self._decide_scheduled = False
         if self._stopping:
             return
-        decision = self._decider.decide(time.monotonic(), self._previous)
+        now = time.monotonic()
+        decision = self._decider.decide(now, self._previous)
         self._decide_again_at(decision.again_at)
         quorum = decision.quorum
         if quorum is not None:
@@ -597,14 +553,14 @@ class Lighthouse:
             for replica_id in self._answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 request = self._readiness.pending.get(replica_id)
-                waiter = self._take_pending(replica_id)
+                waiter = self._held.take(replica_id)
                 if waiter is not None:
                     waiter.answer(self._answers.to(request.members_digest if request is not None else ""))
             if changed or self._answered != answered_before:
                 # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
                 # relay; the members have it from their answers already, so no held heartbeat is woken for it.
                 self._heartbeat_body = None
-        self._arm_join_timer()
+        self._arm_join_timer(now)
 
     def _decide_again_at(self, when: float | None) -> None:
         """Keep one timer that decides again at ``when`` (None: none)."""
@@ -619,14 +575,15 @@ class Lighthouse:
         self._again_timer = None
         self._schedule_decide(force=True)
 
-    def _arm_join_timer(self) -> None:
-        """Wake at the oldest candidate's join deadline (never for a deadline already past: no busy loop)."""
+    def _arm_join_timer(self, now: float) -> None:
+        """Wake at the oldest candidate's join deadline, unless it was past at ``now``: no busy loop. ``now`` is the
+        decision's own: a deadline that passes between the decision and this call still wakes it."""
         if self._join_timer is not None:
             self._join_timer.cancel()
             self._join_timer = None
         oldest = self._readiness.oldest()
         deadline = None if oldest is None else oldest + self.rules.join_timeout_ms / 1000
-        if deadline is not None and deadline > time.monotonic():
+        if deadline is not None and deadline > now:
             self._join_timer = asyncio.get_running_loop().call_at(deadline, self._join_deadline)
 
     def _join_deadline(self) -> None:
@@ -650,7 +607,7 @@ class Lighthouse:
                                    + (f" (and {grace_s:.3f} s more: the lighthouse ran behind)" if grace_s else ""))
             # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
             ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
-                     if rid in self._readiness.alive and rid not in self._waiters]
+                     if rid in self._readiness.alive and rid not in self._held]
             for replica_id in ended:
                 self._sync_alive(replica_id)
             if ended:
