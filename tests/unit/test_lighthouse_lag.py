@@ -111,14 +111,15 @@ def test_deaths_within_the_wake_window_wake_each_held_heartbeat_once_and_revival
     async def run() -> None:
         lighthouse, leaders = await _started(60_000, "a", "b", "c", "d")
         before = {rid: len(leader.answers()) for rid, leader in leaders.items()}
-        lighthouse._declare_dead("c", "crash", "test")  # told at once
+        lighthouse._liveness.declare_dead("c", "crash", "test", time.monotonic(), None)  # told at once
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         woken = leaders["a"].answers()[-1]
         assert len(leaders["a"].answers()) == before["a"] + 1 and woken["dead"] == ["c"], woken
         for rid in ("a", "b"):
             leaders[rid].beat(woken["epoch"])
-        lighthouse._declare_dead("d", "crash", "test")  # within the window of c's wake: one more, after it ends
+        # Within the window of c's wake: one more, after it ends.
+        lighthouse._liveness.declare_dead("d", "crash", "test", time.monotonic(), None)
         await asyncio.sleep(0)
         assert len(leaders["a"].answers()) == before["a"] + 1
         await asyncio.sleep(WAKE_WINDOW_S * 2)

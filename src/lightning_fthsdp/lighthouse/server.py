@@ -54,7 +54,7 @@ from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, 
 from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.listener import Listener
-from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections
+from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections, Liveness
 from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, is_late_member
 from lightning_fthsdp.lighthouse.readiness import Readiness
@@ -156,7 +156,6 @@ class Lighthouse:
         self._deadlines = Deadlines(ran=self._lag.ran)
         self._held = HeldRequests(self._deadlines, self._readiness, self._request_changed,
                                   functools.partial(self._schedule_decide, True), self.rules.min_replicas)
-        self._liveness_changes = 0  # deaths and revivals so far (a revival is no new epoch)
         self._excluder = Excluder(self.rules, heartbeat_timeout_ms, self._registry, self._readiness, self._watch,
                                   self._deadlines, straggler_policy or StragglerPolicy(), self._held.take,
                                   functools.partial(self._schedule_decide, True), time.monotonic)
@@ -166,6 +165,9 @@ class Lighthouse:
         # (a new incarnation of a member must not take an answer meant for its predecessor).
         self._answered: set[str] = set()
         self._heartbeat_connections = HeartbeatConnections()
+        self._liveness = Liveness(self._registry, self._ledger, self._readiness, self._watch,
+                                  self._heartbeat_connections, self._held, self._excluder, self._died,
+                                  self._revived, self._stopped_counting)
         self._group_connections = GroupConnections()
         self._wake_timer: asyncio.TimerHandle | None = None
         self._revival_timer: asyncio.TimerHandle | None = None
@@ -290,7 +292,8 @@ class Lighthouse:
             log.info("the heartbeat connection of replica %s rank %d closed while the lighthouse runs behind (%s): "
                      "left to the heartbeat timeout", key[0], key[1], self._lag.to_json(now))
             return
-        self._declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed")
+        self._liveness.declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed", now,
+                                    self._previous)
 
     def _route(self, request: Request) -> Response | Pending:
         # The token was checked on the request's head (the connection's gate, see _connect).
@@ -316,8 +319,9 @@ class Lighthouse:
             record.losses, record.lost = beat.losses, beat.lost
             if beat.lost:
                 cause = "hang" if set(beat.lost) <= set(beat.lost_hung) else "crash"
-                self._declare_dead(replica_id, cause, _loss(beat.lost, cause))
-            self._touch(record, replica_id, beat.step)
+                self._liveness.declare_dead(replica_id, cause, _loss(beat.lost, cause), time.monotonic(),
+                                            self._previous)
+            self._liveness.touch(record, replica_id, beat.step, time.monotonic())
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
         if self._heartbeats.epoch == beat.known_epoch and beat.wait_ms > 0:
@@ -352,7 +356,8 @@ class Lighthouse:
         self._claims.check_shard_count(replica_id, asked.shard_count, self._previous)
         self._registry.check(replica_id, incarnation, 0)
         self._claims.check_request(asked, incarnation, time.monotonic(), self._previous, self._answers)
-        self._touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step)
+        self._liveness.touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step,
+                             time.monotonic())
         self._group_connections.carried(replica_id, request.connection)
         self._registry.addressed(replica_id, asked.address)
         if asked.commit_failed:
@@ -364,7 +369,8 @@ class Lighthouse:
         now = time.monotonic()
         if timing is not None:
             self._excluder.note_timing(asked, timing, self._previous, now)
-        asked, answer = self._excluder.screen(request, asked, timeout_ms, self._previous, self._liveness_changes, now)
+        asked, answer = self._excluder.screen(request, asked, timeout_ms, self._previous, self._liveness.changes,
+                                               now)
         if answer is not None:
             return answer
         if self._previous is not None and is_late_member(self._previous, asked):
@@ -403,7 +409,8 @@ class Lighthouse:
         record = self._registry.owner(lost.replica_id, lost.incarnation)
         record.losses = max(record.losses, lost.losses)
         record.lost = tuple(sorted({*record.lost, lost.rank}))
-        self._declare_dead(lost.replica_id, lost.cause, _loss((lost.rank,), lost.cause))
+        self._liveness.declare_dead(lost.replica_id, lost.cause, _loss((lost.rank,), lost.cause), time.monotonic(),
+                                    self._previous)
         return json_response({})
 
     def _checkpoint(self, request: Request) -> Response:
@@ -453,43 +460,14 @@ class Lighthouse:
             self._answered.discard(replica_id)
         return record
 
-    def _touch(self, record: GroupRecord, replica_id: str, step: int) -> None:
-        """A sign of life: record it; revive a dead replica (``_revived``) unless its leader reports a rank lost (the
-        leader's word is no sign of life of the whole group then)."""
-        restarted = record.last_seen == record.joined_s  # a new incarnation's first word: its join is the news
-        record.step, record.last_seen = step, time.monotonic()
-        if record.dead and not record.lost:
-            record.dead = False
-            log.info("replica %s is alive again at step %d", replica_id, step)
-            if not restarted:
-                self._watch.alive(replica_id, step)
-            self._revived()
-        self._sync_alive(replica_id)
+    def _stopped_counting(self, replica_id: str) -> None:
+        """Only the members answered the newest quorum, alive since, learn their rank in it from heartbeats."""
+        self._answered.discard(replica_id)
 
-    def _declare_dead(self, replica_id: str, cause: str, reason: str) -> None:
-        """``cause``: ``crash`` (a heartbeat connection closed) or ``hang`` (no heartbeat in time); ``reason`` says
-        which."""
-        record = self._registry.get(replica_id)
-        if record is None or record.dead:
-            return
-        record.dead, record.dead_since, record.cause = True, time.monotonic(), cause
-        record.deaths += 1
-        self._liveness_changes += 1
-        self._sync_alive(replica_id)
-        log.warning("replica %s declared dead at step %d: %s", replica_id, record.step, reason)
-        # A hung process stopped at or after its last heartbeat; a crashed one as its connection closed.
-        self._watch.died(replica_id, cause, reason, record.step, record.last_seen if cause == "hang" else
-                         record.dead_since, self._previous is not None and replica_id in self._previous,
-                         record.member, self._ledger.committed_step)
+    def _died(self) -> None:
+        """A death: the held heartbeats learn it (a new epoch) and a decision may leave the group out."""
         self._bump_epoch()
         self._schedule_decide(force=True)
-
-    def _sync_alive(self, replica_id: str) -> None:
-        """Whether the group counts as alive for the quorum rules (see Registry.counts)."""
-        counts = self._registry.counts(replica_id, replica_id in self._held, time.monotonic(),
-                                       self._ledger.committed_step) and replica_id not in self._excluder
-        if self._readiness.set_alive(replica_id, counts) and not counts:
-            self._answered.discard(replica_id)
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
@@ -501,13 +479,12 @@ class Lighthouse:
         """The group's held quorum request came or went."""
         asked = self._readiness.pending.get(replica_id)
         self._excluder.reported(replica_id, asked.unreachable if asked is not None else None)
-        self._sync_alive(replica_id)
+        self._liveness.sync(replica_id, time.monotonic())
 
     def _revived(self) -> None:
         """A group lives again: no new epoch and no wake (its quorum request is its news to the others), and the
         heartbeat answers' dead list is rebuilt at most once per ``REVIVAL_NEWS_S``: each rebuild is O(groups), and a
         storm of revivals must not cost one per revival."""
-        self._liveness_changes += 1
         if self._revival_timer is None:
             self._revival_timer = asyncio.get_running_loop().call_later(REVIVAL_NEWS_S, self._revivals_told)
 
@@ -598,29 +575,14 @@ class Lighthouse:
             await asyncio.sleep(timeout_s / 10)
             now = time.monotonic()
             self._lag.ran(planned, now)
-            grace_s = self._lag.grace_s(now)
-            cutoff = now - timeout_s - grace_s
-            for replica_id in [rid for rid, r in self._registry.items() if not r.dead and r.last_seen < cutoff]:
-                if self._heartbeat_connections.unread(replica_id):
-                    continue  # it spoke in time; this lighthouse has not read it yet
-                self._declare_dead(replica_id, "hang", f"no heartbeat for over {self.heartbeat_timeout_ms} ms"
-                                   + (f" (and {grace_s:.3f} s more: the lighthouse ran behind)" if grace_s else ""))
-            # Ids that only heartbeat stop counting when their grace ends: a decision may be possible now.
-            ended = [rid for rid in self._registry.past_grace(time.monotonic(), self._ledger.committed_step)
-                     if rid in self._readiness.alive and rid not in self._held]
-            for replica_id in ended:
-                self._sync_alive(replica_id)
-            if ended:
+            decide, strays = self._liveness.expire(now, self.heartbeat_timeout_ms, self._lag.grace_s(now),
+                                                   self._previous)
+            if decide:
                 self._schedule_decide(force=True)
-            strays = self._registry.forget_strays(dead_before=cutoff)
             if strays:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
                     self._excluder.forget(replica_id)
-                    self._heartbeat_connections.release_group(replica_id)
-                    self._watch.forget(replica_id)
-                log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
-                         ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
 
 
 def _loss(ranks: Iterable[int], cause: str) -> str:
