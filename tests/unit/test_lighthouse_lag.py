@@ -160,10 +160,11 @@ def test_a_join_deadline_that_passes_between_a_decision_and_its_timer_still_wake
             leaders[rid].connection.data_received(
                 b"POST /v1/quorum HTTP/1.1\r\nX-Request-Id: 9\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         asked = time.monotonic()
-        lighthouse._join_timer.cancel()  # the timer armed at the arrivals stands for the decision's own
-        lighthouse._join_timer = None
+        rounds = lighthouse._rounds
+        rounds._join_timer.cancel()  # the timer armed at the arrivals stands for the decision's own
+        rounds._join_timer = None
         await asyncio.sleep(0.3)  # the deadline passes
-        lighthouse._arm_join_timer(asked + 0.1)  # a decision's now before the deadline
+        rounds._arm_join_timer(asked + 0.1)  # a decision's now before the deadline
         for _ in range(20):
             await asyncio.sleep(0.01)
         answered = [leaders[rid].answers()[-1] for rid in ("a", "b")]

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
 from lightning_fthsdp.lighthouse.api import (
-    QuorumAnswers,
     authorize,
     parse_checkpoint,
     parse_heartbeat,
@@ -56,13 +55,14 @@ from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections, Liveness
 from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
-from lightning_fthsdp.lighthouse.quorum import QuorumRules, is_late_member
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
+from lightning_fthsdp.lighthouse.rounds import Rounds
 from lightning_fthsdp.lighthouse.status_view import StatusView
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 from lightning_fthsdp.lighthouse.watch import Watch
-from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
+from lightning_fthsdp.protocol.quorum import check_replica_id
 
 if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
     from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
@@ -147,7 +147,6 @@ class Lighthouse:
         self._registry = Registry(declared, grace_s=self.rules.join_timeout_ms / 1000)
         self._ledger = CommitLedger()
         self._watch = Watch(_metrics(self.status))
-        self._again_timer: asyncio.TimerHandle | None = None  # decides again when a wait ends (Decision.again_at)
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
@@ -155,15 +154,10 @@ class Lighthouse:
         self._lag = Lag(heartbeat_timeout_ms / 1000, BEHIND_SHARE * heartbeat_timeout_ms / 1000)
         self._deadlines = Deadlines(ran=self._lag.ran)
         self._held = HeldRequests(self._deadlines, self._readiness, self._request_changed,
-                                  functools.partial(self._schedule_decide, True), self.rules.min_replicas)
+                                  self._decide_soon, self.rules.min_replicas)
         self._excluder = Excluder(self.rules, heartbeat_timeout_ms, self._registry, self._readiness, self._watch,
                                   self._deadlines, straggler_policy or StragglerPolicy(), self._held.take,
-                                  functools.partial(self._schedule_decide, True), time.monotonic)
-        self._previous: Quorum | None = None
-        self._answers = QuorumAnswers()  # the encoded answers of _previous
-        # The members _previous was answered to, alive since: only their ranks learn their quorum rank from heartbeats
-        # (a new incarnation of a member must not take an answer meant for its predecessor).
-        self._answered: set[str] = set()
+                                  self._decide_soon, time.monotonic)
         self._heartbeat_connections = HeartbeatConnections()
         self._liveness = Liveness(self._registry, self._ledger, self._readiness, self._watch,
                                   self._heartbeat_connections, self._held, self._excluder, self._died,
@@ -175,12 +169,14 @@ class Lighthouse:
         self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
                                 self._excluder.exclude_partitioned, self._claims.seen_committed,
                                 startup_grace_ms / 1000, time.monotonic())
+        # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's relay;
+        # the members have it from their answers already, so no held heartbeat is woken for it.
+        self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
+                              self._heartbeat_answer_changed)
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
                                   self._excluder.stragglers, self._excluder.exclusions, self._lag, self._decider.lost,
                                   self._heartbeat_connections, self._group_connections)
         self._heartbeat_body: bytes | None = None
-        self._decide_scheduled = False
-        self._join_timer: asyncio.TimerHandle | None = None
         self._connections: set[Connection] = set()
         self._outsider_limits = outsider_limits
         self._admission: Admission | None = None  # its caps follow the open-files limit, raised at start
@@ -234,7 +230,7 @@ class Lighthouse:
         except BaseException:
             self._listener.close()
             raise
-        self.store_address = f"{self.host}:{store_port}"
+        self.store_address = self._rounds.store_address = f"{self.host}:{store_port}"
         self._expiry_task = loop.create_task(self._expire_loop())
         self._decider.started_s = time.monotonic()
         # This lighthouse may replace one that died: the groups holding the job's state get as long to come back
@@ -250,7 +246,8 @@ class Lighthouse:
         self._stopping = True
         if self._expiry_task is not None:
             self._expiry_task.cancel()
-        for timer in (self._join_timer, self._again_timer, self._wake_timer, self._revival_timer):
+        self._rounds.close()
+        for timer in (self._wake_timer, self._revival_timer):
             if timer is not None:
                 timer.cancel()
         self._deadlines.close()
@@ -293,7 +290,7 @@ class Lighthouse:
                      "left to the heartbeat timeout", key[0], key[1], self._lag.to_json(now))
             return
         self._liveness.declare_dead(key[0], "crash", f"the heartbeat connection of its rank {key[1]} closed", now,
-                                    self._previous)
+                                    self._rounds.quorum)
 
     def _route(self, request: Request) -> Response | Pending:
         # The token was checked on the request's head (the connection's gate, see _connect).
@@ -309,7 +306,7 @@ class Lighthouse:
     def _heartbeat(self, request: Request) -> Response | Pending:
         beat = parse_heartbeat(request)
         replica_id = beat.replica_id
-        self._claims.check_shard_count(replica_id, beat.shard_count, self._previous)
+        self._claims.check_shard_count(replica_id, beat.shard_count, self._rounds.quorum)
         # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
@@ -320,7 +317,7 @@ class Lighthouse:
             if beat.lost:
                 cause = "hang" if set(beat.lost) <= set(beat.lost_hung) else "crash"
                 self._liveness.declare_dead(replica_id, cause, _loss(beat.lost, cause), time.monotonic(),
-                                            self._previous)
+                                            self._rounds.quorum)
             self._liveness.touch(record, replica_id, beat.step, time.monotonic())
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
@@ -332,18 +329,18 @@ class Lighthouse:
         if self._heartbeat_body is None:  # cached until a death, a leave, a quorum or revivals (_revived) change it
             self._heartbeat_body = json.dumps({
                 "epoch": self._heartbeats.epoch,
-                "quorum_id": self._previous.quorum_id if self._previous else -1,
-                "quorum_size": len(self._previous.members) if self._previous else 0,
+                "quorum_id": self._rounds.quorum.quorum_id if self._rounds.quorum else -1,
+                "quorum_size": len(self._rounds.quorum.members) if self._rounds.quorum else 0,
                 "store": self.store_address,
                 "dead": sorted(rid for rid, r in self._registry.items() if r.dead),
                 "deaths": {rid: r.deaths for rid, r in self._registry.items() if r.deaths},
                 "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
             }).encode()
-        if self._previous is not None and replica_id in self._answered:
+        if self._rounds.quorum is not None and replica_id in self._rounds.answered:
             # Each member's rank in the newest quorum: with it every rank of the group starts that quorum's
             # cross-group rendezvous as soon as the quorum is decided, overlapping the step's compute.
             return Response(200, b'%s,"quorum_rank":%d}' % (self._heartbeat_body[:-1],
-                                                            self._previous.rank_of(replica_id)))
+                                                            self._rounds.quorum.rank_of(replica_id)))
         return Response(200, self._heartbeat_body)
 
     def _wake(self) -> None:
@@ -353,9 +350,9 @@ class Lighthouse:
     def _quorum(self, request: Request) -> Response | Pending:
         asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
         replica_id = asked.replica_id
-        self._claims.check_shard_count(replica_id, asked.shard_count, self._previous)
+        self._claims.check_shard_count(replica_id, asked.shard_count, self._rounds.quorum)
         self._registry.check(replica_id, incarnation, 0)
-        self._claims.check_request(asked, incarnation, time.monotonic(), self._previous, self._answers)
+        self._claims.check_request(asked, incarnation, time.monotonic(), self._rounds.quorum, self._rounds.answers)
         self._liveness.touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step,
                              time.monotonic())
         self._group_connections.carried(replica_id, request.connection)
@@ -368,23 +365,12 @@ class Lighthouse:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
         now = time.monotonic()
         if timing is not None:
-            self._excluder.note_timing(asked, timing, self._previous, now)
-        asked, answer = self._excluder.screen(request, asked, timeout_ms, self._previous, self._liveness.changes,
+            self._excluder.note_timing(asked, timing, self._rounds.quorum, now)
+        asked, answer = self._excluder.screen(request, asked, timeout_ms, self._rounds.quorum, self._liveness.changes,
                                                now)
         if answer is not None:
             return answer
-        if self._previous is not None and is_late_member(self._previous, asked):
-            self._answered.add(replica_id)
-            self._registry.answered(replica_id, self._previous.quorum_id)
-            return self._answers.to(asked.members_digest)
-        waiter = self._held.hold(request, asked, timeout_ms)
-        if self._join_timer is None:
-            self._arm_join_timer(time.monotonic())
-        # Without a previous quorum (fresh or restarted) a healthy holder's request is adopted at once. Only a request
-        # that holds a quorum can make an adoption possible; the others wait for the rules (forcing a decision, O(n),
-        # on every arrival of a fresh job's burst would cost O(n^2)).
-        self._schedule_decide(force=self._previous is None and asked.quorum_id >= 0)
-        return waiter
+        return self._rounds.ask(request, asked, timeout_ms, now)
 
     def _leave(self, request: Request) -> Response:
         replica_id, rank, incarnation = parse_leave(request)
@@ -401,7 +387,7 @@ class Lighthouse:
         log.info("replica %s left", replica_id)
         self._watch.left(replica_id)
         self._bump_epoch()
-        self._schedule_decide(force=True)
+        self._rounds.schedule(force=True)
         return json_response({})
 
     def _lost(self, request: Request) -> Response:
@@ -410,7 +396,7 @@ class Lighthouse:
         record.losses = max(record.losses, lost.losses)
         record.lost = tuple(sorted({*record.lost, lost.rank}))
         self._liveness.declare_dead(lost.replica_id, lost.cause, _loss((lost.rank,), lost.cause), time.monotonic(),
-                                    self._previous)
+                                    self._rounds.quorum)
         return json_response({})
 
     def _checkpoint(self, request: Request) -> Response:
@@ -442,8 +428,8 @@ class Lighthouse:
 
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
-        return self._status_view.document(time.monotonic(), self._previous, self._heartbeats.epoch, self.store_address,
-                                          self._decider.started_s)
+        return self._status_view.document(time.monotonic(), self._rounds.quorum, self._heartbeats.epoch,
+                                          self.store_address, self._decider.started_s)
 
     # ---- state changes ----
 
@@ -457,17 +443,17 @@ class Lighthouse:
             self._fail_pending(replica_id, HttpError(409, f"replica {replica_id!r} was restarted: a new "
                                                           f"incarnation replaced this one"))
             self._heartbeat_connections.release_group(replica_id)
-            self._answered.discard(replica_id)
+            self._rounds.answered.discard(replica_id)
         return record
 
     def _stopped_counting(self, replica_id: str) -> None:
         """Only the members answered the newest quorum, alive since, learn their rank in it from heartbeats."""
-        self._answered.discard(replica_id)
+        self._rounds.answered.discard(replica_id)
 
     def _died(self) -> None:
         """A death: the held heartbeats learn it (a new epoch) and a decision may leave the group out."""
         self._bump_epoch()
-        self._schedule_decide(force=True)
+        self._rounds.schedule(force=True)
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
         """End the group's held quorum request, if any, with ``error``."""
@@ -499,73 +485,11 @@ class Lighthouse:
         if delay is not None:
             self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
-    # ---- deciding ----
+    def _heartbeat_answer_changed(self) -> None:
+        self._heartbeat_body = None
 
-    def _schedule_decide(self, force: bool = False) -> None:
-        """Decide at most once per event-loop turn, and on an arrival only when the rules would answer."""
-        if self._decide_scheduled or not (force or self._readiness.ready(time.monotonic())):
-            return
-        self._decide_scheduled = True
-        asyncio.get_running_loop().call_soon(self._decide)
-
-    def _decide(self) -> None:
-        self._decide_scheduled = False
-        if self._stopping:
-            return
-        now = time.monotonic()
-        decision = self._decider.decide(now, self._previous)
-        self._decide_again_at(decision.again_at)
-        quorum = decision.quorum
-        if quorum is not None:
-            changed = self._previous is None or self._previous.quorum_id != quorum.quorum_id
-            self._previous = quorum
-            self._readiness.formed(quorum)
-            # A new membership is news; the same quorum answered again each step is not.
-            log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
-                    ",".join(quorum.member_ids), quorum.max_step,
-                    f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
-            self._answers.formed(quorum, self.store_address)
-            answered_before = self._answered
-            self._answered = set(quorum.member_ids if decision.receivers is None else decision.receivers)
-            for replica_id in self._answered:
-                self._registry.answered(replica_id, quorum.quorum_id)
-                request = self._readiness.pending.get(replica_id)
-                waiter = self._held.take(replica_id)
-                if waiter is not None:
-                    waiter.answer(self._answers.to(request.members_digest if request is not None else ""))
-            if changed or self._answered != answered_before:
-                # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's
-                # relay; the members have it from their answers already, so no held heartbeat is woken for it.
-                self._heartbeat_body = None
-        self._arm_join_timer(now)
-
-    def _decide_again_at(self, when: float | None) -> None:
-        """Keep one timer that decides again at ``when`` (None: none)."""
-        timer = self._again_timer
-        if timer is not None and (when is None or timer.when() != when):
-            timer.cancel()
-            self._again_timer = timer = None
-        if when is not None and timer is None:
-            self._again_timer = asyncio.get_running_loop().call_at(when, self._decide_again)
-
-    def _decide_again(self) -> None:
-        self._again_timer = None
-        self._schedule_decide(force=True)
-
-    def _arm_join_timer(self, now: float) -> None:
-        """Wake at the oldest candidate's join deadline, unless it was past at ``now``: no busy loop. ``now`` is the
-        decision's own: a deadline that passes between the decision and this call still wakes it."""
-        if self._join_timer is not None:
-            self._join_timer.cancel()
-            self._join_timer = None
-        oldest = self._readiness.oldest()
-        deadline = None if oldest is None else oldest + self.rules.join_timeout_ms / 1000
-        if deadline is not None and deadline > now:
-            self._join_timer = asyncio.get_running_loop().call_at(deadline, self._join_deadline)
-
-    def _join_deadline(self) -> None:
-        self._join_timer = None
-        self._schedule_decide(force=True)
+    def _decide_soon(self) -> None:
+        self._rounds.schedule(force=True)
 
     async def _expire_loop(self) -> None:
         timeout_s = self.heartbeat_timeout_ms / 1000
@@ -576,9 +500,9 @@ class Lighthouse:
             now = time.monotonic()
             self._lag.ran(planned, now)
             decide, strays = self._liveness.expire(now, self.heartbeat_timeout_ms, self._lag.grace_s(now),
-                                                   self._previous)
+                                                   self._rounds.quorum)
             if decide:
-                self._schedule_decide(force=True)
+                self._rounds.schedule(force=True)
             if strays:
                 self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
