@@ -1,5 +1,5 @@
-"""The held heartbeats: each group's heartbeat long-poll, answered when the epoch changes (a death or a leave) or at
-its deadline, whichever comes first.
+"""The heartbeat answers (``HeartbeatAnswers``) and the held heartbeats: each group's heartbeat long-poll, answered
+when the epoch changes (a death or a leave) or at its deadline, whichever comes first.
 
 Every call that depends on time takes ``now``; the deadlines come from the ``Deadlines`` handed in (the lighthouse's
 grid of event-loop timers; a test's own), and the wake after an epoch change is the caller's timer, armed for the
@@ -9,16 +9,52 @@ answer each held heartbeat once, not once per death.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 
 from lightning_fthsdp.lighthouse.held import DeadlineTimers, HeldTable
 from lightning_fthsdp.lighthouse.messages import Pending, Request, Response
+from lightning_fthsdp.lighthouse.registry import Registry
+from lightning_fthsdp.lighthouse.rounds import Rounds
+
+
+class HeartbeatAnswers:
+    """A heartbeat's answer: the epoch, the current quorum's id and size, the store, the dead groups and each group's
+    deaths, encoded once until one of them changes (``changed``); a member answered the current quorum also gets its
+    rank in it."""
+
+    def __init__(self, registry: Registry, rounds: Rounds, heartbeat_timeout_ms: int) -> None:
+        self._registry, self._rounds, self._timeout_ms = registry, rounds, heartbeat_timeout_ms
+        self._body: bytes | None = None
+
+    def changed(self) -> None:
+        """A death, a leave, a new quorum or who was answered it, revivals or forgotten groups: encode it again."""
+        self._body = None
+
+    def to(self, replica_id: str, epoch: int) -> Response:
+        quorum = self._rounds.quorum
+        if self._body is None:
+            self._body = json.dumps({
+                "epoch": epoch,
+                "quorum_id": quorum.quorum_id if quorum else -1,
+                "quorum_size": len(quorum.members) if quorum else 0,
+                "store": self._rounds.store_address,
+                "dead": sorted(rid for rid, r in self._registry.items() if r.dead),
+                "deaths": {rid: r.deaths for rid, r in self._registry.items() if r.deaths},
+                "heartbeat_timeout_ms": self._timeout_ms,
+            }).encode()
+        if quorum is not None and replica_id in self._rounds.answered:
+            # Each member's rank in the newest quorum: with it every rank of the group starts that quorum's
+            # cross-group rendezvous as soon as the quorum is decided, overlapping the step's compute.
+            return Response(200, b'%s,"quorum_rank":%d}' % (self._body[:-1], quorum.rank_of(replica_id)))
+        return Response(200, self._body)
 
 
 class HeldHeartbeats:
-    """The held heartbeat long-polls at the current ``epoch``; ``answer(replica_id)`` writes a group's answer."""
+    """The held heartbeat long-polls at the current ``epoch``; ``answer(replica_id, epoch)`` is a group's answer."""
 
-    def __init__(self, deadlines: DeadlineTimers, answer: Callable[[str], Response], wake_window_s: float) -> None:
+    def __init__(self, deadlines: DeadlineTimers, answer: Callable[[str, int], Response],
+                 wake_window_s: float) -> None:
         self.epoch = 0
         self._answer = answer
         self._wake_window_s = wake_window_s
@@ -47,7 +83,7 @@ class HeldHeartbeats:
         """A held heartbeat's time is up: answered with the current epoch (once: see ``_settle``)."""
         replica_id = self._settle(waiter)
         if replica_id is not None:
-            waiter.answer(self._answer(replica_id))
+            waiter.answer(self._answer(replica_id, self.epoch))
 
     def new_epoch(self, now: float) -> float | None:
         """The epoch changes: every heartbeat held now is answered at the next wake. Returns the delay after which the
@@ -68,7 +104,7 @@ class HeldHeartbeats:
         self._wake_armed, self._woke_at = False, now
         for waiter, (replica_id, deadline) in self._stale.take_all().items():
             self._deadlines.cancel(deadline)
-            waiter.answer(self._answer(replica_id))
+            waiter.answer(self._answer(replica_id, self.epoch))
 
     def _settle(self, waiter: Pending) -> str | None:
         """A held heartbeat is answered or its connection closed."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import socket
 import time
@@ -47,7 +46,7 @@ from lightning_fthsdp.lighthouse.claims import Claims
 from lightning_fthsdp.lighthouse.deadlines import Deadlines
 from lightning_fthsdp.lighthouse.decider import Decider
 from lightning_fthsdp.lighthouse.excluder import Excluder
-from lightning_fthsdp.lighthouse.heartbeats import HeldHeartbeats
+from lightning_fthsdp.lighthouse.heartbeats import HeartbeatAnswers, HeldHeartbeats
 from lightning_fthsdp.lighthouse.held import HeldRequests
 from lightning_fthsdp.lighthouse.http import IDLE_TIMEOUT_S, REQUEST_TIMEOUT_S, Connection
 from lightning_fthsdp.lighthouse.lag import Lag
@@ -165,18 +164,18 @@ class Lighthouse:
         self._group_connections = GroupConnections()
         self._wake_timer: asyncio.TimerHandle | None = None
         self._revival_timer: asyncio.TimerHandle | None = None
-        self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answer, WAKE_WINDOW_S)
         self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
                                 self._excluder.exclude_partitioned, self._claims.seen_committed,
                                 startup_grace_ms / 1000, time.monotonic())
         # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's relay;
         # the members have it from their answers already, so no held heartbeat is woken for it.
         self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
-                              self._heartbeat_answer_changed)
+                              self._heartbeat_answers_changed)
+        self._heartbeat_answers = HeartbeatAnswers(self._registry, self._rounds, heartbeat_timeout_ms)
+        self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answers.to, WAKE_WINDOW_S)
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
                                   self._excluder.stragglers, self._excluder.exclusions, self._lag, self._decider.lost,
                                   self._heartbeat_connections, self._group_connections)
-        self._heartbeat_body: bytes | None = None
         self._connections: set[Connection] = set()
         self._outsider_limits = outsider_limits
         self._admission: Admission | None = None  # its caps follow the open-files limit, raised at start
@@ -323,25 +322,7 @@ class Lighthouse:
         self._group_connections.carried(replica_id, request.connection)
         if self._heartbeats.epoch == beat.known_epoch and beat.wait_ms > 0:
             return self._heartbeats.hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
-        return self._heartbeat_answer(replica_id)
-
-    def _heartbeat_answer(self, replica_id: str) -> Response:
-        if self._heartbeat_body is None:  # cached until a death, a leave, a quorum or revivals (_revived) change it
-            self._heartbeat_body = json.dumps({
-                "epoch": self._heartbeats.epoch,
-                "quorum_id": self._rounds.quorum.quorum_id if self._rounds.quorum else -1,
-                "quorum_size": len(self._rounds.quorum.members) if self._rounds.quorum else 0,
-                "store": self.store_address,
-                "dead": sorted(rid for rid, r in self._registry.items() if r.dead),
-                "deaths": {rid: r.deaths for rid, r in self._registry.items() if r.deaths},
-                "heartbeat_timeout_ms": self.heartbeat_timeout_ms,
-            }).encode()
-        if self._rounds.quorum is not None and replica_id in self._rounds.answered:
-            # Each member's rank in the newest quorum: with it every rank of the group starts that quorum's
-            # cross-group rendezvous as soon as the quorum is decided, overlapping the step's compute.
-            return Response(200, b'%s,"quorum_rank":%d}' % (self._heartbeat_body[:-1],
-                                                            self._rounds.quorum.rank_of(replica_id)))
-        return Response(200, self._heartbeat_body)
+        return self._heartbeat_answers.to(replica_id, self._heartbeats.epoch)
 
     def _wake(self) -> None:
         self._wake_timer = None
@@ -476,17 +457,17 @@ class Lighthouse:
 
     def _revivals_told(self) -> None:
         self._revival_timer = None
-        self._heartbeat_body = None
+        self._heartbeat_answers.changed()
 
     def _bump_epoch(self) -> None:
         """A new epoch (a death or a leave): the held heartbeats learn it now."""
-        self._heartbeat_body = None
+        self._heartbeat_answers.changed()
         delay = self._heartbeats.new_epoch(time.monotonic())
         if delay is not None:
             self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
-    def _heartbeat_answer_changed(self) -> None:
-        self._heartbeat_body = None
+    def _heartbeat_answers_changed(self) -> None:
+        self._heartbeat_answers.changed()
 
     def _decide_soon(self) -> None:
         self._rounds.schedule(force=True)
@@ -504,7 +485,7 @@ class Lighthouse:
             if decide:
                 self._rounds.schedule(force=True)
             if strays:
-                self._heartbeat_body = None  # their deaths leave the heartbeat answers' "dead" list
+                self._heartbeat_answers.changed()  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
                     self._excluder.forget(replica_id)
 
