@@ -29,10 +29,9 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
-from lightning_fthsdp.lighthouse import page as lighthouse_page
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
 from lightning_fthsdp.lighthouse.api import (
     authorize,
@@ -60,11 +59,9 @@ from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
 from lightning_fthsdp.lighthouse.rounds import Rounds
 from lightning_fthsdp.lighthouse.status_view import StatusView
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
+from lightning_fthsdp.lighthouse.views import metrics_of, view_routes
 from lightning_fthsdp.lighthouse.watch import Watch
 from lightning_fthsdp.protocol.quorum import check_replica_id
-
-if TYPE_CHECKING:  # prometheus_client is imported when the lighthouse is made (see _metrics)
-    from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
 
 log = logging.getLogger("fthsdp.lighthouse")
 
@@ -145,7 +142,7 @@ class Lighthouse:
         self._token = token.encode() if token else None
         self._registry = Registry(declared, grace_s=self.rules.join_timeout_ms / 1000)
         self._ledger = CommitLedger()
-        self._watch = Watch(_metrics(self.status))
+        self._watch = Watch(metrics_of(self.status))
         # Alive groups and pending requests live in _readiness, which keeps decide() (O(n)) to the arrivals that
         # would form a quorum; the server changes them only through it.
         self._readiness = Readiness(self.rules)
@@ -190,10 +187,7 @@ class Lighthouse:
             "/v1/leave": ("POST", self._leave),
             "/v1/lost": ("POST", self._lost),
             "/v1/checkpoint": ("POST", self._checkpoint),
-            "/status": ("GET", self._status),
-            "/events": ("GET", self._events),
-            "/metrics": ("GET", self._metrics),
-            "/": ("GET", self._page),
+            **view_routes(self._watch, self.status),
         }
 
     @property
@@ -388,25 +382,6 @@ class Lighthouse:
         checkpoint = self._ledger.checkpoint
         return json_response({"checkpoint": checkpoint.to_json() if checkpoint else None})
 
-    def _status(self, request: Request) -> Response:
-        return json_response(self.status())
-
-    def _events(self, request: Request) -> Response:
-        after = request.query.get("after", "0")
-        if not (after.isascii() and after.isdigit() and len(after) <= 18):
-            raise HttpError(400, f"query parameter 'after' must be an event number >= 0, got {after!r}")
-        return json_response(self._watch.to_json(int(after)))
-
-    def _metrics(self, request: Request) -> Response:
-        if self._watch.metrics is None:
-            raise HttpError(501, "GET /metrics needs the prometheus_client package, a dependency of "
-                                 "lightning-fthsdp: reinstall it (pip install lightning-fthsdp) or pip install "
-                                 "prometheus_client, then restart the lighthouse")
-        return Response(200, self._watch.metrics.render(), self._watch.metrics.content_type)
-
-    def _page(self, request: Request) -> Response:
-        return Response(200, lighthouse_page.PAGE, "text/html; charset=utf-8")
-
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
         return self._status_view.document(time.monotonic(), self._rounds.quorum, self._heartbeats.epoch,
@@ -496,17 +471,6 @@ def _loss(ranks: Iterable[int], cause: str) -> str:
     how = ("its connection to the leader closed" if cause == "crash" else
            "it sent the leader nothing for the heartbeat timeout")
     return f"its leader lost rank {','.join(map(str, ranks))}: {how}"
-
-
-def _metrics(status: Callable[[], dict[str, Any]]) -> LighthouseMetrics | None:
-    """The lighthouse's Prometheus metrics, or None when ``prometheus_client`` is missing (an install older than the
-    dependency): the lighthouse runs on and ``GET /metrics`` says what to install."""
-    try:
-        from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
-    except ImportError:
-        log.warning("prometheus_client is not installed: GET /metrics answers 501 (pip install prometheus_client)")
-        return None
-    return LighthouseMetrics(status)
 
 
 def _declared_id(replica_id: str) -> str:
