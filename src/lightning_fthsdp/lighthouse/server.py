@@ -16,10 +16,12 @@ the answer, once per revival. A new quorum is no epoch change: each member learn
 leader relays it to the group's other ranks), so a round costs one answer per group, not two; the heartbeat answers
 after it carry it too.
 
-The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server
-drives its parts: ``api`` (requests parsed and validated, the quorum answer encoded), ``readiness`` (whether a
-decision would answer, kept per event), ``liveness`` (which connection's close declares which group dead) and
-``quorum`` (the rules themselves).
+The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server is
+the I/O shell (sockets, the store, timers, routing) over parts that take ``now`` as an input: ``claims`` (what a
+request claims, checked first), ``liveness`` (who lives), ``heartbeats`` (the held heartbeats and their answer),
+``held`` (the held quorum requests), ``excluder`` (partitions and stragglers), ``rounds`` and ``decider`` (the quorum
+rounds and their decisions, by the rules of ``quorum``), ``readiness`` (whether a decision would answer, kept per
+event), ``status_view`` and ``views`` (what it shows); ``api`` parses the requests and encodes the quorum answer.
 """
 
 from __future__ import annotations
