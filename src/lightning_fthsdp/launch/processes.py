@@ -310,8 +310,29 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS = 8192
+"""How many ports just below the OS's ephemeral range ``free_port`` picks from."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS has just handed out as free on ``host`` ("": every interface)."""
+    """A port free on ``host`` ("": every interface) for a process started later to listen on (a group's
+    ``MASTER_PORT``). Picked at random below the range the OS hands out to port-0 binds and outgoing connections, so
+    no other socket can take it between this pick and that bind (a port from that range, freed here, was often taken
+    on a busy machine: EADDRINUSE); the OS's own pick where that range is unknown."""
+    try:
+        low = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    span = min(LISTEN_PORTS, low - 1025)
+    for _ in range(64 if span > 0 else 0):
+        port = low - 1 - secrets.randbelow(span)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # in use, or still held by a connection that closed
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
