@@ -166,15 +166,13 @@ class Lighthouse:
         self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
                                 self._excluder.exclude_partitioned, self._claims.seen_committed,
                                 startup_grace_ms / 1000, time.monotonic())
-        # Heartbeats carry the quorum's id and each member's rank in it, for a rank that missed its leader's relay;
-        # the members have it from their answers already, so no held heartbeat is woken for it.
         self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
                               self._heartbeat_answers_changed)
         self._heartbeat_answers = HeartbeatAnswers(self._registry, self._rounds, heartbeat_timeout_ms)
         self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answers.to, WAKE_WINDOW_S)
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
-                                  self._excluder.stragglers, self._excluder.exclusions, self._lag, self._decider.lost,
-                                  self._heartbeat_connections, self._group_connections)
+                                       self._excluder.stragglers, self._excluder.exclusions, self._lag,
+                                       self._decider.lost, self._heartbeat_connections, self._group_connections)
         self._connections: set[Connection] = set()
         self._outsider_limits = outsider_limits
         self._admission: Admission | None = None  # its caps follow the open-files limit, raised at start
@@ -444,6 +442,8 @@ class Lighthouse:
             self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
 
     def _heartbeat_answers_changed(self) -> None:
+        """A new quorum, or who was answered it: heartbeats carry its id and each member's rank in it, for a rank
+        that missed its leader's relay. The members have it from their answers already: no held heartbeat is woken."""
         self._heartbeat_answers.changed()
 
     def _decide_soon(self) -> None:
