@@ -21,7 +21,7 @@ seconds, the lighthouse's and each generator's, are counted over it; its answer 
 groups that never failed (a false death revived since counts) and those of them dead at the end are read from
 ``/status``.
 
-The quorum requests are the real client's (``membership.client.quorum_request_body``): the quorum held is named by its
+The quorum requests are the real client's (``protocol.requests.quorum_body``): the quorum held is named by its
 id and members digest, its members are sent only when the lighthouse answers 428 for them, and the answers, full or a
 delta against the quorum held, are decoded with ``Quorum.from_json`` into the quorum each group holds next. Every group
 of a generator holds the same quorum and the lighthouse sends every holder of one quorum the same bytes (each round
@@ -61,8 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.membership.client import quorum_request_body, with_members
 from lightning_fthsdp.protocol.quorum import Quorum
+from lightning_fthsdp.protocol.requests import heartbeat_body, quorum_body, with_members
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse.json"
 CONNECT_BATCH = 256  # stay well under the listen backlog
@@ -228,9 +228,8 @@ class Generator:
 
     def heartbeat(self, leader: Leader, wait_ms: int) -> None:
         leader.beating = True
-        leader.send("/v1/heartbeat", {
-            "replica_id": self.ids[leader.index], "incarnation": INCARNATION, "rank": 0, "step": 0,
-            "shard_count": self.group_size, "known_epoch": leader.epoch, "wait_ms": wait_ms, "losses": 0, "lost": []})
+        leader.send("/v1/heartbeat", heartbeat_body(self.ids[leader.index], INCARNATION, 0, 0, self.group_size,
+                                                    leader.epoch, wait_ms, lost={}))
 
     async def connect(self) -> None:
         """Connect every group (a batch at a time; each sends its first heartbeat as it connects) and wait until each
@@ -303,9 +302,8 @@ class Generator:
         """The group's quorum request, holding the quorum of the last round and having committed step ``round_no``
         in it."""
         held = self.held
-        return quorum_request_body(self.ids[leader.index], INCARNATION, round_no, self.group_size,
-                                   self.addresses[leader.index], commit_failed, held, held.quorum_id if held else -1,
-                                   False, QUORUM_TIMEOUT_MS)
+        return quorum_body(self.ids[leader.index], INCARNATION, round_no, self.group_size, self.addresses[leader.index],
+                           commit_failed, held, held.quorum_id if held else -1, False, QUORUM_TIMEOUT_MS)
 
     async def quorum_round(self, round_no: int, failed: tuple[str, ...] = ()) -> dict[str, object]:
         """Every group still in the job asks at once (a leader asks as its step's forward starts). With ``failed``

@@ -6,7 +6,8 @@ import pytest
 
 from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.messages import HttpError
-from lightning_fthsdp.lighthouse.registry import Registry, check_incarnation
+from lightning_fthsdp.lighthouse.registry import Registry
+from lightning_fthsdp.protocol.fields import check_incarnation
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 
 

@@ -39,20 +39,6 @@ _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's (primary) IPv4 address
 _IF_INET6 = Path("/proc/net/if_inet6")  # one line per IPv6 address: hex address, index, ..., interface name
 
 
-def state_server_location(address: str) -> tuple[str, int] | None:
-    """``address``'s host and port if it is a state server's address as ranks advertise it, ``http://HOST:PORT``
-    (nothing more: no path, query, fragment or user), else None. The lighthouse refuses any other in a quorum request
-    and a catching-up rank refuses to fetch from one: an address that is none would only fail at the fetch."""
-    try:
-        parts = urlsplit(address)
-        if (parts.scheme == "http" and parts.hostname and parts.port is not None
-                and not (parts.path or parts.query or parts.fragment or parts.username)):
-            return parts.hostname, parts.port
-    except ValueError:  # urlsplit's own refusals (an unclosed '['), and a port out of range
-        pass
-    return None
-
-
 def advertise_host(explicit: str | None, lighthouse_url: str) -> str:
     """The address this rank binds and advertises: ``explicit``, else ``$FTHSDP_ADVERTISE_HOST``, else the local
     address of the route to ``lighthouse_url``'s host (a UDP ``connect``: nothing is sent). A host name is kept as

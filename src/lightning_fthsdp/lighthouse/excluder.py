@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Collection
 
-from lightning_fthsdp.lighthouse.api import StepTiming, excluded_answer, probe_answer
+from lightning_fthsdp.lighthouse.api import excluded_answer, probe_answer
 from lightning_fthsdp.lighthouse.exclusions import (
     MAX_PROBE_TARGETS,
     Exclusions,
@@ -30,6 +30,7 @@ from lightning_fthsdp.lighthouse.registry import Registry
 from lightning_fthsdp.lighthouse.stragglers import Change, StragglerPolicy, Stragglers
 from lightning_fthsdp.lighthouse.watch import Watch
 from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest
+from lightning_fthsdp.protocol.requests import StepTiming
 
 log = logging.getLogger("fthsdp.lighthouse")
 

@@ -3,10 +3,10 @@
 A group cut off from some members (a switch failure between them, while every group still reaches the lighthouse)
 makes every exchange of a quorum holding both fail at the collective timeout, and a new quorum with the same members
 fails again: an endless retry. After such a failure the lighthouse asks each member to probe the others (see
-``api.probe_answer``); each reports the members it could not reach, and the lighthouse keeps out the fewest groups
-that leave no unreachable pair among the rest (``fewest_to_exclude``). An excluded group stays alive (it heartbeats,
-it is not dead) but is no candidate for a quorum: its requests are answered with the peers to probe again, and it is
-admitted once it reaches them all; it then catches up like any group behind.
+``protocol.answers.probe_answer_body``); each reports the members it could not reach, and the lighthouse keeps out the
+fewest groups that leave no unreachable pair among the rest (``fewest_to_exclude``). An excluded group stays alive (it
+heartbeats, it is not dead) but is no candidate for a quorum: its requests are answered with the peers to probe again,
+and it is admitted once it reaches them all; it then catches up like any group behind.
 
 Synchronous and clock-free (``now`` is an argument), like the quorum rules, so it is unit-tested directly.
 """
@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 MAX_PROBE_TARGETS = 64
-"""Most peers one group is asked to probe after a failed exchange (``api.MAX_UNREACHABLE`` bounds what it may
-report): in a larger quorum, its neighbours in member order (``probe_peers``). Probing every member from every member
-would be O(members^2) connects and lighthouse work after each failed exchange of a 100,000-GPU job."""
+"""Most peers one group is asked to probe after a failed exchange (``protocol.requests.MAX_UNREACHABLE`` bounds what
+it may report): in a larger quorum, its neighbours in member order (``probe_peers``). Probing every member from every
+member would be O(members^2) connects and lighthouse work after each failed exchange of a 100,000-GPU job."""
 EXACT_LIMIT = 16
 """Groups named in unreachable pairs up to which the fewest to exclude are found exactly (2^n subsets are tried);
 above it a greedy choice (the group in the most pairs first) stands in."""

@@ -9,13 +9,13 @@ answer each held heartbeat once, not once per death.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 
 from lightning_fthsdp.lighthouse.held import DeadlineTimers, HeldTable
 from lightning_fthsdp.lighthouse.messages import Pending, Request, Response
 from lightning_fthsdp.lighthouse.registry import Registry
 from lightning_fthsdp.lighthouse.rounds import Rounds
+from lightning_fthsdp.protocol.answers import heartbeat_answer_body, with_quorum_rank
 
 
 class HeartbeatAnswers:
@@ -34,19 +34,14 @@ class HeartbeatAnswers:
     def to(self, replica_id: str, epoch: int) -> Response:
         quorum = self._rounds.quorum
         if self._body is None:
-            self._body = json.dumps({
-                "epoch": epoch,
-                "quorum_id": quorum.quorum_id if quorum else -1,
-                "quorum_size": len(quorum.members) if quorum else 0,
-                "store": self._rounds.store_address,
-                "dead": sorted(rid for rid, r in self._registry.items() if r.dead),
-                "deaths": {rid: r.deaths for rid, r in self._registry.items() if r.deaths},
-                "heartbeat_timeout_ms": self._timeout_ms,
-            }).encode()
+            self._body = heartbeat_answer_body(
+                epoch, quorum.quorum_id if quorum else -1, len(quorum.members) if quorum else 0,
+                self._rounds.store_address, sorted(rid for rid, r in self._registry.items() if r.dead),
+                {rid: r.deaths for rid, r in self._registry.items() if r.deaths}, self._timeout_ms)
         if quorum is not None and replica_id in self._rounds.answered:
             # Each member's rank in the newest quorum: with it every rank of the group starts that quorum's
             # cross-group rendezvous as soon as the quorum is decided, overlapping the step's compute.
-            return Response(200, b'%s,"quorum_rank":%d}' % (self._body[:-1], quorum.rank_of(replica_id)))
+            return Response(200, with_quorum_rank(self._body, quorum.rank_of(replica_id)))
         return Response(200, self._body)
 
 

@@ -1,15 +1,21 @@
 """What the lighthouse's handlers see of HTTP: a request, its answer now (``Response``) or later (``Pending``), and
-the one way to refuse one (``HttpError``, raised by a handler or a body check: ``require``, ``require_int``)."""
+the one way to refuse one (``HttpError``, raised by a handler; a body a ``protocol.requests`` parser refuses becomes
+one in ``Request.parsed``)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
+
+from lightning_fthsdp.protocol.fields import BadBody
 
 if TYPE_CHECKING:
     from lightning_fthsdp.lighthouse.http import Connection
+
+
+T = TypeVar("T")
 
 
 class HttpError(Exception):
@@ -71,6 +77,15 @@ class Request:
             raise HttpError(400, f"request body must be a JSON object, got {type(data).__name__}")
         return data
 
+    def parsed(self, parse: Callable[[dict[str, object]], T]) -> T:
+        """The body as ``parse`` (a ``protocol.requests`` parser) reads it; HttpError 400 with the parser's message
+        for a body it refuses, as for one that is no JSON object."""
+        body = self.json_object()
+        try:
+            return parse(body)
+        except BadBody as e:
+            raise HttpError(400, str(e)) from None
+
 
 class Pending:
     """A request answered later (``Request.defer``): ``answer`` or ``fail`` writes the answer at once, the first call
@@ -108,25 +123,6 @@ answer at once."""
 Gate = Callable[[Request], None]
 """Raises ``HttpError`` for a request the connection may not make (no token): that answer is its last. Sees the head
 only (``Request.body`` is empty): a refused request's body is never waited for."""
-
-
-def require(body: dict[str, object], name: str, kind: type, what: str) -> Any:
-    """``body[name]`` if it is a ``kind`` (bool is no int), else HttpError 400 naming the field and value."""
-    if name not in body:
-        raise HttpError(400, f"missing field {name!r}: send it as {what}")
-    value = body[name]
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
-    return value
-
-
-def require_int(body: dict[str, object], name: str, minimum: int | None) -> int:
-    """``body[name]`` if it is an int >= ``minimum`` (None: any), else HttpError 400."""
-    what = "an integer" if minimum is None else f"an integer >= {minimum}"
-    value = require(body, name, int, what)
-    if minimum is not None and value < minimum:
-        raise HttpError(400, f"field {name!r} must be {what}, got {value!r}")
-    return value
 
 
 def error_response(status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> Response:

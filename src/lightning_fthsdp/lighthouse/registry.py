@@ -3,29 +3,20 @@
 A replica id alone names a group, not a process: a stale process, a second process started with the same id by
 mistake, or a forged client could otherwise leave, heartbeat or ask for quorums in a live group's name (and have it
 declared dead or superseded). Each incarnation of a group (one start of its processes) picks a random incarnation id
-that every rank sends with every request; the lighthouse binds the group to the first incarnation it hears from and
-admits a new one only once the old one is dead (its heartbeat connection closed or its heartbeats expired).
+(its form: ``protocol.fields.check_incarnation``) that every rank sends with every request; the lighthouse binds the
+group to the first incarnation it hears from and admits a new one only once the old one is dead (its heartbeat
+connection closed or its heartbeats expired).
 
 Synchronous and clock-free (``now`` is an argument), like the quorum rules, so it is unit-tested directly.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import ItemsView, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from lightning_fthsdp.lighthouse.messages import HttpError
-
-INCARNATION_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def check_incarnation(incarnation: object) -> str:
-    """Return ``incarnation`` if it is a valid incarnation id (1-64 of letters, digits, ``_-``), else ValueError."""
-    if not isinstance(incarnation, str) or not INCARNATION_PATTERN.match(incarnation):
-        raise ValueError(f"incarnation must be 1-64 characters of letters, digits, '_' or '-', got {incarnation!r}")
-    return incarnation
 
 
 @dataclass

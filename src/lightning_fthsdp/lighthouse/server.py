@@ -21,7 +21,8 @@ the I/O shell (sockets, the store, timers, routing) over parts that take ``now``
 request claims, checked first), ``liveness`` (who lives), ``heartbeats`` (the held heartbeats and their answer),
 ``held`` (the held quorum requests), ``excluder`` (partitions and stragglers), ``rounds`` and ``decider`` (the quorum
 rounds and their decisions, by the rules of ``quorum``), ``readiness`` (whether a decision would answer, kept per
-event), ``status_view`` and ``views`` (what it shows); ``api`` parses the requests and encodes the quorum answer.
+event), ``status_view`` and ``views`` (what it shows); ``api`` encodes the quorum answer. The request bodies are
+parsed by ``protocol.requests``, the wire format the ranks' side encodes them with.
 """
 
 from __future__ import annotations
@@ -35,14 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
-from lightning_fthsdp.lighthouse.api import (
-    authorize,
-    parse_checkpoint,
-    parse_heartbeat,
-    parse_leave,
-    parse_lost,
-    parse_quorum,
-)
+from lightning_fthsdp.lighthouse.api import authorize
 from lightning_fthsdp.lighthouse.claims import Claims
 from lightning_fthsdp.lighthouse.deadlines import Deadlines
 from lightning_fthsdp.lighthouse.decider import Decider
@@ -64,6 +58,7 @@ from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 from lightning_fthsdp.lighthouse.views import metrics_of, view_routes
 from lightning_fthsdp.lighthouse.watch import Watch
 from lightning_fthsdp.protocol.quorum import check_replica_id
+from lightning_fthsdp.protocol.requests import parse_checkpoint, parse_heartbeat, parse_leave, parse_lost, parse_quorum
 
 log = logging.getLogger("fthsdp.lighthouse")
 
@@ -96,9 +91,9 @@ class Lighthouse:
 
     Endpoints (JSON):
     ``POST /v1/heartbeat`` (long-poll on the epoch), ``POST /v1/quorum`` (held until a quorum containing the
-    requester is decided, 504 after ``timeout_ms``; see ``api.parse_quorum`` for the request, ``api.QuorumAnswers``
-    for the answer, full or a delta against the quorum the requester holds), ``POST /v1/leave`` (graceful exit),
-    ``POST /v1/lost`` (a group's leader reports a rank it lost: the group is dead while one is),
+    requester is decided, 504 after ``timeout_ms``; see ``protocol.requests.parse_quorum`` for the request,
+    ``api.QuorumAnswers`` for the answer, full or a delta against the quorum the requester holds), ``POST /v1/leave``
+    (graceful exit), ``POST /v1/lost`` (a group's leader reports a rank it lost: the group is dead while one is),
     ``POST /v1/checkpoint`` (a writing group reports a complete durable checkpoint), ``GET /status``, ``GET /events``
     (the event log and membership history, see ``lighthouse.watch``; ``?after=SEQ`` for the newer events only),
     ``GET /`` (the status page) and ``GET /metrics`` (Prometheus text, see ``lighthouse.metrics``).
@@ -297,7 +292,7 @@ class Lighthouse:
     # ---- endpoints ----
 
     def _heartbeat(self, request: Request) -> Response | Pending:
-        beat = parse_heartbeat(request)
+        beat = request.parsed(parse_heartbeat)
         replica_id = beat.replica_id
         self._claims.check_shard_count(replica_id, beat.shard_count, self._rounds.quorum)
         # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
@@ -323,7 +318,8 @@ class Lighthouse:
         self._heartbeats.wake(time.monotonic())
 
     def _quorum(self, request: Request) -> Response | Pending:
-        asked, incarnation, timeout_ms, caught_up, timing = parse_quorum(request, time.monotonic())
+        arrived_s = time.monotonic()
+        asked, incarnation, timeout_ms, caught_up, timing = request.parsed(lambda body: parse_quorum(body, arrived_s))
         replica_id = asked.replica_id
         self._claims.check_shard_count(replica_id, asked.shard_count, self._rounds.quorum)
         self._registry.check(replica_id, incarnation, 0)
@@ -348,7 +344,7 @@ class Lighthouse:
         return self._rounds.ask(request, asked, timeout_ms, now)
 
     def _leave(self, request: Request) -> Response:
-        replica_id, rank, incarnation = parse_leave(request)
+        replica_id, rank, incarnation = request.parsed(parse_leave)
         self._registry.owner(replica_id, incarnation)
         if rank > 0:
             # A non-leader rank finishing: only its heartbeat connection stops counting; the leader's leave (rank 0)
@@ -366,7 +362,7 @@ class Lighthouse:
         return json_response({})
 
     def _lost(self, request: Request) -> Response:
-        lost = parse_lost(request)
+        lost = request.parsed(parse_lost)
         record = self._registry.owner(lost.replica_id, lost.incarnation)
         record.losses = max(record.losses, lost.losses)
         record.lost = tuple(sorted({*record.lost, lost.rank}))
@@ -375,7 +371,7 @@ class Lighthouse:
         return json_response({})
 
     def _checkpoint(self, request: Request) -> Response:
-        replica_id, incarnation, step, path = parse_checkpoint(request)
+        replica_id, incarnation, step, path = request.parsed(parse_checkpoint)
         self._registry.owner(replica_id, incarnation)
         self._ledger.note_checkpoint(step, path, replica_id)
         log.info("replica %s wrote the checkpoint of step %d at %s", replica_id, step, path)

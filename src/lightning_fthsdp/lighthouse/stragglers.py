@@ -1,7 +1,7 @@
 """Stragglers: groups whose own compute, or whose link, is consistently slower and so drags every step of the job.
 
 Every member of a quorum waits in the cross-group exchange (a synchronous allreduce) for the slowest one. Each group's
-leader reports, with its next quorum request, two times of its last step (``api.StepTiming``, measured by
+leader reports, with its next quorum request, two times of its last step (``protocol.requests.StepTiming``, measured by
 ``manager.step.StepState``):
 ``compute_s``, what the group spent on its own (from the end of its previous commit to the start of the exchange,
 the wait for the quorum answer left out), and ``wait_s``, the time it then spent in the exchange. One step of one
@@ -48,8 +48,6 @@ MODES = ("off", "report", "evict")
 MAX_OPEN_ROUNDS = 8
 """Rounds waiting for the reports of their members: a member that failed or died never reports, so its round is
 dropped once this many newer ones are open."""
-MAX_STEP_S = 86_400.0
-"""Largest ``compute_s`` or ``wait_s`` a report may carry (a day): a bound, not a limit a real step nears."""
 
 
 @dataclass(frozen=True)

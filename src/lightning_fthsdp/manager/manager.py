@@ -47,6 +47,7 @@ from lightning_fthsdp.membership.connection import LighthouseConnection
 from lightning_fthsdp.membership.member import MemberHeartbeat
 from lightning_fthsdp.membership.relay import GroupRelay
 from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
+from lightning_fthsdp.protocol.requests import CaughtUp, StepTiming
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
 
@@ -153,7 +154,7 @@ class FTManager:
         self._failed_commits = 0  # in a row
         self._failure = ""  # why the step under way failed so far (empty: it has not)
         self._step_done_s: float | None = None  # when the last commit() ended: the next step's own work starts
-        self._timing: dict[str, float] | None = None  # the last step's times, for the next quorum request
+        self._timing: StepTiming | None = None  # the last step's times, for the next quorum request
         self._closed = False
         self._participants: tuple[str, ...] = ()
         self._shares: dict[str, int] = {}
@@ -313,7 +314,8 @@ class FTManager:
             catch_ups = self._follower.catch_up_log
             caught_up = None
             if len(catch_ups) > self._catch_ups_reported:
-                caught_up = {key: catch_ups[-1][key] for key in ("source", "step", "bytes", "fetch_s")}
+                entry = catch_ups[-1]
+                caught_up = CaughtUp(entry["source"], entry["step"], entry["bytes"], entry["fetch_s"])  # type: ignore[arg-type]
             # The last step's times too (lighthouse.stragglers: who the others wait for), sent once.
             if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
                                      self._progress.committed_in, self._follower.active, caught_up, self._timing,

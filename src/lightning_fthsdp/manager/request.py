@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from http import HTTPStatus
@@ -16,6 +16,7 @@ from lightning_fthsdp.manager.probe import unreachable
 from lightning_fthsdp.membership.client import Excluded, ProbeRequested, QuorumClient
 from lightning_fthsdp.membership.connection import LighthouseRejected, LighthouseUnavailable
 from lightning_fthsdp.protocol.quorum import Member, Quorum
+from lightning_fthsdp.protocol.requests import CaughtUp, StepTiming
 
 
 class QuorumUnavailable(RuntimeError):
@@ -61,8 +62,8 @@ class QuorumRequester:
         self._closed = threading.Event()
 
     def start(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-              following: bool, caught_up: dict[str, object] | None = None,
-              timing: Mapping[str, float] | None = None, exchange_failed: bool = False,
+              following: bool, caught_up: CaughtUp | None = None,
+              timing: StepTiming | None = None, exchange_failed: bool = False,
               rendezvous_failed: bool = False) -> bool:
         """Ask for the quorum of ``step`` in the background, unless a request is in flight already (then False).
         ``current`` (whose rendezvous store is at ``store``) is kept while the lighthouse is unreachable, where it
@@ -99,8 +100,8 @@ class QuorumRequester:
             futures.wait([self._pending], timeout=self._timeouts.heartbeat_timeout_ms / 1000)
 
     def _request(self, step: int, commit_failed: bool, current: Quorum | None, store: str, committed_in: int,
-                 following: bool, caught_up: dict[str, object] | None,
-                 timing: Mapping[str, float] | None, exchange_failed: bool,
+                 following: bool, caught_up: CaughtUp | None,
+                 timing: StepTiming | None, exchange_failed: bool,
                  rendezvous_failed: bool) -> tuple[Quorum, str]:
         """Runs on the quorum thread. While the lighthouse is unreachable, a healthy group keeps its quorum."""
         deadline = time.monotonic() + self._timeouts.connect_timeout_ms / 1000

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_fthsdp.protocol.quorum import Quorum
+from lightning_fthsdp.protocol.requests import StepTiming
 from lightning_fthsdp.recovery.expected import Counters
 from lightning_fthsdp.recovery.torch_state import StateTree
 
@@ -86,14 +87,11 @@ class StepState:
     wait_s: float | None = None
     """Seconds the exchange took, waiting for the other groups included (None: no exchange succeeded)."""
 
-    def timing(self) -> dict[str, float] | None:
+    def timing(self) -> StepTiming | None:
         """The step's times as the next quorum request reports them (``lighthouse.stragglers``); None: none."""
         if self.compute_s is None:
             return None
-        times = {"compute_s": round(self.compute_s, 6)}
-        if self.wait_s is not None:
-            times["wait_s"] = round(self.wait_s, 6)
-        return times
+        return StepTiming(round(self.compute_s, 6), None if self.wait_s is None else round(self.wait_s, 6))
 
 
 def split_batches(participants: Sequence[str], global_batches: int | None) -> dict[str, int]:

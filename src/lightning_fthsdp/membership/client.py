@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -22,7 +22,18 @@ from lightning_fthsdp.config.timeouts import ANSWER_SLACK_MS, Timeouts
 from lightning_fthsdp.membership.connection import LighthouseConnection, LighthouseRejected, LighthouseUnavailable
 from lightning_fthsdp.membership.relay import GroupRelay
 from lightning_fthsdp.membership.view import Membership, MembershipView
+from lightning_fthsdp.protocol.answers import quorum_news_body, read_probe_answer
 from lightning_fthsdp.protocol.quorum import Quorum
+from lightning_fthsdp.protocol.requests import (
+    CaughtUp,
+    StepTiming,
+    checkpoint_body,
+    heartbeat_body,
+    leave_body,
+    lost_body,
+    quorum_body,
+    with_members,
+)
 
 
 class ProbeRequested(RuntimeError):
@@ -77,8 +88,7 @@ class Heartbeat(MembershipView):
     ) -> None:
         self._conn = connection or LighthouseConnection(url, token)
         self._shard_count = shard_count
-        self._replica_id = replica_id
-        self._identity = {"replica_id": replica_id, "incarnation": incarnation, "rank": rank}
+        self._replica_id, self._incarnation, self._rank = replica_id, incarnation, rank
         self._timeouts = timeouts
         self._step = step
         self._relay = relay
@@ -98,17 +108,10 @@ class Heartbeat(MembershipView):
         timeout_s = self._timeouts.heartbeat_timeout_ms / 1000
         while not self._stop.is_set():
             sent = time.monotonic()
-            body = {
-                **self._identity,
-                "step": self._step(),
-                "shard_count": self._shard_count,
-                "known_epoch": self.membership.epoch,
-                "wait_ms": self._timeouts.heartbeat_interval_ms,
-            }
-            if self._relay is not None:
-                lost = self._relay.lost
-                body["losses"], body["lost"] = self._relay.losses, list(lost)
-                body["lost_hung"] = [rank for rank, cause in lost.items() if cause == "hang"]
+            relay = self._relay
+            lost, losses = (relay.lost, relay.losses) if relay is not None else (None, 0)
+            body = heartbeat_body(self._replica_id, self._incarnation, self._rank, self._step(), self._shard_count,
+                                  self.membership.epoch, self._timeouts.heartbeat_interval_ms, lost, losses)
             try:
                 answer = self._conn.post("/v1/heartbeat", body, timeout_s=interval_s + timeout_s)
             except LighthouseUnavailable as exc:
@@ -130,8 +133,7 @@ class Heartbeat(MembershipView):
         held heartbeat for a new quorum, so this is how every rank starts the quorum's rendezvous as it is decided.
         Relayed only when new to the leader: the same quorum answered again each step is no message to the ranks (and
         one the leader had from a heartbeat answer reached them with that answer)."""
-        news = {"quorum_id": quorum.quorum_id, "quorum_rank": quorum.rank_of(self._replica_id),
-                "quorum_size": len(quorum.members), "store": store}
+        news = quorum_news_body(quorum.quorum_id, quorum.rank_of(self._replica_id), len(quorum.members), store)
         if self.membership.quorum(news) and self._relay is not None:
             self._relay.publish({"quorum": news}, channel="quorum")
 
@@ -139,7 +141,7 @@ class Heartbeat(MembershipView):
         """The relay lost ``rank`` (``crash`` or ``hang``): tell the lighthouse now rather than with the next
         heartbeat (up to an interval away)."""
         assert self._relay is not None, "only a relay loses ranks"
-        body = {**self._identity, "lost_rank": rank, "cause": cause, "losses": self._relay.losses}
+        body = lost_body(self._replica_id, self._incarnation, self._rank, rank, cause, self._relay.losses)
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):  # the next heartbeat carries it too
             self._conn.post("/v1/lost", body, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
 
@@ -154,7 +156,8 @@ class Heartbeat(MembershipView):
         if self.started:  # a rank that fails before its first step never started heartbeating
             self._thread.join(timeout=in_flight_ms / 1000 + 1)
         with contextlib.suppress(LighthouseUnavailable, LighthouseRejected):
-            self._conn.post("/v1/leave", self._identity, timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
+            self._conn.post("/v1/leave", leave_body(self._replica_id, self._incarnation, self._rank),
+                            timeout_s=self._timeouts.heartbeat_timeout_ms / 1000)
         self._conn.close()
 
 
@@ -182,9 +185,9 @@ class QuorumClient:
         current: Quorum | None,
         committed_in: int,
         following: bool,
-        caught_up: dict[str, object] | None = None,
+        caught_up: CaughtUp | None = None,
         unreachable: list[str] | None = None,
-        timing: Mapping[str, float] | None = None,
+        timing: StepTiming | None = None,
         exchange_failed: bool = False,
         rendezvous_failed: bool = False,
     ) -> tuple[Quorum, str]:
@@ -205,18 +208,9 @@ class QuorumClient:
         answer that does not fit ``current`` (a protocol error: never a guessed membership).
         """
         timeout_ms = self._timeouts.quorum_timeout_ms
-        body = quorum_request_body(replica_id, self._incarnation, step, shard_count, address, commit_failed, current,
-                                   committed_in, following, timeout_ms)
-        if caught_up is not None:
-            body["caught_up"] = caught_up
-        if unreachable is not None:
-            body["unreachable"] = unreachable
-        if exchange_failed:
-            body["exchange_failed"] = True
-        if rendezvous_failed:
-            body["rendezvous_failed"] = True
-        if timing is not None:
-            body.update(timing)
+        body = quorum_body(replica_id, self._incarnation, step, shard_count, address, commit_failed, current,
+                           committed_in, following, timeout_ms, caught_up=caught_up, unreachable=unreachable,
+                           exchange_failed=exchange_failed, rendezvous_failed=rendezvous_failed, timing=timing)
         wait_s = (timeout_ms + ANSWER_SLACK_MS) / 1000
         with self._asking:
             try:
@@ -226,10 +220,11 @@ class QuorumClient:
                     raise
                 answer = self._conn.post("/v1/quorum", with_members(body, current), timeout_s=wait_s,
                                          stop=self._closed)
-        if "excluded" in answer:
-            raise Excluded(dict(answer["excluded"]), {str(k): str(v) for k, v in dict(answer["probe"]).items()})
-        if "probe" in answer:
-            raise ProbeRequested({str(k): str(v) for k, v in dict(answer["probe"]).items()}, str(answer.get("why")))
+        probe = read_probe_answer(answer)
+        if probe is not None and probe.excluded is not None:
+            raise Excluded(probe.excluded, probe.targets)
+        if probe is not None:
+            raise ProbeRequested(probe.targets, probe.why)
         return Quorum.from_json(answer, current), str(answer["store"])
 
     def close(self) -> None:
@@ -245,31 +240,6 @@ class QuorumClient:
             self._asking.release()
 
 
-def quorum_request_body(replica_id: str, incarnation: str, step: int, shard_count: int, address: str,
-                        commit_failed: bool, current: Quorum | None, committed_in: int, following: bool,
-                        timeout_ms: int) -> dict[str, object]:
-    """The body of a ``POST /v1/quorum`` (``lighthouse.api.parse_quorum``) without the members of ``current``, which
-    go only where the lighthouse asks for them (``with_members``)."""
-    return {
-        "replica_id": replica_id,
-        "incarnation": incarnation,
-        "step": step,
-        "shard_count": shard_count,
-        "address": address,
-        "commit_failed": commit_failed,
-        "quorum_id": current.quorum_id if current else -1,
-        "members_digest": current.members_digest if current else "",
-        "committed_in": committed_in,
-        "following": following,
-        "timeout_ms": timeout_ms,
-    }
-
-
-def with_members(body: dict[str, object], current: Quorum) -> dict[str, object]:
-    """``body`` sent again to a lighthouse that answered it 428: with the members of the quorum held."""
-    return {**body, "members": list(current.member_ids)}
-
-
 class CheckpointReporter:
     """The writing group leader's reports of complete durable checkpoints (``POST /v1/checkpoint``), for the group
     incarnation ``incarnation``: the lighthouse resumes from the newest when no live group holds the committed step.
@@ -278,14 +248,14 @@ class CheckpointReporter:
     def __init__(self, url: str, token: str | None, timeouts: Timeouts, replica_id: str, incarnation: str) -> None:
         self._conn = LighthouseConnection(url, token)
         self._timeouts = timeouts
-        self._identity = {"replica_id": replica_id, "incarnation": incarnation}
+        self._replica_id, self._incarnation = replica_id, incarnation
         self._lock = threading.Lock()
 
     def report(self, step: int, path: str) -> None:
         """Raises LighthouseUnavailable (unreachable) or LighthouseRejected (e.g. 409: a step beyond the job's)."""
         with self._lock:  # one connection, reports from whichever writer thread finished
             try:
-                self._conn.post("/v1/checkpoint", {**self._identity, "step": step, "path": path},
+                self._conn.post("/v1/checkpoint", checkpoint_body(self._replica_id, self._incarnation, step, path),
                                 timeout_s=(self._timeouts.heartbeat_timeout_ms + ANSWER_SLACK_MS) / 1000)
             finally:  # reports are rare: no connection of the group's but the leader's stays open between them
                 self._conn.close()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.protocol.answers import QuorumNews, read_heartbeat_answer, read_quorum_news
 
 _qlog = logging.getLogger(log.QUORUM)
 
@@ -81,40 +82,40 @@ class Membership:
         return fresh and self.deaths == deaths_before
 
     def answered(self, answer: Mapping[str, object], sent: float) -> None:
-        """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``."""
+        """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``
+        (``protocol.answers.heartbeat_answer_body``)."""
+        heard = read_heartbeat_answer(answer, self._replica_id)
         # Deaths and the lease length before the acknowledgement time: lease_valid (another thread) that sees the new
         # time must see what the same answer says of them.
-        deaths = answer.get("deaths", {})
-        self.deaths = int(deaths.get(self._replica_id, 0)) if isinstance(deaths, dict) else 0
-        self._adopt_lease(answer.get("heartbeat_timeout_ms"))
+        self.deaths = heard.deaths
+        self._adopt_lease(heard.heartbeat_timeout_ms)
         self._acknowledged = sent
         self.state = "ok"
         self._settled.set()
-        self._heard_from(str(answer.get("store", "")), _int(answer.get("epoch"), -1))
-        dead_ids = answer.get("dead", ())
-        dead = frozenset(str(d) for d in dead_ids) if isinstance(dead_ids, list | tuple) else frozenset()
-        as_of = _int(answer.get("quorum_id"), -1)
+        self._heard_from(heard.quorum.store, heard.epoch)
+        dead, as_of = heard.dead, heard.quorum.quorum_id
         if dead != self.dead or as_of != self.dead_as_of:  # a dead set as of a newer quorum is news even unchanged
             self.dead, self.dead_as_of = dead, as_of
             self._on_dead(dead)
-        self.quorum(answer)
+        self._news(heard.quorum)
 
     def quorum(self, news: Mapping[str, object]) -> bool:
-        """News of a quorum: ``quorum_id``, and where this group is a member ``quorum_rank``, ``quorum_size`` and
-        ``store`` (a heartbeat answer's fields; the leader relays its own quorum answer's so, ahead of the heartbeat
-        answers). ``on_quorum`` runs for a quorum newer than any seen: news from the two sources may arrive in either
-        order, and quorum ids only grow (a restarted lighthouse continues them). Returns whether it was news."""
-        quorum_id = _int(news.get("quorum_id"), -1)
-        self._heard_from(str(news.get("store", "")), None)
+        """News of a quorum (``protocol.answers.quorum_news_body``: a heartbeat answer's quorum fields; the leader
+        relays its own quorum answer's so, ahead of the heartbeat answers). Returns whether it was news."""
+        return self._news(read_quorum_news(news))
+
+    def _news(self, news: QuorumNews) -> bool:
+        """``on_quorum`` runs for a quorum newer than any seen where this group is a member: news from the two sources
+        may arrive in either order, and quorum ids only grow (a restarted lighthouse continues them)."""
+        self._heard_from(news.store, None)
         with self._quorum_lock:  # the leader's two sources are two threads: the heartbeat's and the quorum request's
-            if "quorum_rank" not in news or quorum_id <= self._quorum_id:
+            if news.rank is None or news.quorum_id <= self._quorum_id:
                 return False
-            self._quorum_id = quorum_id
+            self._quorum_id = news.quorum_id
         try:
-            self._on_quorum(quorum_id, _int(news["quorum_rank"], 0), _int(news.get("quorum_size"), 0),
-                            str(news.get("store", "")))
+            self._on_quorum(news.quorum_id, news.rank, news.size, news.store)
         except Exception:  # an early start is an optimisation: the heartbeat must go on regardless
-            _qlog.exception("starting the rendezvous of quorum %d early failed", quorum_id)
+            _qlog.exception("starting the rendezvous of quorum %d early failed", news.quorum_id)
         return True
 
     def unavailable(self, refused: bool, timed_out: bool) -> bool:
@@ -155,17 +156,13 @@ class Membership:
             self._lost_told = True
             self._on_lost(self._store)
 
-    def _adopt_lease(self, lighthouse_ms: object) -> None:
-        if not isinstance(lighthouse_ms, int) or lighthouse_ms <= 0 or lighthouse_ms == self.lease_ms:
+    def _adopt_lease(self, lighthouse_ms: int | None) -> None:
+        if lighthouse_ms is None or lighthouse_ms == self.lease_ms:
             return
         _qlog.warning("the lighthouse declares a silent group dead after heartbeat_timeout_ms=%d, this group's "
                       "timeouts say %d: the commit lease follows the lighthouse (set both alike)", lighthouse_ms,
                       self._timeouts.heartbeat_timeout_ms)
         self.lease_ms = lighthouse_ms
-
-
-def _int(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 class MembershipView:

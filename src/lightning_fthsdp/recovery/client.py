@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from lightning_fthsdp.config.addresses import state_server_location
+from lightning_fthsdp.protocol.fields import state_server_location
 from lightning_fthsdp.recovery import wire
 from lightning_fthsdp.recovery.expected import Expected
 
