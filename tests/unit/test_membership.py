@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.manager import FTManager
+from lightning_fthsdp.manager.watchdog import Watchdog
 from lightning_fthsdp.membership.view import Membership
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 
@@ -69,15 +69,15 @@ class _Comm:
 
 
 def test_a_member_abandons_its_quorum_only_for_a_dead_set_as_new_as_that_quorum() -> None:
-    """``FTManager``'s watchdog rule, on the manager alone: a dead set from before quorum 3 was decided may name c,
+    """The manager's watchdog rule, on the watchdog alone: a dead set from before quorum 3 was decided may name c,
     whom quorum 3 took back in (a revival wakes nobody), so it is no reason to abandon; as of quorum 3 or later, it
     is."""
-    manager = object.__new__(FTManager)  # the rule reads the quorum and the communicator only
-    manager._comm = comm = _Comm()  # type: ignore[assignment]
-    manager._quorum = Quorum(3, tuple(Member(rid, 5) for rid in ("a", "b", "c")), max_step=5, shard_count=1)
-    manager._abandon_for(frozenset({"c"}), as_of=2)
-    manager._abandon_for(frozenset({"d"}), as_of=3)  # not a member
+    watchdog = object.__new__(Watchdog)  # the rule reads the quorum and the communicator only
+    watchdog._comm = comm = _Comm()  # type: ignore[assignment]
+    watchdog._quorum = Quorum(3, tuple(Member(rid, 5) for rid in ("a", "b", "c")), max_step=5, shard_count=1)
+    watchdog._abandon_for(frozenset({"c"}), as_of=2)
+    watchdog._abandon_for(frozenset({"d"}), as_of=3)  # not a member
     assert comm.aborted == []
-    manager._abandon_for(frozenset({"c"}), as_of=3)
-    manager._abandon_for(frozenset({"c", "d"}), as_of=4)
+    watchdog._abandon_for(frozenset({"c"}), as_of=3)
+    watchdog._abandon_for(frozenset({"c", "d"}), as_of=4)
     assert comm.aborted == [3, 3]

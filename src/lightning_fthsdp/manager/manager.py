@@ -42,10 +42,9 @@ from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
 from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
+from lightning_fthsdp.manager.watchdog import Watchdog
 from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, QuorumClient
 from lightning_fthsdp.membership.connection import LighthouseConnection
-from lightning_fthsdp.membership.member import MemberHeartbeat
-from lightning_fthsdp.membership.relay import GroupRelay
 from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
 from lightning_fthsdp.protocol.requests import CaughtUp, StepTiming
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
@@ -147,7 +146,6 @@ class FTManager:
         self._current: StepState | None = None  # the step under way: from begin_step to commit
         self._quorum: Quorum | None = None
         self._store_address = ""
-        self._deaths_at_quorum = 0
         self._commit_failed = False
         self._exchange_failed = False  # the last step's cross-group collective failed on a rank of this group
         self._rendezvous_failed = False  # ... before it began: the quorum's group was not built on a rank of this group
@@ -169,7 +167,9 @@ class FTManager:
         self.incarnation = self._agreement.incarnation()
         # The leader's one persistent connection to the lighthouse: its heartbeats and quorum requests, pipelined.
         lighthouse = LighthouseConnection(url, token) if self.is_leader else None
-        self._heartbeat = self._make_heartbeat(url, token, self.advertise_host, lighthouse)
+        self._watchdog = Watchdog(self._agreement, self._comm, url, token, self.advertise_host, self.replica_id,
+                                  self.incarnation, self.timeouts, lambda: self.step, lighthouse)
+        self._heartbeat = self._watchdog.heartbeat
         self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
@@ -397,7 +397,7 @@ class FTManager:
         state, self._current = self._current or StepState(), None
         failure, self._failure = self._failure, ""
         self._timing = state.timing() or self._timing
-        lease_ok = self._heartbeat.lease_valid(self._deaths_at_quorum)
+        lease_ok = self._watchdog.lease_valid()
         if not lease_ok and not failure:
             failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
                        f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
@@ -477,27 +477,6 @@ class FTManager:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _make_heartbeat(self, url: str, token: str | None, host: str,
-                        lighthouse: LighthouseConnection | None) -> Heartbeat | MemberHeartbeat:
-        """Liveness in two levels: the leader heartbeats to the lighthouse and relays its answers to the group's
-        other ranks, which beat to the leader (on ``host``, its advertised address, where it also serves its state:
-        a group's ranks may span hosts). One relay address, agreed over the group's process group."""
-        relay = GroupRelay(host, token, self.incarnation, self.timeouts) if self.is_leader and self.shard_count > 1 \
-            else None
-        leader = self._agreement.from_leader(relay.address if relay is not None else "")
-        if not self.is_leader:
-            return MemberHeartbeat(leader, token, self.replica_id, self.incarnation, self.rank, self.timeouts,
-                                   on_dead=self._on_dead, on_quorum=self._comm.prepare,
-                                   on_lost=self._lighthouse_lost)
-        return Heartbeat(url, token, self.replica_id, self.incarnation, self.rank, self.shard_count, self.timeouts,
-                         step=lambda: self.step, on_dead=self._on_dead, on_quorum=self._comm.prepare,
-                         on_lost=self._lighthouse_lost, relay=relay, connection=lighthouse)
-
-    def _lighthouse_lost(self, store_address: str) -> None:
-        """The lighthouse (or, for a rank other than the leader, the leader relaying it) went away, and with it the
-        store hosting the cross-group rendezvous: a rendezvous under way on it would wait for nothing."""
-        self._comm.abort_rendezvous("the lighthouse went away", store_address)
-
     def _count_failure(self, cause: str) -> None:
         self._failed_commits += 1
         budget = self.timeouts.max_failed_commits
@@ -532,15 +511,14 @@ class FTManager:
                             ",".join(quorum.member_ids), quorum.max_step, len(quorum.participants),
                             extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
         self._quorum, self._store_address = quorum, store_address
-        self._deaths_at_quorum = self._heartbeat.deaths
+        self._watchdog.adopted(quorum)
         if self.replica_id in quorum.serving:
             self._catchup.serve(self.step)
         elif not quorum.following:
             # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.
             self._catchup.stop_serving(unless_read=True)
         self._comm.expect(quorum.quorum_id)
-        as_of = self._heartbeat.dead_as_of  # first: the heartbeat thread writes it after the dead set
-        self._abandon_for(self._heartbeat.dead, as_of)  # a member may have died before we got here
+        self._watchdog.abandon_if_dead()
         return quorum
 
     def resume_from_checkpoint(self, step: int) -> None:
@@ -576,19 +554,3 @@ class FTManager:
         self._rlog.warning("%s the checkpoint of step %d from %s", why, step, self._checkpoints.root)
         self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
         self._progress.committed_in = -1
-
-    def _on_dead(self, dead: frozenset[str]) -> None:
-        """Watchdog (heartbeat thread): abandon the in-flight exchange if a member of our quorum was declared
-        dead; this is what turns a hang into a stall of about the heartbeat timeout."""
-        self._abandon_for(dead, self._heartbeat.dead_as_of)
-
-    def _abandon_for(self, dead: frozenset[str], as_of: int) -> None:
-        """Abandon the exchange of our quorum if ``dead`` (the lighthouse's answer when its newest quorum was
-        ``as_of``) names a member: only a dead set as new as the quorum counts (``Membership.dead_as_of``)."""
-        quorum = self._quorum
-        if quorum is None or as_of < quorum.quorum_id:
-            return
-        gone = dead & set(quorum.member_ids)
-        if gone:
-            self._comm.abort(f"lighthouse declared {','.join(sorted(gone))} dead", quorum.quorum_id)
-
