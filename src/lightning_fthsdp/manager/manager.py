@@ -41,6 +41,7 @@ from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
 from lightning_fthsdp.manager.follow import Follower
 from lightning_fthsdp.manager.request import QuorumRequester
+from lightning_fthsdp.manager.resumption import Resumption
 from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
 from lightning_fthsdp.manager.watchdog import Watchdog
 from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, QuorumClient
@@ -48,7 +49,7 @@ from lightning_fthsdp.membership.connection import LighthouseConnection
 from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
 from lightning_fthsdp.protocol.requests import CaughtUp, StepTiming
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
-from lightning_fthsdp.recovery.torch_state import load_rng_state, rng_state
+from lightning_fthsdp.recovery.torch_state import StateTree, load_rng_state, rng_state
 
 _OWN_STATE = "fthsdp"
 
@@ -177,7 +178,6 @@ class FTManager:
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
         self._checkpoints: DurableCheckpoints | None = None
-        self._relaunch_step: int | None = None  # resume_from_checkpoint's step, loaded in the first exchange
         if checkpoint_dir:
             self._checkpoints = DurableCheckpoints(
                 checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
@@ -185,6 +185,8 @@ class FTManager:
                 capture=self._catchup.capture, rlog=self._rlog,
                 reporter=CheckpointReporter(url, token, self.timeouts, self.replica_id, self.incarnation)
                 if self.is_leader else None)
+        self._resumption = Resumption(self._checkpoints, self.replica_id, self._loaded_checkpoint,
+                                      self._follower.stop, self._rlog)
         addresses = self._agreement.gather_addresses(self._catchup.address)
         self._requester: QuorumRequester | None = None
         if self.is_leader:
@@ -344,16 +346,9 @@ class FTManager:
         if quorum is None:
             self._failure = f"no quorum: {self._agreement.no_quorum_reason}"
             return False
-        if quorum.resume_step >= 0:
-            self._resume(quorum)
+        if self._resumption.instead_of_exchange(quorum, self.step):
             state.resumed = True
-            return False  # nobody exchanges in the step a quorum resumes: every member retrains it once loaded
-        if self._relaunch_step is not None:
-            step, self._relaunch_step = self._relaunch_step, None
-            if self.replica_id not in quorum.catch_up_from:  # else a peer's newer state replaces ours anyway
-                self._load_checkpoint(step, "the job resumes from")
-                state.resumed = True
-                return False  # as above: this group retrains the step once loaded
+            return False  # every member trains the step again once loaded
         state.tensors = tensors
         source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
@@ -528,29 +523,9 @@ class FTManager:
         the loaded state (so the state is loaded where every front end already expects a load). Raises ValueError
         without a ``checkpoint_dir``, RuntimeError once a step began; the load raises CheckpointError when the
         checkpoint is missing, partial or unlike this rank's state."""
-        if self._checkpoints is None:
-            raise ValueError(f"FTManager (group {self.replica_id}): resuming from the checkpoint of step {step} needs "
-                             f"checkpoint_dir: give every group the folder the job's checkpoints are in")
-        if self._heartbeat.started:
-            raise RuntimeError(f"FTManager (group {self.replica_id}): resume_from_checkpoint({step}) after the first "
-                               f"step began: call it before training")
-        self.step, self._progress.committed_in, self._relaunch_step = step, -1, step
+        self._resumption.relaunch(step, started=self._heartbeat.started)
+        self.step, self._progress.committed_in = step, -1
 
-    def _resume(self, quorum: Quorum) -> None:
-        """The quorum resumes from the durable checkpoint of ``quorum.resume_step`` (no live group held the job's
-        committed state): load it, unless this group holds that step already."""
-        if self.step == quorum.resume_step:
-            return
-        if self._checkpoints is None:
-            raise RuntimeError(
-                f"FTManager (group {self.replica_id}): quorum {quorum.quorum_id} resumes from the checkpoint of step "
-                f"{quorum.resume_step} ({quorum.resume_path}), but this group has no checkpoint_dir: give every group "
-                f"the same checkpoint settings")
-        self._follower.stop("the quorum resumes from a durable checkpoint")
-        self._load_checkpoint(quorum.resume_step, "no live group holds the job's committed state: loading")
-
-    def _load_checkpoint(self, step: int, why: str) -> None:
-        assert self._checkpoints is not None
-        self._rlog.warning("%s the checkpoint of step %d from %s", why, step, self._checkpoints.root)
-        self._checkpoints.load(step, lambda tree: self._catchup.load(tree, keep_memory=False))
+    def _loaded_checkpoint(self, tree: StateTree) -> None:
+        self._catchup.load(tree, keep_memory=False)
         self._progress.committed_in = -1
