@@ -32,30 +32,24 @@ from lightning_fthsdp.config import anatomy, log
 from lightning_fthsdp.config.addresses import advertise_host as advertised_host
 from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
-from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, QUORUM, RENDEZVOUS, REPLAY, VOTE, span
+from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, RENDEZVOUS, REPLAY, VOTE, span
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.exchange.average import average_gradients
 from lightning_fthsdp.exchange.comm import CrossGroupComm
 from lightning_fthsdp.exchange.errors import CollectiveAborted
 from lightning_fthsdp.manager.agreement import GroupAgreement
 from lightning_fthsdp.manager.checkpoints import DurableCheckpoints, is_writer
+from lightning_fthsdp.manager.failures import FailedCommits
 from lightning_fthsdp.manager.follow import Follower
-from lightning_fthsdp.manager.request import QuorumRequester
+from lightning_fthsdp.manager.group_quorum import GroupQuorum
 from lightning_fthsdp.manager.resumption import Resumption
 from lightning_fthsdp.manager.step import HeldStep, Progress, StepState, split_batches
-from lightning_fthsdp.manager.watchdog import Watchdog
-from lightning_fthsdp.membership.client import CheckpointReporter, Heartbeat, QuorumClient
-from lightning_fthsdp.membership.connection import LighthouseConnection
+from lightning_fthsdp.membership.client import CheckpointReporter
 from lightning_fthsdp.protocol.quorum import Quorum, check_replica_id
-from lightning_fthsdp.protocol.requests import CaughtUp, StepTiming
 from lightning_fthsdp.recovery.catchup import CatchUp, StateGetter, StateLoader
 from lightning_fthsdp.recovery.torch_state import StateTree, load_rng_state, rng_state
 
 _OWN_STATE = "fthsdp"
-
-
-class CommitsFailed(RuntimeError):
-    """``Timeouts.max_failed_commits`` commits in a row failed: training cannot make progress."""
 
 
 class FTManager:
@@ -145,36 +139,22 @@ class FTManager:
         self.committed_steps = 0
         self.discarded_steps = 0
         self._current: StepState | None = None  # the step under way: from begin_step to commit
-        self._quorum: Quorum | None = None
-        self._store_address = ""
-        self._commit_failed = False
-        self._exchange_failed = False  # the last step's cross-group collective failed on a rank of this group
-        self._rendezvous_failed = False  # ... before it began: the quorum's group was not built on a rank of this group
-        self._failed_commits = 0  # in a row
-        self._failure = ""  # why the step under way failed so far (empty: it has not)
+        self._failed_commits = FailedCommits(self.replica_id, self.timeouts.max_failed_commits)
         self._step_done_s: float | None = None  # when the last commit() ended: the next step's own work starts
-        self._timing: StepTiming | None = None  # the last step's times, for the next quorum request
         self._closed = False
         self._participants: tuple[str, ...] = ()
         self._shares: dict[str, int] = {}
         self._contributions: dict[str, int] = {}
         self._log = log.ReplicaLogger(log.COMMIT, self.replica_id, self.rank, lambda: self.step)
-        self._qlog = log.ReplicaLogger(log.QUORUM, self.replica_id, self.rank, lambda: self.step)
         self._rlog = log.ReplicaLogger(log.RECOVERY, self.replica_id, self.rank, lambda: self.step)
         self._elog = log.ReplicaLogger(log.ERRORS, self.replica_id, self.rank, lambda: self.step)
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token,
                                     advertise_host=self.advertise_host, lighthouse_host=lighthouse_host(url))
         self.incarnation = self._agreement.incarnation()
-        # The leader's one persistent connection to the lighthouse: its heartbeats and quorum requests, pipelined.
-        lighthouse = LighthouseConnection(url, token) if self.is_leader else None
-        self._watchdog = Watchdog(self._agreement, self._comm, url, token, self.advertise_host, self.replica_id,
-                                  self.incarnation, self.timeouts, lambda: self.step, lighthouse)
-        self._heartbeat = self._watchdog.heartbeat
         self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
-        self._catch_ups_reported = 0  # catch_up_log entries sent to the lighthouse (leader only)
         self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
                                   replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
         self._checkpoints: DurableCheckpoints | None = None
@@ -187,14 +167,9 @@ class FTManager:
                 if self.is_leader else None)
         self._resumption = Resumption(self._checkpoints, self.replica_id, self._loaded_checkpoint,
                                       self._follower.stop, self._rlog)
-        addresses = self._agreement.gather_addresses(self._catchup.address)
-        self._requester: QuorumRequester | None = None
-        if self.is_leader:
-            client = QuorumClient(url, token, self.timeouts, self.incarnation, lighthouse)
-            assert isinstance(self._heartbeat, Heartbeat)
-            self._requester = QuorumRequester(client, self.replica_id, self.shard_count, addresses, self.timeouts,
-                                              self._qlog, step=lambda: self.step, serve=self._catchup.serve,
-                                              announce=self._heartbeat.quorum_answered)
+        self._group = GroupQuorum(url, token, self.advertise_host, self.timeouts, self._agreement, self._comm,
+                                  self._catchup, replica_id=self.replica_id, incarnation=self.incarnation,
+                                  step=lambda: self.step)
 
     # ---------------------------------------------------------------------------------------------- state
 
@@ -229,14 +204,14 @@ class FTManager:
     @property
     def quorum(self) -> Quorum | None:
         """The quorum of the current (or last) step."""
-        return self._quorum
+        return self._group.quorum
 
     @property
     def is_checkpoint_writer(self) -> bool:
         """Whether this group writes the job's checkpoints (durable ones, and a front end's own): the lowest
         participant of the last quorum (a member still catching up holds no state of its own); before any quorum,
         every group (it trains alone)."""
-        return self._quorum is None or is_writer(self._quorum, self.replica_id)
+        return self._group.quorum is None or is_writer(self._group.quorum, self.replica_id)
 
     @property
     def participants(self) -> tuple[str, ...]:
@@ -296,6 +271,16 @@ class FTManager:
         held, self._held = self._held, []
         return held
 
+    def resume_from_checkpoint(self, step: int) -> None:
+        """Before the first step: resume the job from the durable checkpoint of ``step`` (a relaunched job). The
+        first quorum request claims ``step``, and the first step's exchange loads the checkpoint instead of
+        exchanging, as when a quorum resumes from one: the step is discarded and the front end computes it again from
+        the loaded state (so the state is loaded where every front end already expects a load). Raises ValueError
+        without a ``checkpoint_dir``, RuntimeError once a step began; the load raises CheckpointError when the
+        checkpoint is missing, partial or unlike this rank's state."""
+        self._resumption.relaunch(step, started=self._group.started)
+        self.step, self._progress.committed_in = step, -1
+
     # ----------------------------------------------------------------------------------------------- step
 
     def begin_step(self) -> None:
@@ -304,27 +289,9 @@ class FTManager:
             self._current = StepState(started_s=self._step_done_s if self._step_done_s is not None else
                                       time.monotonic())
             if self._checkpoints is not None and not self._follower.active:
-                self._checkpoints.at_step_boundary(self.step, self._quorum, self._progress.committed_in,
+                self._checkpoints.at_step_boundary(self.step, self._group.quorum, self._progress.committed_in,
                                                    agree=lambda free: self._agreement.vote(free)[0])
-        if not self._heartbeat.started:
-            # Heartbeating starts with the first step, not at construction: a group still building its model
-            # is not yet a heartbeating group the others must wait for or count in their majority.
-            self._heartbeat.start()
-        if self._requester is not None:
-            # The newest catch-up goes to the lighthouse once, with the first request after it (its event log and
-            # metrics learn the bytes and time only from us).
-            catch_ups = self._follower.catch_up_log
-            caught_up = None
-            if len(catch_ups) > self._catch_ups_reported:
-                entry = catch_ups[-1]
-                caught_up = CaughtUp(entry["source"], entry["step"], entry["bytes"], entry["fetch_s"])  # type: ignore[arg-type]
-            # The last step's times too (lighthouse.stragglers: who the others wait for), sent once.
-            if self._requester.start(self.step, self._commit_failed, self._quorum, self._store_address,
-                                     self._progress.committed_in, self._follower.active, caught_up, self._timing,
-                                     exchange_failed=self._exchange_failed,
-                                     rendezvous_failed=self._rendezvous_failed):
-                self._catch_ups_reported = len(catch_ups)
-                self._timing = None
+        self._group.request(self.step, self._progress.committed_in, self._follower.active, self._follower.catch_up_log)
 
     def step_batches(self) -> int:
         """How many of its own batches this group trains in the current step: its share of ``global_batches``
@@ -344,7 +311,7 @@ class FTManager:
         state.compute_s, state.wait_s = max(0.0, exchange_from - state.started_s - state.agree_s), None
         quorum = state.quorum
         if quorum is None:
-            self._failure = f"no quorum: {self._agreement.no_quorum_reason}"
+            state.failure = f"no quorum: {self._agreement.no_quorum_reason}"
             return False
         if self._resumption.instead_of_exchange(quorum, self.step):
             state.resumed = True
@@ -357,7 +324,7 @@ class FTManager:
         try:
             with span(RENDEZVOUS):
                 self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
-                                     self._store_address)
+                                     self._group.store_address)
             built = True
             # Never real gradients while catching up: our weights are not the job's until the state is loaded.
             with span(ALLREDUCE):
@@ -367,7 +334,7 @@ class FTManager:
             self._elog.warning(
                 "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
             self._comm.invalidate()
-            self._failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
+            state.failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
             state.collective_failed, state.rendezvous_failed = True, not built
             return False
         state.exchanged = True
@@ -390,18 +357,13 @@ class FTManager:
                                f"during catch-up were not applied: call take_held() after each commit and apply them "
                                f"(or use manager.driver.StepDriver, which does)")
         state, self._current = self._current or StepState(), None
-        failure, self._failure = self._failure, ""
-        self._timing = state.timing() or self._timing
-        lease_ok = self._watchdog.lease_valid()
-        if not lease_ok and not failure:
-            failure = (f"this group's lease ran out: no heartbeat acknowledged within the lighthouse's "
-                       f"heartbeat_timeout_ms={self._heartbeat.lease_ms}, or it declared us dead")
+        lease_lost = self._group.lease_lost()
+        lease_ok, failure = not lease_lost, state.failure or lease_lost
         with span(VOTE):
             ok, exchanged, fetch_ok, collective_ok, built = self._agreement.vote(
                 state.ready and lease_ok, state.exchanged and lease_ok, not self._follower.failed,
                 not state.collective_failed, not state.rendezvous_failed)
-        self._exchange_failed = not collective_ok  # the lighthouse may ask the leader to probe the members
-        self._rendezvous_failed = not built
+        self._group.voted(state.timing(), exchange_failed=not collective_ok, rendezvous_failed=not built)
         # The optimizer step that follows changes the live state: a snapshot being served must be copied first.
         self._catchup.wait_snapshot(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if self._checkpoints is not None:
@@ -416,8 +378,8 @@ class FTManager:
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
             self._progress.advance(self._shares)
             self._progress.committed_in = state.quorum.quorum_id
-            self._commit_failed = False
-            self._failed_commits = 0
+            self._group.commit_failed = False
+            self._failed_commits.reset()
             self.committed_steps += 1
             if self.committed_steps == 1 and self._reserve_snapshot_memory:
                 self._catchup.reserve_memory()
@@ -426,7 +388,7 @@ class FTManager:
         elif not exchanged:
             # The cross-group groups saw an error (or we may have been declared dead), or the quorum resumed from a
             # checkpoint (it is never answered again): ask for fresh ones.
-            self._commit_failed = True
+            self._group.commit_failed = True
             self._comm.invalidate()
             if state.quorum is None and self._agreement.excluded:
                 # Kept out while it cannot reach some members (its requests probe them) or while it is a straggler
@@ -435,15 +397,15 @@ class FTManager:
             elif not state.resumed:
                 self.discarded_steps += 1
                 self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
-                self._count_failure(failure or "the exchange failed on another rank of this group")
+                self._failed_commits.count(failure or "the exchange failed on another rank of this group")
         elif self._follower.active:
             assert state.quorum is not None, "a step is exchanged only inside a quorum"
             self._follower.hold(state.tensors, self._shares, state.quorum.quorum_id)
-            self._commit_failed = False
-            self._failed_commits = 0
+            self._group.commit_failed = False
+            self._failed_commits.reset()
         else:
             self._rlog.info("state not received this step; still behind, retrying next step")
-            self._count_failure(failure or "the catch-up state transfer did not deliver the state")
+            self._failed_commits.count(failure or "the catch-up state transfer did not deliver the state")
         self._step_done_s = time.monotonic()
         return ok
 
@@ -454,12 +416,8 @@ class FTManager:
         if self._closed:
             return
         self._closed = True
-        closers: list[tuple[str, Callable[[], None]]] = [("the heartbeat", self._heartbeat.leave),
-                                                         ("the cross-group process groups", self._comm.close),
-                                                         ("catch-up", lambda: self._catchup.close(
-                                                             timeout_s=self.timeouts.collective_timeout_ms / 1000))]
-        if self._requester is not None:
-            closers.insert(0, ("the quorum requests", self._requester.close))
+        closers = [*self._group.closers(), ("the cross-group process groups", self._comm.close),
+                   ("catch-up", lambda: self._catchup.close(timeout_s=self.timeouts.collective_timeout_ms / 1000))]
         checkpoints = self._checkpoints
         if checkpoints is not None:
             closers.append(("the checkpoint writer",
@@ -472,59 +430,19 @@ class FTManager:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _count_failure(self, cause: str) -> None:
-        self._failed_commits += 1
-        budget = self.timeouts.max_failed_commits
-        if self._failed_commits >= budget:
-            raise CommitsFailed(
-                f"FTManager (group {self.replica_id}): {self._failed_commits} commits in a row failed "
-                f"(Timeouts.max_failed_commits={budget}); the last cause: {cause}. Fix that cause, or raise "
-                f"max_failed_commits (recipe: ft.timeouts.max_failed_commits) to keep retrying longer")
-
     def _agreed_step(self) -> StepState:
         """The step under way, its quorum agreed once (the first of ``step_batches``/``sync_gradients`` asks)."""
         if self._current is None or not self._current.agreed:
             self.begin_step()
             assert self._current is not None
-            asked = time.monotonic()
-            with span(QUORUM):
-                agreed = self._agreement.quorum(self._requester.answer if self._requester is not None else None)
-            self._current.agree_s += time.monotonic() - asked  # waiting, not the group's own work
-            self._current.quorum = self._adopt(*agreed) if agreed is not None else None
+            self._current.quorum, waited_s = self._group.agree()
+            self._current.agree_s += waited_s  # waiting, not the group's own work
             self._current.agreed = True
             if self._current.quorum is not None:
                 anatomy.mark("joined")
                 self._participants = self._current.quorum.participants
                 self._shares = split_batches(self._participants, self.global_batches)
         return self._current
-
-    def _adopt(self, quorum: Quorum, store_address: str) -> Quorum:
-        """Make ``quorum`` the current one: serve the state if a catching-up group may fetch it from us, expect its
-        collectives."""
-        if self._quorum is None or quorum.quorum_id != self._quorum.quorum_id:
-            self._qlog.info("quorum %d: members %s, max_step %d, participants %d", quorum.quorum_id,
-                            ",".join(quorum.member_ids), quorum.max_step, len(quorum.participants),
-                            extra={"quorum_id": quorum.quorum_id, "members": quorum.member_ids})
-        self._quorum, self._store_address = quorum, store_address
-        self._watchdog.adopted(quorum)
-        if self.replica_id in quorum.serving:
-            self._catchup.serve(self.step)
-        elif not quorum.following:
-            # While a member follows, its fetch may not even have reached us yet (a loaded host): keep the snapshot.
-            self._catchup.stop_serving(unless_read=True)
-        self._comm.expect(quorum.quorum_id)
-        self._watchdog.abandon_if_dead()
-        return quorum
-
-    def resume_from_checkpoint(self, step: int) -> None:
-        """Before the first step: resume the job from the durable checkpoint of ``step`` (a relaunched job). The
-        first quorum request claims ``step``, and the first step's exchange loads the checkpoint instead of
-        exchanging, as when a quorum resumes from one: the step is discarded and the front end computes it again from
-        the loaded state (so the state is loaded where every front end already expects a load). Raises ValueError
-        without a ``checkpoint_dir``, RuntimeError once a step began; the load raises CheckpointError when the
-        checkpoint is missing, partial or unlike this rank's state."""
-        self._resumption.relaunch(step, started=self._heartbeat.started)
-        self.step, self._progress.committed_in = step, -1
 
     def _loaded_checkpoint(self, tree: StateTree) -> None:
         self._catchup.load(tree, keep_memory=False)

@@ -86,6 +86,8 @@ class StepState:
     """From ``started_s`` to the start of the exchange, ``agree_s`` left out (None: ``sync_gradients`` not called)."""
     wait_s: float | None = None
     """Seconds the exchange took, waiting for the other groups included (None: no exchange succeeded)."""
+    failure: str = ""
+    """Why the step failed so far, for the commit that counts it (empty: it has not)."""
 
     def timing(self) -> StepTiming | None:
         """The step's times as the next quorum request reports them (``lighthouse.stragglers``); None: none."""
