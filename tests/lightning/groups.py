@@ -53,18 +53,18 @@ def continued_alone(commits: list[dict[str, Any]]) -> bool:
     return discarded or (bool(with_b) and any(r["participants"] == ["a"] for r in commits[with_b[0]:]))
 
 
-def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
-                     cwd: Path = ROOT) -> tuple[Group, Group, dict[int, int]]:
-    """Groups a and b of two ranks run ``script`` with ``args``: a trains alone from the start; b joins, kills itself
-    (SIGKILL) in its cross-group allreduce of step >= 4, restarts and catches up from a; both train to the end,
-    every step committed once, identical at every common step and at the end (both ranks). Returns a, b and how many
-    steps b's first life logged, per rank."""
+def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE, cwd: Path = ROOT,
+                     devices: int = 2) -> tuple[Group, Group, dict[int, int]]:
+    """Groups a and b of ``devices`` ranks run ``script`` with ``args``: a trains alone from the start; b joins, kills
+    itself (SIGKILL) in its cross-group allreduce of step >= 4, restarts and catches up from a; both train to the
+    end, every step committed once, identical at every common step and at the end (every rank). Returns a, b and how
+    many steps b's first life logged, per rank."""
     steps = KILL_RUN_STEPS
     pace = job.workdir / "pace"
     pace.touch()
 
     def start(replica_id: str, *extra: str) -> Group:
-        return start_lightning_group(job, replica_id, devices=2, max_steps=steps, script=script, cwd=cwd,
+        return start_lightning_group(job, replica_id, devices=devices, max_steps=steps, script=script, cwd=cwd,
                                      extra=(*args, "--recorder.sleep_s=0.3", f"--recorder.pace_file={pace}", *extra))
 
     a = start("a")
@@ -73,7 +73,7 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
     job.wait_exit(b, 90)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(b.proc.pid, signal.SIGKILL)  # its second rank, if it outlived the first
-    first_life = {rank: len(b.records("commit", rank=rank)) for rank in (0, 1)}
+    first_life = {rank: len(b.records("commit", rank=rank)) for rank in range(devices)}
     wait_for(lambda: continued_alone(a.records("commit")), 60, "group a to go on alone after b's death")
     b = start("b")
     wait_for(lambda: len(b.records("commit", rank=0)) > first_life[0] or b.proc.poll() is not None, 150,
@@ -82,7 +82,7 @@ def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE,
     for group in (a, b):
         assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
 
-    for rank in (0, 1):
+    for rank in range(devices):
         a_steps, b_steps = a.records("commit", rank=rank), b.records("commit", rank=rank)[first_life[rank]:]
         assert [r["global_step"] for r in a_steps] == list(range(1, steps + 1)), "a lost or repeated a step"
         assert b_steps[0]["catch_up_log"] and b_steps[0]["catch_up_log"][0]["source"] == "a", b_steps[0]

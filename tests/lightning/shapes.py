@@ -1,7 +1,8 @@
 """LightningModules written the ways people write them, none with ``configure_model`` or any fault-tolerance code.
 
 Each trains on generated data from its own ``train_dataloader`` (the same in every process: fixed seeds). Run one
-with ``fit_module.py fit --model=shapes.<Name>``; ``tests/lightning/test_shapes.py`` runs each as replica groups.
+with ``fit_module.py fit --model=shapes.<Name>``; ``tests/lightning/test_shapes.py`` runs them as replica groups of
+processes, ``test_shapes_in_process.py`` as one group in the test process.
 """
 
 from __future__ import annotations
