@@ -1,2 +1,2 @@
-"""What crosses the wire between the lighthouse and the ranks, shared by both sides: the quorum request and answer
-(``quorum``)."""
+"""What crosses the wire between the processes of a job, shared by both sides: the quorum request and answer between
+the lighthouse and the ranks (``quorum``), the run records between a replica group and its launcher (``records``)."""
