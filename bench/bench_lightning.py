@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN
-from lightning_fthsdp.launch.processes import read_jsonl
+from lightning_fthsdp.protocol.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -67,7 +67,7 @@ def worker(mode: str, steps: int, jsonl: str) -> None:
 
 
 def step_time(jsonl: Path, warmup: int) -> float:
-    times = [r["t"] for r in read_jsonl(jsonl)
+    times = [r["t"] for r in read_records(jsonl)
              if r["event"] == "commit" and r["rank"] == 0 and r["global_step"] > warmup]
     if len(times) < 2:
         raise SystemExit(f"{jsonl.name}: {len(times)} steps recorded after the warm-up of {warmup}: run more --steps")

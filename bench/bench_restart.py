@@ -37,14 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fthsdp.config.anatomy import PHASES, phases
-from lightning_fthsdp.launch.processes import PLAIN_TRAINER, Job, read_jsonl, wait_for
+from lightning_fthsdp.launch.processes import PLAIN_TRAINER, Job, wait_for
+from lightning_fthsdp.protocol.records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
 def _phases_record(jsonl: Path, after: float = 0.0) -> dict[str, Any] | None:
-    found = [r for r in read_jsonl(jsonl) if r["event"] == "phases" and r.get("rank", 0) == 0
+    found = [r for r in read_records(jsonl) if r["event"] == "phases" and r.get("rank", 0) == 0
              and r["milestones"].get("spawned", 0.0) > after]
     return found[-1] if found else None
 

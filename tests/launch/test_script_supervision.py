@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fthsdp.launch.processes import read_jsonl, wait_for
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.protocol.records import read_records
 from tests.launch.launcher import run_launcher
 from tests.paths import EXAMPLES, ROOT
 
@@ -45,7 +46,7 @@ def test_an_unchanged_lightning_script_is_followed_caught_up_and_not_restarted_o
                                 start_new_session=True)
     try:
         restarted = out / "groups" / "b.1.jsonl"
-        wait_for(lambda: any(r["event"] == "commit" for r in read_jsonl(restarted)) or launcher.poll() is not None,
+        wait_for(lambda: any(r["event"] == "commit" for r in read_records(restarted)) or launcher.poll() is not None,
                  240, "group b's first step after its restart")
         pace.unlink()
         output, _ = launcher.communicate(timeout=120)
@@ -63,10 +64,10 @@ def test_an_unchanged_lightning_script_is_followed_caught_up_and_not_restarted_o
         "a": ("done", 0, STEPS), "b": ("done", 1, STEPS)}
     assert sorted(p.name for p in (out / "groups").iterdir()) == ["a.0.jsonl", "b.0.jsonl", "b.1.jsonl"]
     for path in (out / "groups").iterdir():  # one recorder per group: every record once, from rank 0
-        records = read_jsonl(path)
+        records = read_records(path)
         commits = [r["step"] for r in records if r["event"] == "commit"]
         assert commits == sorted(set(commits)) and len({r["pid"] for r in records}) == 1, path.name
-    ends = [r for p in ("a.0", "b.1") for r in read_jsonl(out / "groups" / f"{p}.jsonl") if r["event"] == "end"]
+    ends = [r for p in ("a.0", "b.1") for r in read_records(out / "groups" / f"{p}.jsonl") if r["event"] == "end"]
     assert [e["step"] for e in ends] == [STEPS, STEPS] and ends[0]["params_sha256"] == ends[1]["params_sha256"]
 
 

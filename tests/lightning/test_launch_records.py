@@ -12,8 +12,9 @@ import pytest
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_fthsdp.config.env import ENV_RECORD
-from lightning_fthsdp.launch.processes import Job, free_port, read_jsonl
+from lightning_fthsdp.launch.processes import Job, free_port
 from lightning_fthsdp.lightning.launch_records import LaunchRecorder, attach_from_env
+from lightning_fthsdp.protocol.records import read_records
 from tests.paths import ROOT
 
 STEPS = 4
@@ -87,7 +88,7 @@ def test_the_strategy_writes_every_launch_record_once(job: Job, tmp_path: Path) 
         assert job.wait_exit(group, 150) == 0, group.log.read_text()[-3000:]
     ends = []
     for replica_id, group in groups.items():
-        records = read_jsonl(group.jsonl)
+        records = read_records(group.jsonl)
         events = [r["event"] for r in records]
         assert events.count("start") == 1 and events.count("phases") == 1 and events.count("end") == 1, events
         assert [r["step"] for r in records if r["event"] == "commit"] == list(range(1, STEPS + 1))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_fthsdp.launch.processes import read_jsonl, wait_for
+from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.protocol.records import read_records
 from tests.paths import ROOT
 from tests.slurm.cluster import Cluster
 
@@ -34,7 +35,7 @@ class SlurmRun:
 
     def records(self, name: str) -> list[dict[str, Any]]:
         """The JSONL of incarnation ``name`` (``a.0``)."""
-        return read_jsonl(self.out / "groups" / f"{name}.jsonl")
+        return read_records(self.out / "groups" / f"{name}.jsonl")
 
     def wait_step(self, name: str, step: int, timeout_s: float = 180) -> dict[str, Any]:
         """The first commit of incarnation ``name`` at ``step`` or later."""

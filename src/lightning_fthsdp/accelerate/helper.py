@@ -11,6 +11,7 @@ in one group. See docs/accelerate.md.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
@@ -26,16 +27,16 @@ from accelerate.utils import send_to_device
 from torch import nn
 
 from lightning_fthsdp.accelerate.guards import AcceleratorGuards
-from lightning_fthsdp.accelerate.records import RunRecords
 from lightning_fthsdp.accelerate.refusals import refuse_unsupported
 from lightning_fthsdp.accelerate.stream import GroupStream
 from lightning_fthsdp.config import anatomy
-from lightning_fthsdp.config.env import ENV_REPLICA_ID, resolve
+from lightning_fthsdp.config.env import ENV_RECORD, ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import Committed, StepDriver
 from lightning_fthsdp.manager.step import HeldStep
+from lightning_fthsdp.protocol.records import RecordKind, RecordWriter
 from lightning_fthsdp.recovery.scheduler_state import load_scheduler_state, scheduler_state
 from lightning_fthsdp.recovery.torch_state import (
     ModuleState,
@@ -112,7 +113,9 @@ class FaultTolerantHSDP:
         self._may_step = False  # the optimizer may step: a committed step (trained or replayed) is due
         self._norm: Any = None
         self._trained_once = False
-        self.records = RunRecords(record, self.replica_id, accelerator.is_main_process)
+        target = record if record is not None else os.environ.get(ENV_RECORD)
+        self._records_requested = bool(target)  # the same on every rank, unlike where the records go
+        self.records = RecordWriter(target if accelerator.is_main_process else None, self.replica_id)
         self._guards = AcceleratorGuards(accelerator, max_grad_norm=self.max_grad_norm, last_norm=lambda: self._norm,
                                          writes_state=lambda: self.is_checkpoint_writer)
         self._hooks = [self.optimizer.register_step_pre_hook(self._before_optimizer_step),
@@ -142,7 +145,7 @@ class FaultTolerantHSDP:
 
     def __enter__(self) -> FaultTolerantHSDP:
         self._guards.install()
-        self.records.write("start", step=self.step)
+        self.records.write(RecordKind.START, step=self.step)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -151,8 +154,8 @@ class FaultTolerantHSDP:
         the full final parameters (a collective inside the group, so only when the group records)."""
         self._guards.remove()
         try:
-            if exc_type is None and self.records.requested:
-                self.records.write("end", step=self.step, params_sha256=full_params_sha256(self.model))
+            if exc_type is None and self._records_requested:
+                self.records.write(RecordKind.END, step=self.step, params_sha256=full_params_sha256(self.model))
         finally:
             for hook in self._hooks:
                 hook.remove()
@@ -187,7 +190,8 @@ class FaultTolerantHSDP:
         self._drawn = 0
         committed = self._driver.until_committed(
             [p for p in self.model.parameters() if p.requires_grad],
-            on_uncommitted=lambda kind: self.records.write("follow", step=self.step) if kind == "follow" else None)
+            on_uncommitted=lambda kind: (self.records.write(RecordKind.FOLLOW, step=self.step)
+                                         if kind == "follow" else None))
         self.discarded += committed.discarded
         self._norm = self._clip()
         self._may_step = True
@@ -256,8 +260,8 @@ class FaultTolerantHSDP:
             record["catch_up"] = manager.catch_up_log[-1]
         if trained and losses:
             record["loss"] = statistics.fmean(float(loss) for loss in losses)
-        written = self.records.write("commit", **record)
+        written = self.records.write(RecordKind.COMMIT, **record)
         if trained and not self._trained_once:
             self._trained_once = True
             anatomy.mark("trained", written["t"])
-            self.records.write("phases", step=manager.step, milestones=anatomy.milestones())
+            self.records.write(RecordKind.PHASES, step=manager.step, milestones=anatomy.milestones())

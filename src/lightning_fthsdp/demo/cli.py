@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_fthsdp.protocol.records import RecordKind
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("demo", help="run the local fault-injection demo (3 groups, one killed)",
@@ -63,7 +65,7 @@ def _summary(groups: dict, codes: dict[str, int], steps: int) -> int:  # type: i
     print("\ngroup  exit  final step  discarded  first loss  last loss  params_sha256")
     for r, g in groups.items():
         commits = g.records()
-        print(f"{r:<6} {codes[r]:>4} {finals[r]['step']:>11} {len(g.records('discard')):>10} "
+        print(f"{r:<6} {codes[r]:>4} {finals[r]['step']:>11} {len(g.records(RecordKind.DISCARD)):>10} "
               f"{commits[0]['loss']:>11.4f} {commits[-1]['loss']:>10.4f}  {finals[r]['params_sha256'][:16]}")
     identical = len({f["params_sha256"] for f in finals.values()}) == 1
     done = all(f["step"] == steps for f in finals.values()) and all(c == 0 for c in codes.values())

@@ -16,21 +16,19 @@ parameters. A killed group restarted with the same command catches up from a hea
 state, takes part in one step with zero gradients, and from then on is identical to them; it resumes its own
 data stream where its last committed batch ended.
 
-After each committed step every rank appends one JSON line to ``--log-jsonl``::
+Every rank appends its run records (``lightning_fthsdp.protocol.records``, with ``rank``) to ``--log-jsonl``:
+``ready`` once its manager is built, ``commit`` after each committed step::
 
-    {"t", "event": "commit", "replica_id", "rank", "step", "quorum_id", "participants", "params_sha256",
-     "optim_sha256", "batch", "contributions", "shares", "loss"}
+    {"event": "commit", "step", "quorum_id", "participants", "params_sha256", "optim_sha256", "batch",
+     "contributions", "shares", "catch_up", "loss", "t", "replica_id", "rank", "pid"}
 
 ``contributions`` maps each group whose gradients went into the step to the index of its first batch, ``shares``
 to how many of its batches (one each, unless ``--global-batches`` keeps the global batch constant while
 degraded), so anyone can check that every group's stream was trained exactly once.
 
-and ``"event": "discard"`` lines for steps whose commit vote failed, ``"event": "follow"`` lines for steps a
-restarted group followed while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``),
-``"event": "fault"`` lines when a fault is armed (``"action": "armed"``, ``"spec"``: the fault or null for none) or
-fires (``"action": "fired"``, with ``step`` and ``phase``; written just before the signal), and one
-``"event": "phases"`` line with the first step this group trained: ``milestones`` (the anatomy of its start,
-see ``lightning_fthsdp.config.anatomy``).
+and ``discard`` records for steps whose commit vote failed, ``follow`` records for steps a restarted group followed
+while its state was still in transfer (replayed once it arrives: ``catch_up.replayed``), ``fault`` records when a
+fault is armed or fires, and one ``phases`` record with the first step this group trained.
 
 ``--no-ft`` trains alone, without a lighthouse or ``FTManager`` (no ``--replica-id`` needed): the floor that
 ``bench/bench_restart.py`` compares a restart with.
@@ -40,16 +38,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import sys
-import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -62,6 +57,7 @@ from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import StepDriver
 from lightning_fthsdp.manager.step import HeldStep
+from lightning_fthsdp.protocol.records import RecordKind, RecordWriter
 from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_state, local, optimizer_state
 from lightning_fthsdp.recovery.wire import byte_view
 
@@ -106,16 +102,15 @@ def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:
 
 class Faults:
     """This process's fault: ``--fault``, or the one ``--fault-file`` holds now (re-read at every step). Arming and
-    firing are logged through ``write`` (a JSONL record each); callable from any thread (``serve`` and ``fetch``
-    fire on catch-up threads)."""
+    firing are recorded (a ``fault`` record each); callable from any thread (``serve`` and ``fetch`` fire on catch-up
+    threads)."""
 
-    def __init__(self, fault: Fault | None, fault_file: Path | None,
-                 write: Callable[[dict[str, object]], None]) -> None:
+    def __init__(self, fault: Fault | None, fault_file: Path | None, records: RecordWriter) -> None:
         self.fault = fault
         self._file = FaultFile(fault_file) if fault_file is not None else None
-        self._write = write
+        self._records = records
         if fault is not None:
-            write({"event": "fault", "action": "armed", "spec": str(fault)})
+            records.write(RecordKind.FAULT, action="armed", spec=str(fault))
 
     def refresh(self) -> None:
         """Adopt the fault file's fault if the file changed (logged even when it disarms)."""
@@ -124,12 +119,12 @@ class Faults:
         changed, fault = self._file.poll()
         if changed:
             self.fault = fault
-            self._write({"event": "fault", "action": "armed", "spec": str(fault) if fault else None})
+            self._records.write(RecordKind.FAULT, action="armed", spec=str(fault) if fault else None)
 
     def fire_if(self, step: int, phase: str, rank: int) -> None:
         fault = self.fault
         if fault is not None and fault.due(step, phase, rank):
-            self._write({"event": "fault", "action": "fired", "spec": str(fault), "step": step, "phase": phase})
+            self._records.write(RecordKind.FAULT, action="fired", spec=str(fault), step=step, phase=phase)
             fault.fire()
 
 
@@ -211,16 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if args.no_ft:
         return _train_alone(args, model, optimizer, device)
-    log_file = args.log_jsonl.open("a", buffering=1) if args.log_jsonl else None
-    log_lock = threading.Lock()  # fault records come from catch-up threads too
     manager: FTManager
-
-    def write(record: dict[str, object]) -> None:
-        if log_file is not None:
-            line = json.dumps({"t": time.time(), "replica_id": manager.replica_id, "rank": manager.rank, **record})
-            with log_lock:
-                log_file.write(line + "\n")
-
     faults: Faults
 
     def on_phase(phase: str) -> None:
@@ -231,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                         global_batches=args.global_batches, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
                         advertise_host=args.advertise_host)
+    records = RecordWriter(args.log_jsonl, manager.replica_id, manager.rank)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
     manager.register_state("model", model_state.get, model_state.load)
     manager.register_state("optimizer", lambda: optimizer_state(optimizer),
                            lambda tree: load_optimizer_state(optimizer, tree))
-    faults = Faults(args.fault, args.fault_file, write)
+    faults = Faults(args.fault, args.fault_file, records)
 
     def replay(held: HeldStep) -> None:
         faults.fire_if(held.step, "replay", manager.rank)
@@ -251,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     # Extra bytes in every exchange (--exchange-mib): zeros, so the average leaves them zeros.
     exchange_ballast = [torch.zeros(round(args.exchange_mib * (1 << 18)), device=device)] if args.exchange_mib else []
     anatomy.mark("model")
-    write({"event": "ready", "imports_done": imports_done})
+    records.write(RecordKind.READY, imports_done=imports_done)
     own_from = time.monotonic()  # where this group's own work on the step began: after its last commit
     params = list(model.parameters())
 
@@ -268,15 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=False)
         train_batches(manager.next_batch_index, 1)
 
-    def record(event: str, batch_index: int, loss: torch.Tensor, catch_up: object = None) -> None:
-        committed = event == "commit"
-        write({
-            "event": event, "step": manager.step,
-            "quorum_id": manager.quorum.quorum_id if manager.quorum else -1,
-            "participants": len(manager.participants),
-            "params_sha256": params_sha256(model), "optim_sha256": optim_sha256(optimizer), "batch": batch_index,
-            "contributions": manager.contributions if committed else {}, "shares": manager.shares if committed else {},
-            "catch_up": catch_up, "loss": float(loss.detach())})
+    def record(kind: str, batch_index: int, loss: torch.Tensor, catch_up: object = None) -> None:
+        committed = kind == RecordKind.COMMIT
+        records.write(
+            kind, step=manager.step, quorum_id=manager.quorum.quorum_id if manager.quorum else -1,
+            participants=len(manager.participants), params_sha256=params_sha256(model),
+            optim_sha256=optim_sha256(optimizer), batch=batch_index,
+            contributions=manager.contributions if committed else {}, shares=manager.shares if committed else {},
+            catch_up=catch_up, loss=float(loss.detach()))
 
     try:
         while manager.step < args.steps:
@@ -298,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep((args.slowdown - 1) * (time.monotonic() - own_from))
 
             def uncommitted(kind: str, batch_index: int = batch_index, loss: torch.Tensor = loss) -> None:
-                if log_file is not None:
+                if records.path is not None:  # the digests cost a pass over the state
                     record(kind, batch_index, loss)
                 if kind == "follow" and manager.step >= args.steps:
                     raise _JobDone  # the job ended while this group followed it: nothing left to catch up for
@@ -314,17 +300,16 @@ def main(argv: list[str] | None = None) -> int:
             on_phase("optimizer")
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-            if log_file is not None:
+            if records.path is not None:
                 # After a checkpoint load the step trained another batch than the one it began with.
                 trained_batch = manager.contributions.get(manager.replica_id, batch_index)
-                record("commit", trained_batch, loss, manager.catch_up_log[-1] if committed.caught_up else None)
+                catch_up = manager.catch_up_log[-1] if committed.caught_up else None
+                record(RecordKind.COMMIT, trained_batch, loss, catch_up)
                 if manager.replica_id in manager.participants and "trained" not in anatomy.milestones():
                     anatomy.mark("trained")
-                    write({"event": "phases", "step": manager.step, "milestones": anatomy.milestones()})
+                    records.write(RecordKind.PHASES, step=manager.step, milestones=anatomy.milestones())
     finally:
         manager.shutdown()
-        if log_file is not None:
-            log_file.close()
     return 0
 
 
@@ -334,32 +319,24 @@ def _train_alone(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     anatomy.mark("model")
     rank = dist.get_rank() if dist.is_initialized() else 0
     replica_id = from_env(args.replica_id, ENV_REPLICA_ID) or "alone"
-    with (args.log_jsonl.open("a", buffering=1) if args.log_jsonl else open(os.devnull, "w")) as log_file:
-        for step in range(1, args.steps + 1):
-            started = time.monotonic()
-            x, y = make_batch(replica_id, step - 1, rank)
-            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
-            loss.backward()
-            pad = args.step_time_ms / 1000 - (time.monotonic() - started)
-            if pad > 0:
-                time.sleep(pad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-            t = time.time()
-            log_file.write(json.dumps({"t": t, "event": "commit", "replica_id": replica_id, "rank": rank,
-                                       "step": step, "loss": float(loss.detach())}) + "\n")
-            if step == 1:
-                _write_phases(log_file, replica_id, rank, step, t)
+    records = RecordWriter(args.log_jsonl, replica_id, rank)
+    for step in range(1, args.steps + 1):
+        started = time.monotonic()
+        x, y = make_batch(replica_id, step - 1, rank)
+        loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        pad = args.step_time_ms / 1000 - (time.monotonic() - started)
+        if pad > 0:
+            time.sleep(pad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        committed = records.write(RecordKind.COMMIT, step=step, loss=float(loss.detach()))
+        if step == 1:  # the anatomy of this start, once, with its first trained step
+            anatomy.mark("trained", committed["t"])
+            records.write(RecordKind.PHASES, step=step, milestones=anatomy.milestones())
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def _write_phases(log_file: TextIO, replica_id: str, rank: int, step: int, t: float) -> None:
-    """The anatomy of this start, once, with its first trained step (committed at ``t``)."""
-    anatomy.mark("trained", t)
-    log_file.write(json.dumps({"t": t, "event": "phases", "replica_id": replica_id,
-                               "rank": rank, "step": step, "milestones": anatomy.milestones()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from lightning_fthsdp.config.env import ENV_RESUME_STEP
 from lightning_fthsdp.launch import multirun
 from lightning_fthsdp.launch.job_args import add_arguments
 from lightning_fthsdp.launch.run_folder import prepare
+from lightning_fthsdp.protocol.records import RecordKind
 
 if TYPE_CHECKING:
     from lightning_fthsdp.launch.chaos import ChaosSchedule
@@ -215,7 +216,7 @@ def run_job(recipe: RecipeConfig, replica_ids: list[str], schedule: ChaosSchedul
             supervisor.abandon_stranded()
             if first_commit is None:
                 first_commit = min((r["t"] for g in supervisor.groups.values() for r in g.records
-                                    if r["event"] == "commit"), default=None)
+                                    if r["event"] == RecordKind.COMMIT), default=None)
             if first_commit is not None:
                 step = max(g.step for g in supervisor.groups.values())
                 # A group at its last step is about to exit: killing it then would restart it with no peer left.

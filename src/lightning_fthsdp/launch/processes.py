@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_fthsdp.config.env import ENV_SPAWNED_AT, ENV_TOKEN
+from lightning_fthsdp.protocol.records import RecordKind, read_records, select
 
 if TYPE_CHECKING:
     from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
@@ -53,14 +54,6 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, interval
         time.sleep(interval_s)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete lines of a JSONL file another process may be appending to (a line being written is skipped)."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
-
-
 @dataclass
 class Group:
     replica_id: str
@@ -70,9 +63,8 @@ class Group:
     others: list[subprocess.Popen[bytes]] = field(default_factory=list)
     """The group's launches on its other hosts (a group over several hosts: ``proc`` is the first host's)."""
 
-    def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
-        rows = read_jsonl(self.jsonl)
-        return [r for r in rows if (event is None or r["event"] == event) and (rank is None or r["rank"] == rank)]
+    def records(self, event: str | None = RecordKind.COMMIT, rank: int | None = 0) -> list[dict[str, Any]]:
+        return select(read_records(self.jsonl), event, rank)
 
     def last_step(self) -> int:
         commits = self.records()

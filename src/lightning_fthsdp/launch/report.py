@@ -60,6 +60,7 @@ from typing import Any
 from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.launch.chaos import KINDS
 from lightning_fthsdp.launch.supervisor import EXITED, FAILED, START_FAILED, GroupState
+from lightning_fthsdp.protocol.records import RecordKind
 
 ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x median fault-free step time, divided by "
                   "the wall time from the first to the last committed step")
@@ -68,7 +69,7 @@ ETT_DEFINITION = ("sum over committed steps of (participants / replicas) x media
 def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]], *, replicas: int,
                  max_steps: int, meta: dict[str, Any]) -> dict[str, Any]:
     """The report as a JSON-able dict (fields in the module docstring, plus per-group details and the timeline)."""
-    steps = [r for g in groups.values() for r in g.records if r["event"] == "commit"]
+    steps = [r for g in groups.values() for r in g.records if r["event"] == RecordKind.COMMIT]
     t0 = min((r["t"] for r in steps), default=0.0)
     injections = [e for e in transitions if e["event"] in KINDS]
     stalls, recoveries = [], []
@@ -77,7 +78,7 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         if others:
             stalls.append(round(min(others) - event["t"], 3))
         struck = groups.get(event["replica_id"])  # None: the lighthouse's host (a partition of it)
-        mine = [r for r in (struck.records if struck is not None else []) if r["event"] == "commit"
+        mine = [r for r in (struck.records if struck is not None else []) if r["event"] == RecordKind.COMMIT
                 and r["t"] > event["t"] and (event["event"] != "kill" or r["incarnation"] > event["incarnation"])]
         if mine:
             recoveries.append({"replica_id": event["replica_id"], "kind": event["event"],
@@ -89,7 +90,7 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
     job_step = max((r["step"] for r in steps), default=0)
     starts = _start_phases(groups, transitions)
     losses = _loss_by_step(steps)
-    vals = [r for g in groups.values() for r in g.records if r["event"] == "val"]
+    vals = [r for g in groups.values() for r in g.records if r["event"] == RecordKind.VAL]
     val_step = max((r["step"] for r in vals), default=None)
     finals_val = [r["val_loss"] for r in vals if r["step"] == val_step]
     head, tail = losses[:10], losses[-10:]
@@ -125,9 +126,9 @@ def build_report(groups: dict[str, GroupState], transitions: list[dict[str, Any]
         "timeline": [{**e, "t": round(e["t"] - t0, 3)} for e in transitions],
         "val_loss": {"step": val_step, "final": _mean(finals_val)},
         "val_losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["val_loss"], 5)]
-                                      for r in g.records if r["event"] == "val"] for g in groups.values()},
+                                      for r in g.records if r["event"] == RecordKind.VAL] for g in groups.values()},
         "losses": {g.replica_id: [[round(r["t"] - t0, 3), r["step"], round(r["loss"], 5)]
-                                  for r in g.records if r["event"] == "commit" and "loss" in r]
+                                  for r in g.records if r["event"] == RecordKind.COMMIT and "loss" in r]
                    for g in groups.values()},
     }
 
@@ -151,7 +152,7 @@ def _start_phases(groups: dict[str, GroupState], transitions: list[dict[str, Any
     record and the launcher's timeline (what ended the incarnation before, when)."""
     out = []
     for g in groups.values():
-        for record in (r for r in g.records if r["event"] == "phases"):
+        for record in (r for r in g.records if r["event"] == RecordKind.PHASES):
             incarnation = record["incarnation"]
             marks = record["milestones"]
             phases = anatomy.phases(marks)

@@ -25,7 +25,6 @@ and the caller decides the pace and the overall deadline.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -44,6 +43,7 @@ from lightning_fthsdp.launch.chaos import NETWORK_KINDS, Injection
 from lightning_fthsdp.launch.commands import GroupCommand
 from lightning_fthsdp.launch.processes import Group, Job, free_port
 from lightning_fthsdp.launch.start_errors import SAME_FAILED_STARTS, last_error
+from lightning_fthsdp.protocol.records import RecordKind, RecordReader
 
 if TYPE_CHECKING:
     from subprocess import Popen
@@ -133,7 +133,6 @@ class GroupState:
     restart_at: float | None = None
     resume_at: float | None = None
     _lighthouse: Popen[bytes] | None = None  # the job's lighthouse process when the current incarnation started
-    _offset: int = 0
     _base_discarded: int = 0
     _base_catch_ups: int = 0
 
@@ -165,6 +164,8 @@ class Supervisor:
     start_failure: dict[str, Any] | None = field(default=None, init=False)
     """The first group whose starts failed the same way ``SAME_FAILED_STARTS`` times in a row before its first
     committed step (its id and its last ``failed_starts`` entry): the job cannot train, its caller ends it."""
+    _readers: dict[str, RecordReader] = field(default_factory=dict, init=False)
+    """Each group's current incarnation's records, read as they grow."""
 
     def __post_init__(self) -> None:
         if self.standby and not self.command.standby:
@@ -287,7 +288,6 @@ class Supervisor:
 
     def _start(self, state: GroupState) -> None:
         state.incarnation += 1
-        state._offset = 0
         state.params_sha256 = None  # an earlier incarnation's completion record does not finish this one
         state._base_discarded, state._base_catch_ups = state.discarded, state.catch_ups
         state.disturbed, state._lighthouse = self._fault_in_place(), self.job.lighthouse
@@ -297,6 +297,7 @@ class Supervisor:
             state.process = standby.process
         else:
             state.process = self._spawn(state, state.incarnation)
+        self._readers[state.replica_id] = RecordReader(state.process.jsonl)
         self._set(state, STARTING)
 
     def _prepare_standby(self) -> None:
@@ -336,18 +337,12 @@ class Supervisor:
                                       env=env)
 
     def _read(self, state: GroupState) -> None:
-        """Consume the complete new lines of the current incarnation's JSONL."""
-        if state.process is None or not state.process.jsonl.exists():
-            return
-        with state.process.jsonl.open("rb") as source:
-            source.seek(state._offset)
-            chunk = source.read()
-        complete = chunk[:chunk.rfind(b"\n") + 1]
-        state._offset += len(complete)
-        for line in complete.decode().splitlines():
-            record = json.loads(line) | {"incarnation": state.incarnation}
+        """Take in the current incarnation's records written since the last read."""
+        reader = self._readers.get(state.replica_id)
+        for record in reader.read() if reader is not None else []:
+            record["incarnation"] = state.incarnation
             state.records.append(record)
-            if record["event"] == "commit":
+            if record["event"] == RecordKind.COMMIT:
                 state.step = record["step"]
                 state.loss = record.get("loss", state.loss)  # none for a step the group only followed
                 state.participants = record.get("participants", [])
@@ -355,7 +350,7 @@ class Supervisor:
                 state.catch_ups = state._base_catch_ups + record.get("catch_ups", 0)
                 if state.status == STARTING:
                     self._set(state, TRAINING)
-            elif record["event"] == "end":
+            elif record["event"] == RecordKind.END:
                 state.params_sha256 = record["params_sha256"]
 
     def _exited(self, state: GroupState, code: int, injected: bool = False) -> None:
@@ -386,7 +381,7 @@ class Supervisor:
         """Record the ended incarnation in ``failed_starts`` if the group never committed a step and no fault
         overlapped it; whether it and the ones before it, in a row, failed the same way ``SAME_FAILED_STARTS``
         times."""
-        if any(r["event"] == "commit" for r in state.records):
+        if any(r["event"] == RecordKind.COMMIT for r in state.records):
             return False  # it trained once, so its set-up works: later failures use the restart budget
         if state.disturbed or self._fault_in_place() or self.job.lighthouse is not state._lighthouse:
             return False  # chance, not the set-up

@@ -5,29 +5,12 @@ script it starts), so an unchanged Lightning script is followed, reported on and
 that already has one that writes records (``fthsdp fit``'s, or a script's own) keeps it, and one that only paces
 (``LaunchRecorder(None, min_step_time_s=...)``) gets one that writes. docs/launch.md, "A script's contract".
 
-Records (``event``):
-
-- ``start``: the group (re)started training (``step``: Lightning's global step, 0 unless resumed);
-- ``commit``: a committed optimizer step: ``step`` (the job's committed step after it), ``loss`` (rank 0's
-  micro-batch; absent from a step this group only followed while catching up: computed on weights it had not
-  loaded yet, it is no training loss), ``quorum_size``, ``participants`` (ids whose gradients went into it),
-  ``discarded`` (failed commit attempts of this process so far), ``catch_ups`` (catch-ups of this process),
-  ``checkpoint_loads`` (durable checkpoints this process loaded), ``stall_s`` (time of this step spent in
-  discarded attempts);
-- ``val``: a validation during fit: ``step`` (the committed step it evaluated) and ``val_loss`` (the held-out
-  loss the LightningModule logged as ``val_loss``);
-- ``phases``: once, with the first step this group trained (its own gradients in it): ``milestones``, the Unix time
-  at which this process reached each of ``lightning_fthsdp.config.anatomy.MILESTONES`` (the anatomy of its start);
-- ``end``: training finished; ``params_sha256`` digests the full (unsharded) parameters, so groups compare their
-  final states from the outside.
-
-Every record has ``t`` (Unix time), ``replica_id`` and ``pid``. ``min_step_time_s`` pads steps (demos and tests of
-tiny models).
+It writes ``start``, ``commit``, ``val``, ``phases`` and ``end`` records (``lightning_fthsdp.protocol.records`` has
+their fields). ``min_step_time_s`` pads steps (demos and tests of tiny models).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -39,11 +22,12 @@ from typing_extensions import override
 from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_RECORD, ENV_REPLICA_ID
 from lightning_fthsdp.lightning.committed_step import CommittedStepCallback
+from lightning_fthsdp.protocol.records import RecordKind, RecordWriter
 from lightning_fthsdp.recovery.torch_state import full_params_sha256
 
 
 class LaunchRecorder(CommittedStepCallback):
-    """Appends the records above to ``jsonl`` (rank 0 only); ``None`` records nothing and only paces."""
+    """Appends the group's records to ``jsonl`` (rank 0 only); ``None`` records nothing and only paces."""
 
     def __init__(self, jsonl: str | None = None, min_step_time_s: float = 0.0) -> None:
         self.jsonl, self.min_step_time_s = jsonl, min_step_time_s
@@ -61,14 +45,14 @@ class LaunchRecorder(CommittedStepCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._last_t = time.monotonic()
-        self._write(trainer, {"event": "start", "step": trainer.global_step})
+        self._write(trainer, RecordKind.START, step=trainer.global_step)
 
     @override
     def on_committed_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int) -> None:
         if self._writes(trainer):
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            record: dict[str, Any] = {"event": "commit", "step": trainer.global_step}
+            record: dict[str, Any] = {"step": trainer.global_step}
             metrics = getattr(trainer.strategy, "ft_metrics", None)  # None: not FTHSDPStrategy
             trained = True
             if metrics is not None:
@@ -80,11 +64,10 @@ class LaunchRecorder(CommittedStepCallback):
                            "stall_s": round(metrics.stall_s, 4)}
             if trained:
                 record["loss"] = float(loss)
-            self._write(trainer, record)
+            written = self._write(trainer, RecordKind.COMMIT, **record)
             if trained and "trained" not in anatomy.milestones():
-                anatomy.mark("trained", record["t"])
-                self._write(trainer, {"event": "phases", "step": trainer.global_step,
-                                      "milestones": anatomy.milestones()})
+                anatomy.mark("trained", written["t"])
+                self._write(trainer, RecordKind.PHASES, step=trainer.global_step, milestones=anatomy.milestones())
         if self.min_step_time_s:
             time.sleep(max(0.0, self.min_step_time_s - (time.monotonic() - self._last_t)))
         self._last_t = time.monotonic()
@@ -93,7 +76,7 @@ class LaunchRecorder(CommittedStepCallback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.callback_metrics.get("val_loss")
         if trainer.training is False and not trainer.sanity_checking and value is not None:
-            self._write(trainer, {"event": "val", "step": trainer.global_step, "val_loss": float(value)})
+            self._write(trainer, RecordKind.VAL, step=trainer.global_step, val_loss=float(value))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -101,18 +84,16 @@ class LaunchRecorder(CommittedStepCallback):
             return  # the same on every rank: no rank enters the collectives below
         # A collective inside the group: every rank computes it, rank 0 writes it.
         digest = full_params_sha256(pl_module)
-        self._write(trainer, {"event": "end", "step": trainer.global_step, "params_sha256": digest})
+        self._write(trainer, RecordKind.END, step=trainer.global_step, params_sha256=digest)
 
     def _writes(self, trainer: pl.Trainer) -> bool:
         return bool(self.jsonl) and trainer.global_rank == 0
 
-    def _write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
-        if self._writes(trainer):
-            # The strategy's id (an explicit argument wins over the variable), else the variable's.
-            replica_id = getattr(trainer.strategy, "replica_id", None) or os.environ.get(ENV_REPLICA_ID)
-            record |= {"t": time.time(), "replica_id": replica_id, "pid": os.getpid()}
-            with open(self.jsonl, "a") as sink:  # type: ignore[arg-type]  # _writes: jsonl is set
-                sink.write(json.dumps(record) + "\n")
+    def _write(self, trainer: pl.Trainer, kind: str, **fields: Any) -> dict[str, Any]:
+        """The record, appended on the group's rank 0 (every other rank only gets it back)."""
+        # The strategy's id (an explicit argument wins over the variable), else the variable's.
+        replica_id = getattr(trainer.strategy, "replica_id", None) or os.environ.get(ENV_REPLICA_ID)
+        return RecordWriter(self.jsonl if self._writes(trainer) else None, replica_id).write(kind, **fields)
 
 
 def attach_from_env(trainer: pl.Trainer) -> LaunchRecorder | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 from lightning_fthsdp.launch.processes import Group
+from lightning_fthsdp.protocol.records import RecordKind
 
 
 class InvariantViolated(AssertionError):
@@ -39,17 +40,17 @@ def assert_consistent(*groups: Group, rank: int = 0) -> set[int]:
     for group in groups:
         rows = group.records(event=None, rank=rank)
         for i, row in enumerate(rows):
-            if row["event"] == "commit" and row["quorum_id"] != kept[row["step"]]:
+            if row["event"] == RecordKind.COMMIT and row["quorum_id"] != kept[row["step"]]:
                 # Discarded attempts, steps followed while a state transfer runs, armed faults and the record of how
                 # its start went are not training of its own.
-                after = next((r for r in rows[i + 1:] if r["event"] not in ("discard", "follow", "fault", "phases")),
-                             None)
-                if not (after is None or after["event"] == "ready" or after.get("catch_up")):
+                others = (RecordKind.DISCARD, RecordKind.FOLLOW, RecordKind.FAULT, RecordKind.PHASES)
+                after = next((r for r in rows[i + 1:] if r["event"] not in others), None)
+                if not (after is None or after["event"] == RecordKind.READY or after.get("catch_up")):
                     raise InvariantViolated(
                         f"{group.replica_id} trained on after its commit of step {row['step']} in quorum "
                         f"{row['quorum_id']} was superseded by quorum {kept[row['step']]}: {after}")
         by_group.append({r["step"]: r["params_sha256"] for r in rows
-                         if r["event"] == "commit" and r["quorum_id"] == kept[r["step"]]})
+                         if r["event"] == RecordKind.COMMIT and r["quorum_id"] == kept[r["step"]]})
     common = set.intersection(*(set(d) for d in by_group))
     for step in sorted(set().union(*by_group)):
         digests = {g.replica_id: d[step] for g, d in zip(groups, by_group, strict=True) if step in d}

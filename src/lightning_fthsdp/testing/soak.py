@@ -1,10 +1,11 @@
 """A chaos soak: real plain-loop replica groups and a real lighthouse, random failures at random phases, seeded;
 the run's invariants checked as it goes and at the end.
 
-What it injects, how often and how long a fault lasts: ``soak_config``. A stopped group is resumed (SIGCONT) or
-killed after a random time; a dead group is restarted after a random delay. The soak never takes down every group
-holding the job's committed state at once: every injection needs an up-to-date group that stays untouched (no fault
-armed, none planned). Losing all of them is what durable checkpoints are for, and this soak does not test it.
+What it injects, how often and how long a fault lasts: ``soak_config``; injecting it: ``soak_faults``. A stopped group
+is resumed (SIGCONT) or killed after a random time; a dead group is restarted after a random delay. The soak never
+takes down every group holding the job's committed state at once: every injection needs an up-to-date group that stays
+untouched (no fault armed, none planned). Losing all of them is what durable checkpoints are for, and this soak does
+not test it.
 
 Measured: the failures by kind and phase, the stall of the healthy groups (time between consecutive commits of a
 group not failing itself, split by what else was going on; a group under a network fault is failing itself), each
@@ -28,19 +29,12 @@ from typing import Any
 
 from lightning_fthsdp.launch.processes import Job
 from lightning_fthsdp.netcluster.cluster import Cluster
-from lightning_fthsdp.netcluster.faults import Flap, NetworkFault, cut, flap, partition, slowlink
+from lightning_fthsdp.protocol.records import RecordKind
 from lightning_fthsdp.testing import soak_report
 from lightning_fthsdp.testing.invariants import assert_consistent, assert_exactly_once, assert_no_regression
-from lightning_fthsdp.testing.soak_config import (
-    LIMITS,
-    NETWORK_SCENARIOS,
-    PHASE_FAULTS,
-    RECOVERY_FAULTS,
-    SCENARIOS,
-    STEPS,
-    SoakConfig,
-)
-from lightning_fthsdp.testing.soak_records import Incarnation, SoakGroup, StruckFault, Tail
+from lightning_fthsdp.testing.soak_config import LIMITS, STEPS, SoakConfig
+from lightning_fthsdp.testing.soak_faults import Injector
+from lightning_fthsdp.testing.soak_records import Incarnation, SoakGroup, Tail
 
 
 class Soak:
@@ -61,10 +55,9 @@ class Soak:
         self.lighthouse_down: list[list[float]] = []
         self._lighthouse_back_at: float | None = None
         self._kill_lighthouse_on_ready: str | None = None
-        self._injected: set[str] = set()
         self.checks = 0
         self.cluster: Cluster | None = None
-        self.network_faults: list[StruckFault] = []
+        self.injector = Injector(self)
 
     # ------------------------------------------------------------------------------------------------ the run
 
@@ -84,7 +77,7 @@ class Soak:
             while time.monotonic() < chaos_start + cfg.duration_s:
                 self._tick(chaos=True)
                 now = time.monotonic()
-                if now >= next_at and self._inject():
+                if now >= next_at and self.injector.inject():
                     next_at = now + self.rng.expovariate(1 / cfg.mean_gap_s)
                 if now >= next_check:
                     self._check()
@@ -94,8 +87,7 @@ class Soak:
             settled = self._settle()
             self._poll_lighthouse()
         finally:
-            for fault in self.network_faults:
-                fault.handle.heal()
+            self.injector.heal_all()
             self.job.close()
             if self.cluster is not None:
                 self.cluster.close()
@@ -121,52 +113,48 @@ class Soak:
             if state == "T" and group.stopped_since is None:
                 group.stopped_since = now
                 group.resolve_at = now + self.rng.uniform(*self.config.stop_for_s)
-                self._event("stopped", group.replica_id, fault=group.armed if group.fired else None)
+                self.event("stopped", group.replica_id, fault=group.armed if group.fired else None)
             elif group.stopped_since is not None and now >= group.resolve_at:
                 group.current.stopped.append((group.stopped_since - self.t0, now - self.t0))
-                if chaos and self.rng.random() < 0.4 and self._safe_without(group):
-                    self._kill(group, "stop then kill")
+                if chaos and self.rng.random() < 0.4 and self.safe_without(group):
+                    self.kill(group, "stop then kill")
                 else:
                     os.killpg(group.pid, signal.SIGCONT)
-                    self._event("resumed", group.replica_id)
+                    self.event("resumed", group.replica_id)
                 group.stopped_since = None
                 self._disarm(group)
             elif group.kill_at is not None and now >= group.kill_at:
                 group.kill_at = None
-                self._kill(group, "killed while starting" if not group.current.commits else "killed early")
+                self.kill(group, "killed while starting" if not group.current.commits else "killed early")
         if self._lighthouse_back_at is not None and now >= self._lighthouse_back_at:
             self._lighthouse_back_at = None
             self.job.start_lighthouse()
             self.lighthouse_down[-1][1] = time.monotonic() - self.t0
-            self._event("lighthouse restarted", "lighthouse")
-        if self.job.lighthouse is not None and self._lighthouse_back_at is None:
+            self.event("lighthouse restarted", "lighthouse")
+        if self.lighthouse_up:
             self._poll_lighthouse()
-        for fault in self.network_faults:
-            if fault.ended is None and (now >= fault.heal_at or (isinstance(fault.handle, Flap) and fault.handle.done)):
-                fault.handle.heal()
-                fault.ended = now - self.t0
-                self._event("healed", fault.who, fault=fault.kind)
+        self.injector.heal_due(now)
 
     def _read(self, group: SoakGroup) -> None:
         for row in group.tail.read():
             if row.get("rank", 0) != 0:
                 continue
             event = row["event"]
-            if event == "fault":
+            if event == RecordKind.FAULT:
                 if row["action"] == "armed":
                     group.acked = row["spec"]
                 else:
                     group.fired = True
-                    self._event("fired", group.replica_id, spec=row["spec"], phase=row["phase"], step=row["step"])
-            elif event == "ready":
+                    self.event("fired", group.replica_id, spec=row["spec"], phase=row["phase"], step=row["step"])
+            elif event == RecordKind.READY:
                 group.current.imports_done = row["imports_done"] - self.wall0
                 group.current.ready = row["t"] - self.wall0
                 if self._kill_lighthouse_on_ready == group.replica_id and self.job.lighthouse:
                     self._kill_lighthouse_on_ready = None
-                    self._kill_lighthouse("a group joins")
-            elif event in ("commit", "discard", "follow"):
+                    self.kill_lighthouse("a group joins")
+            elif event in (RecordKind.COMMIT, RecordKind.DISCARD, RecordKind.FOLLOW):
                 group.last_event = event
-                if event == "commit":
+                if event == RecordKind.COMMIT:
                     group.current.commits.append((row["t"] - self.wall0, row["step"]))
                     if row.get("catch_up"):
                         group.current.catch_up_at.append(row["t"] - self.wall0)
@@ -175,146 +163,28 @@ class Soak:
                                                                      "phase=replay") and not group.fired:
                         self._disarm(group)  # recovered before its recovery fault fired
 
-    # ------------------------------------------------------------------------------------------- injections
-
-    def _inject(self) -> bool:
-        """One injection among those possible now: a scenario not injected yet first (so a short run, whose number of
-        injections depends on the machine's pace, still sees every kind), then drawn by weight; False if none is."""
-        scenarios = {**SCENARIOS, **(NETWORK_SCENARIOS if self.config.network else {}), **self.config.weights}
-        names = [name for name, weight in scenarios.items() if weight > 0]
-        fresh = [name for name in names if name not in self._injected]
-        self.rng.shuffle(fresh)
-        order = fresh + self.rng.choices(names, weights=[scenarios[n] for n in names], k=len(names) * 2)
-        for scenario in order:
-            if getattr(self, f"_inject_{scenario}")():
-                self._injected.add(scenario)
-                return True
-        return False
-
-    def _inject_cut_lighthouse(self) -> bool:
-        return self._strike("cut_lighthouse", lambda cluster, rid: cut(cluster, rid, ["lighthouse"]))
-
-    def _inject_cut_peers(self) -> bool:
-        # The lighthouse keeps one of the two out and the other trains on: both holding the committed state is enough
-        # (no injection takes the one kept in while the cut lasts: a group under a network fault is no holder).
-        holders = self._holders()
-        pairs = [(x, y) for x in holders for y in holders if x.replica_id < y.replica_id]
-        if not pairs:
-            return False
-        assert self.cluster is not None
-        x, y = self.rng.choice(pairs)
-        self._network_fault("cut_peers", (x, y), partition(self.cluster, x.replica_id, y.replica_id))
-        return True
-
-    def _inject_slowlink(self) -> bool:
-        return self._strike("slowlink", lambda cluster, rid: slowlink(cluster, rid, self.config.slow_rate))
-
-    def _inject_flap(self) -> bool:
-        low, high = (t / 3 for t in self.config.network_fault_s)
-        return self._strike("flap", lambda cluster, rid: flap(cluster, rid, down_s=self.rng.uniform(low, high),
-                                                             up_s=self.rng.uniform(low, high),
-                                                             count=self.rng.randint(2, 3)))
-
-    def _strike(self, kind: str, make: Callable[[Cluster, str], NetworkFault]) -> bool:
-        """Put a network fault made by ``make`` on a holder whose loss leaves another; False if none may take it."""
-        candidates = [g for g in self._holders() if self._safe_without(g)]
-        if not candidates:
-            return False
-        assert self.cluster is not None
-        group = self.rng.choice(candidates)
-        self._network_fault(kind, (group,), make(self.cluster, group.replica_id))
-        return True
-
-    def _faulted(self, group: SoakGroup) -> bool:
-        return any(f.ended is None and group.replica_id in f.who.split(",") for f in self.network_faults)
-
-    def _network_fault(self, kind: str, groups: tuple[SoakGroup, ...], handle: NetworkFault) -> None:
-        now = time.monotonic()
-        who = ",".join(g.replica_id for g in groups)
-        heal_at = now + (3600.0 if isinstance(handle, Flap) else self.rng.uniform(*self.config.network_fault_s))
-        self.network_faults.append(StruckFault(kind, who, handle, now - self.t0, heal_at))
-        self._event("network", who, fault=kind, detail=handle.detail)
-
-    def _inject_phase(self) -> bool:
-        candidates = [g for g in self._holders() if self._safe_without(g)]
-        if not candidates:
-            return False
-        group = self.rng.choice(candidates)
-        signal_name = "sigstop" if self.rng.random() < 0.3 else "sigkill"
-        phase = self.rng.choice(PHASE_FAULTS)
-        self._arm(group, f"{signal_name}:step={group.last_step + self.rng.randint(1, 3)}:phase={phase}")
-        return True
-
-    def _inject_serve(self) -> bool:
-        """Kill a group now and arm the source's fault on another: the restart fetches, maybe from it."""
-        holders = self._holders()
-        for victim in self.rng.sample(holders, len(holders)):
-            sources = [g for g in holders if g is not victim and self._safe_without(g, victim)]
-            if sources:
-                source = self.rng.choice(sources)
-                self._arm(source, "sigkill:step=0:phase=serve")
-                self._kill(victim, "killed, to be served by an armed source")
-                return True
-        return False
-
-    def _inject_two(self) -> bool:
-        holders = self._holders()
-        pairs = [(x, y) for x in holders for y in holders if x.replica_id < y.replica_id and self._safe_without(x, y)]
-        if not pairs:
-            return False
-        x, y = self.rng.choice(pairs)
-        if self.rng.random() < 0.5:
-            self._kill(x, "two at once")
-            self._kill(y, "two at once")
-        else:
-            self._kill(x, "two at once")
-            os.killpg(y.pid, signal.SIGSTOP)
-            self._event("stop", y.replica_id, why="two at once")
-        return True
-
-    def _inject_lighthouse(self) -> bool:
-        if self.job.lighthouse is None or self._lighthouse_back_at is not None:
-            return False
-        candidates = [g for g in self._holders() if self._safe_without(g)]
-        if not candidates:
-            return False
-        victim = self.rng.choice(candidates)
-        self._kill(victim, "killed with the lighthouse")
-        if self.rng.random() < 0.5:
-            time.sleep(self.rng.uniform(0.0, 0.5))  # while the survivors ask for the new quorum
-            self._kill_lighthouse("a group died")
-        else:
-            self._kill_lighthouse_on_ready = victim.replica_id  # when its restart joins
-        return True
-
-    def _incarnation_fault(self) -> str | None:
-        """The fault of a new incarnation: killed fetching, following or replaying, or none (also drawn: an
-        external kill while it starts, see ``_spawn``)."""
-        if self.rng.random() < 0.35:
-            return f"sigkill:step=0:phase={self.rng.choice(RECOVERY_FAULTS)}"
-        return None
-
     # -------------------------------------------------------------------------------------- the bookkeeping
 
-    def _holders(self) -> list[SoakGroup]:
+    def holders(self) -> list[SoakGroup]:
         """Groups holding the job's committed state now: alive, running, committed this incarnation, at the job's
         step (or one behind, a log line away), untouched by any fault (a group cut off may be declared dead any
         moment)."""
         top = max(g.last_step for g in self.groups.values())
         now = time.monotonic()
         return [g for g in self.groups.values()
-                if g.alive and g.stopped_since is None and g.current.commits and g.last_event == "commit"
+                if g.alive and g.stopped_since is None and g.current.commits and g.last_event == RecordKind.COMMIT
                 and g.last_step >= top - 1 and now - g.last_commit_t < 2.0 and g.kill_at is None and not g.doomed
-                and not g.armed and not g.acked and not g.fired and not self._faulted(g)]
+                and not g.armed and not g.acked and not g.fired and not self.injector.faulted(g)]
 
-    def _safe_without(self, *taken: SoakGroup) -> bool:
+    def safe_without(self, *taken: SoakGroup) -> bool:
         """Whether an untouched up-to-date group remains once ``taken`` fail."""
-        return any(g not in taken for g in self._holders())
+        return any(g not in taken for g in self.holders())
 
-    def _arm(self, group: SoakGroup, spec: str) -> None:
+    def arm(self, group: SoakGroup, spec: str) -> None:
+        """Arm ``spec`` through the group's fault file (its process reads it at its next step)."""
         group.armed, group.armed_at = spec, time.monotonic()
         _write_atomic(group.fault_file, spec)
-        self._event("armed", group.replica_id, spec=spec)
+        self.event("armed", group.replica_id, spec=spec)
 
     def _disarm(self, group: SoakGroup) -> None:
         if group.armed is not None:
@@ -322,9 +192,9 @@ class Soak:
             _write_atomic(group.fault_file, "")
 
     def _spawn(self, group: SoakGroup, chaos: bool) -> None:
-        """Start an incarnation of ``group``; under chaos a restart draws its own fault (``_incarnation_fault``)
-        or, sometimes, an external kill while it starts."""
-        fault = self._incarnation_fault() if chaos and group.incarnations else None
+        """Start an incarnation of ``group``; under chaos a restart draws its own fault
+        (``Injector.incarnation_fault``) or, sometimes, an external kill while it starts."""
+        fault = self.injector.incarnation_fault() if chaos and group.incarnations else None
         group.tail.read()
         group.tail.seal()
         _write_atomic(group.fault_file, fault or "")
@@ -336,13 +206,14 @@ class Soak:
         group.incarnations.append(Incarnation(time.monotonic() - self.t0, fault))
         if chaos and fault is None and len(group.incarnations) > 1 and self.rng.random() < 0.15:
             group.kill_at = time.monotonic() + self.rng.uniform(0.3, 5.0)
-        self._event("spawned", group.replica_id, fault=fault,
-                    kill_in=round(group.kill_at - time.monotonic(), 3) if group.kill_at else None)
+        self.event("spawned", group.replica_id, fault=fault,
+                   kill_in=round(group.kill_at - time.monotonic(), 3) if group.kill_at else None)
 
-    def _kill(self, group: SoakGroup, why: str) -> None:
+    def kill(self, group: SoakGroup, why: str) -> None:
+        """SIGKILL the group's process group (SIGCONT first: a stopped one dies too)."""
         if group.alive:
             group.doomed = True
-            self._event("kill", group.replica_id, why=why)
+            self.event("kill", group.replica_id, why=why)
             os.killpg(group.pid, signal.SIGCONT)
             os.killpg(group.pid, signal.SIGKILL)
 
@@ -358,17 +229,26 @@ class Soak:
         if not ours:
             self.findings.append(f"{group.replica_id} exited with {returncode} (not by our hand) at "
                                  f"{inc.ended:.1f} s; log: {self.job.groups[group.replica_id].log}")
-        self._event("died", group.replica_id, returncode=returncode)
+        self.event("died", group.replica_id, returncode=returncode)
         group.restart_at = now + self.rng.uniform(*self.config.restart_delay_s)
         group.stopped_since = None
 
-    def _kill_lighthouse(self, during: str) -> None:
+    @property
+    def lighthouse_up(self) -> bool:
+        """The lighthouse runs, and no restart of it is pending."""
+        return self.job.lighthouse is not None and self._lighthouse_back_at is None
+
+    def kill_lighthouse_when_ready(self, group: SoakGroup) -> None:
+        """Kill the lighthouse once ``group``'s restart is ready to join (its ``ready`` record)."""
+        self._kill_lighthouse_on_ready = group.replica_id
+
+    def kill_lighthouse(self, during: str) -> None:
         self.job.kill_lighthouse()
         self.job.lighthouse = None
         now = time.monotonic() - self.t0
         self.lighthouse_down.append([now, now])
         self._lighthouse_back_at = time.monotonic() + self.rng.uniform(0.5, 3.0)
-        self._event("lighthouse killed", "lighthouse", during=during)
+        self.event("lighthouse killed", "lighthouse", during=during)
 
     def _poll_lighthouse(self) -> None:
         try:
@@ -380,7 +260,8 @@ class Soak:
                 self.lost_steps.append(lost)
                 self.findings.append(f"the lighthouse reports lost steps: {lost}")
 
-    def _event(self, kind: str, who: str, **details: Any) -> None:
+    def event(self, kind: str, who: str, **details: Any) -> None:
+        """One event of the soak's timeline (the result's ``events``), also said as it happens."""
         record = {"t": round(time.monotonic() - self.t0, 3), "event": kind, "who": who, **details}
         self.events.append(record)
         self.say(json.dumps(record))
@@ -404,11 +285,9 @@ class Soak:
                 group.resolve_at = 0.0  # resumed by the next tick (chaos=False: never killed)
         if self._lighthouse_back_at is not None:
             self._lighthouse_back_at = time.monotonic()
-        for fault in self.network_faults:
-            fault.heal_at = 0.0  # healed by the next tick
-            fault.handle.heal()
+        self.injector.heal_all()  # each heal recorded by the next tick
         start = max(g.last_step for g in self.groups.values())
-        return self._wait(lambda: all(g.alive and g.last_event == "commit" and g.last_step >= start + 20
+        return self._wait(lambda: all(g.alive and g.last_event == RecordKind.COMMIT and g.last_step >= start + 20
                                       for g in self.groups.values())
                           and max(g.last_step for g in self.groups.values())
                           - min(g.last_step for g in self.groups.values()) <= 1, self.config.settle_s,
@@ -448,7 +327,7 @@ class Soak:
         return {
             "config": asdict(self.config),
             "chaos_s": round(chaos_s, 1),
-            **soak_report.figures(self.groups, self.events, self.network_faults, self.lighthouse_down),
+            **soak_report.figures(self.groups, self.events, self.injector.network_faults, self.lighthouse_down),
             "lost_steps": self.lost_steps,
             "settled": settled,
             "invariant_checks": self.checks,

@@ -3,12 +3,12 @@ as they grow, and the network faults struck."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_fthsdp.netcluster.faults import NetworkFault
+from lightning_fthsdp.protocol.records import RecordKind, RecordReader, select
 
 
 @dataclass
@@ -28,38 +28,27 @@ class Incarnation:
 
 
 class Tail:
-    """One group's JSONL file read incrementally; also what ``testing.invariants`` reads (``records``)."""
+    """One group's records (every incarnation appends to the same file), read as they grow; also what
+    ``testing.invariants`` reads (``records``)."""
 
     def __init__(self, replica_id: str, path: Path) -> None:
         self.replica_id, self.path = replica_id, path
         self.rows: list[dict[str, Any]] = []
-        self._offset = 0
+        self._reader = RecordReader(path)
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as file:
-            file.seek(self._offset)
-            data = file.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        new = []
-        for line in data[:end].splitlines():
-            try:
-                new.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by SIGKILL, completed by the soak before the next incarnation wrote
+        new = self._reader.read()
         self.rows += new
         return new
 
     def seal(self) -> None:
-        """End a dead incarnation's last line so the next one starts a fresh one."""
+        """End a dead incarnation's last line so the next one starts a fresh one (the cut line is then skipped)."""
         if self.path.exists() and self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
             with self.path.open("ab") as file:
                 file.write(b"\n")
 
-    def records(self, event: str | None = "commit", rank: int | None = 0) -> list[dict[str, Any]]:
-        return [r for r in self.rows if (event is None or r["event"] == event) and (rank is None or r["rank"] == rank)]
+    def records(self, event: str | None = RecordKind.COMMIT, rank: int | None = 0) -> list[dict[str, Any]]:
+        return select(self.rows, event, rank)
 
 
 @dataclass
