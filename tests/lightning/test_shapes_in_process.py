@@ -99,9 +99,6 @@ class Shape(NamedTuple):
     """Of its training data on one rank: the run crosses an epoch boundary before the state is written (so the
     epoch-interval schedulers and their counters have moved) and one after the restart."""
     data: Callable[[], pl.LightningDataModule] | None = None
-    draws_random_numbers: bool = False
-    """Its training step draws from the global RNG (dropout): only the first step after the load compares (see the
-    test)."""
 
 
 RESTARTED = {
@@ -111,7 +108,7 @@ RESTARTED = {
     "boring_model": Shape(lambda _: BoringModel(), 64),
     "demo_model_on_boring_data": Shape(lambda _: DemoModel(), 64, BoringDataModule),
     "transformer_demo_on_standard_library_text": Shape(
-        lambda folder: LightningTransformer(vocab_size=write_text_corpus(folder)), 23, draws_random_numbers=True),
+        lambda folder: LightningTransformer(vocab_size=write_text_corpus(folder)), 23),
 }
 
 
@@ -140,15 +137,13 @@ def test_a_restarted_group_loads_the_full_state_in_its_first_step_and_trains_on_
 
     first = at + 1
     assert sorted(restarted.after) == list(range(first, steps + 1)), "the restarted group did not go on from `at`"
-    # The transformer's first step shows the global RNG arrived (its dropout masks). Inside that step, after its
-    # forward, the restarted group's data iterator moves to the loaded position and draws its seed from the global
-    # RNG once more than the uninterrupted run's: a module drawing random numbers differs from the next step on.
-    compared = [first] if case.draws_random_numbers else list(range(first, steps + 1))
-    for step in compared:
+    # The transformer draws from the global RNG in every step (dropout): its steps after the first show the restarted
+    # group's data iterator, moved to the loaded position inside that step, left the module's random numbers alone.
+    for step in range(first, steps + 1):
         assert_same(whole.before[step], restarted.before[step], f"before step {step}")
         assert_same(whole.after[step], restarted.after[step], f"after step {step}")
-    if not case.draws_random_numbers:
-        assert {whole.after[step]["counters"]["epoch"] for step in compared} == {1, 2}, "no epoch boundary crossed"
+    assert {whole.after[step]["counters"]["epoch"] for step in range(first, steps + 1)} == {1, 2}, \
+        "no epoch boundary crossed"
 
 
 @pytest.mark.timeout(60)

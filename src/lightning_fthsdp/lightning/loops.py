@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_fthsdp.lightning import private
 from lightning_fthsdp.recovery.torch_state import StateTree
@@ -58,7 +59,11 @@ def align_to_stream(trainer: pl.Trainer, epoch: int, offset: int) -> None:
     batch = private.batch_tracker(trainer)
     batch.ready = batch.started = offset
     batch.processed = batch.completed = offset - 1
-    private.restart_training_iterator(trainer)  # a fresh DataLoader iterator: the sampler reads the new position
+    # A fresh DataLoader iterator, so the sampler reads the new position. Making one draws its base seed from the
+    # global RNG, which an uninterrupted run does not do here: the draw must not move the module's random numbers
+    # (dropout) away from that run's.
+    with torch.random.fork_rng(devices=[]):
+        private.restart_training_iterator(trainer)
 
 
 def validate_at_job_steps(trainer: pl.Trainer, every_n_steps: int) -> None:
