@@ -159,6 +159,23 @@ def test_a_burst_of_groups_from_one_address_asking_late_is_served_and_idle_conne
             sock.close()
 
 
+def test_a_burst_of_groups_beyond_the_total_cap_waits_in_the_backlog_and_every_group_is_served(
+        lighthouse: Callable[..., str]) -> None:
+    # More groups than the total cap connect before any has written (100,000 ranks in groups of 8 are 12,500 groups,
+    # the cap 1,024): none is closed while within the grace; those beyond the cap are accepted as the first ones
+    # authenticate and stop counting.
+    url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4, grace_s=30.0))
+    burst = [socket.create_connection(address(url), timeout=10) for _ in range(12)]
+    try:
+        for sock in burst:
+            sock.sendall(b"GET /status HTTP/1.1\r\n" + AUTH + b"\r\n")
+        for sock in burst:
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in burst:
+            sock.close()
+
+
 def test_an_authenticated_connection_is_no_longer_counted_against_the_cap(lighthouse: Callable[..., str]) -> None:
     url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4, grace_s=0))
     with socket.create_connection(address(url), timeout=10) as group:

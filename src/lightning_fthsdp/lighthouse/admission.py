@@ -11,8 +11,11 @@ One address may hold more than its share for a moment: at its cap, only a connec
 ``OutsiderLimits.grace_s`` is closed for a newer one of the same address. A group's client writes its request as soon
 as it is connected, but many groups may share an address (a NAT, one load generator) and on a busy host many of their
 connections may be accepted before the first request of any arrives; closing those would turn a burst of groups (a
-lighthouse restart: every group reconnects) into deaths. The total cap always holds, so the descriptors outsiders take
-stay bounded.
+lighthouse restart: every group reconnects) into deaths. For the same reason, at the total cap a connection younger
+than the grace is not closed either: the lighthouse stops accepting (``wait_s``), new connections wait in the kernel's
+backlog until an outsider authenticates, closes or grows older than the grace. 12,500 groups connecting at once (100,000
+ranks in groups of 8) are more than the total cap, and all of them are let in. The total cap always holds, so the
+descriptors outsiders take stay bounded.
 """
 
 from __future__ import annotations
@@ -108,10 +111,18 @@ class Admission:
     def outsiders(self) -> int:
         return len(self._outsiders)
 
+    def wait_s(self, now: float) -> float:
+        """How long before a new connection can be admitted: 0 under the total cap, or when the oldest outsider
+        connection is older than the grace (it makes room); else the time until it is."""
+        if len(self._outsiders) < self.limits.total:
+            return 0.0
+        oldest_s = next(iter(self._outsiders.values()))[1]
+        return max(0.0, self.limits.grace_s - (now - oldest_s))
+
     def add(self, conn: Connection, source: str) -> None:
         """``conn`` was accepted from ``source``: an outsider's until it authenticates. At its address's cap, the
         address's oldest outsider connection is closed for it if that is older than the grace; else, at the total
-        cap, the oldest outsider connection."""
+        cap, the oldest outsider connection (older than the grace when the caller waited ``wait_s``)."""
         now = time.monotonic()
         same = self._by_source.get(source, {})
         if len(same) >= self.limits.per_source and now - next(iter(same.values())) >= self.limits.grace_s:

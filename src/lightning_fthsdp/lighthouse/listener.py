@@ -5,7 +5,8 @@ Why not ``loop.create_server``: it accepts up to its backlog (1,024) connections
 descriptor until a task of its own makes the transport, so a flood of connects takes a thousand descriptors before
 the lighthouse can refuse any; and when the process is out of descriptors it logs a traceback for every failed
 accept (77 MB in 45 s under a flood). Here each connection is counted as it is accepted (at a cap, the oldest outsider
-connection is closed to make room), at most ``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the
+connection is closed to make room, or accepting waits while every outsider is younger than the grace), at most
+``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the
 groups') were read; out of descriptors, it closes the oldest outsider connection and tries again shortly.
 """
 
@@ -17,6 +18,7 @@ import functools
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 from lightning_fthsdp.lighthouse.admission import Admission, Tally
@@ -27,7 +29,8 @@ log = logging.getLogger("fthsdp.lighthouse")
 ACCEPT_BATCH = 16
 """Connections accepted per event-loop turn."""
 ACCEPT_RETRY_S = 0.05
-"""After an accept failed for want of descriptors (or memory): how long before the next try."""
+"""After an accept failed for want of descriptors (or memory), or while outsiders fill the total cap within their
+grace: how long before the next try."""
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -65,6 +68,11 @@ class Listener:
     def _accept(self) -> None:
         self._scheduled = None
         for _ in range(ACCEPT_BATCH):
+            if wait_s := self._admission.wait_s(time.monotonic()):
+                # At the total cap with every outsider still in its grace: the rest wait in the kernel's backlog.
+                # Polled, since an outsider authenticating or closing also makes room.
+                self._scheduled = self._loop.call_later(min(wait_s, ACCEPT_RETRY_S), self._accept)
+                return
             try:
                 conn, address = self._sock.accept()
             except (BlockingIOError, InterruptedError):
