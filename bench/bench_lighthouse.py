@@ -83,10 +83,12 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def start_lighthouse(fds: int, heartbeat_timeout_ms: int) -> tuple[subprocess.Popen[str], str, int]:
+def start_lighthouse(fds: int, heartbeat_timeout_ms: int,
+                     event_loop: str) -> tuple[subprocess.Popen[str], str, int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightning_fthsdp.cli", "lighthouse", "--port", "0", "--min-replicas", "1",
-         "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)],
+         "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms),
+         "--event-loop", event_loop],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         preexec_fn=lambda: raise_fd_limit(fds), env={**os.environ, "FTHSDP_TOKEN": TOKEN},
     )
@@ -386,11 +388,12 @@ class Fleet:
     """The real lighthouse (a subprocess) and ``generators`` processes standing in for the leaders of ``groups``
     groups, each group connected, its first heartbeat answered and its long-polls started."""
 
-    def __init__(self, groups: int, group_size: int, generators: int, timeouts: Timeouts) -> None:
+    def __init__(self, groups: int, group_size: int, generators: int, timeouts: Timeouts,
+                 event_loop: str = "auto") -> None:
         self.groups, self.group_size, self.timeouts = groups, group_size, timeouts
         self.members = tuple(f"g{i:06d}" for i in range(groups))
         """The groups still in the job (``quorum_round`` fails the first ones when asked to)."""
-        self.proc, self.host, self.port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms)
+        self.proc, self.host, self.port = start_lighthouse(groups + 512, timeouts.heartbeat_timeout_ms, event_loop)
         self.pipes: list[Connection] = []
         self.workers: list[mp.Process] = []
         try:
@@ -476,10 +479,10 @@ class Fleet:
 
 
 def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds: int,
-          timeouts: Timeouts) -> dict[str, object]:
+          timeouts: Timeouts, event_loop: str) -> dict[str, Any]:
     if ranks % group_size:
         raise SystemExit(f"--ranks {ranks} is no multiple of --group-size {group_size}")
-    with Fleet(ranks // group_size, group_size, generators, timeouts) as fleet:
+    with Fleet(ranks // group_size, group_size, generators, timeouts, event_loop) as fleet:
         time.sleep(3 * timeouts.heartbeat_interval_ms / 1000)  # warm-up: the long-polls spread out
         gen_cpu_start = fleet.tell("cpu")
         start = time.monotonic()
@@ -502,7 +505,8 @@ def bench(ranks: int, group_size: int, generators: int, window_s: float, rounds:
         groups = [g for g in fleet.status()["groups"] if g["replica_id"] in staying]
         dead, deaths = sum(1 for g in groups if g["dead"]), sum(g["deaths"] for g in groups)
         return {
-            "ranks": ranks, "group_size": group_size, "groups": fleet.groups, "generators": generators,
+            "event_loop": event_loop, "ranks": ranks, "group_size": group_size, "groups": fleet.groups,
+            "generators": generators,
             "heartbeat_interval_ms": timeouts.heartbeat_interval_ms,
             "heartbeat_timeout_ms": timeouts.heartbeat_timeout_ms, "window_s": round(elapsed, 3),
             "heartbeats_per_s": round(len(rtts) / elapsed, 1),
@@ -609,6 +613,10 @@ def main() -> int:
     parser.add_argument("--heartbeat-interval-ms", type=int, default=defaults.heartbeat_interval_ms)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=defaults.heartbeat_timeout_ms,
                         help="the lighthouse's (a group silent this long is declared dead)")
+    parser.add_argument("--event-loop", nargs="+", choices=("asyncio", "uvloop", "auto"), default=["asyncio", "uvloop"],
+                        help="the lighthouse's event loop (fthsdp lighthouse --event-loop); with more than one, each "
+                             "runs in turn and the rounds of each are compared with the first's (default: asyncio, "
+                             "then uvloop)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true",
                         help="a short run for CI: 300 groups (more than the lighthouse lets one address hold before "
@@ -627,7 +635,8 @@ def main() -> int:
                         heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     if args.overload:
         timeout_s = timeouts.heartbeat_timeout_ms / 1000
-        with Fleet(args.ranks[0] // args.group_size, args.group_size, args.generators, timeouts) as fleet:
+        with Fleet(args.ranks[0] // args.group_size, args.group_size, args.generators, timeouts,
+                   args.event_loop[0]) as fleet:
             row = overload(fleet, stall_s=2.5 * timeout_s, starve_s=4 * timeout_s, recover_within_s=60)
         print_overload(row)
         out = args.out.with_name("lighthouse_overload.json") if args.out == RESULTS else args.out
@@ -636,27 +645,33 @@ def main() -> int:
                        + "\n")
         print(f"wrote {out}")
         return 0
-    rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts) for n in args.ranks]
-    print(f"{'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
+    rows = [bench(n, args.group_size, args.generators, args.window_s, args.rounds, timeouts, loop)
+            for n in args.ranks for loop in args.event_loop]
+    print(f"{'loop':>7} {'ranks':>7} {'groups':>6} {'hb/s (ideal)':>15} {'lighthouse CPU':>14} {'RTT p50/p99 ms':>15} "
           f"{'dead':>4} {'deaths':>6} {'generators CPU':>16}")
     for row in rows:
-        print(f"{row['ranks']:>7} {row['groups']:>6} {row['heartbeats_per_s']:>7.0f} "
+        print(f"{row['event_loop']:>7} {row['ranks']:>7} {row['groups']:>6} {row['heartbeats_per_s']:>7.0f} "
               f"({row['ideal_heartbeats_per_s']:>5.0f})"
               f" {row['lighthouse_cpu'] * 100:>13.0f}% {row['rtt_p50_ms']:>7} / {row['rtt_p99_ms']:<6}"
               f" {row['groups_dead']:>4} {row['deaths']:>6}"
               f" {'+'.join(f'{c * 100:.0f}%' for c in row['generator_cpu']):>16}")
-    print(f"\n{'ranks':>7} {'round':>7} {'rounds':>6} {'min s':>7} {'median s':>8} {'max s':>7}")
+    print(f"\n{'loop':>7} {'ranks':>7} {'round':>7} {'rounds':>6} {'min s':>7} {'median s':>8} {'max s':>7} "
+          f"{'median vs ' + args.event_loop[0]:>17}")
     for row in rows:
+        baseline = next(r for r in rows if r["ranks"] == row["ranks"] and r["event_loop"] == args.event_loop[0])
         for kind, figures in row["rounds"].items():
             count = sum(1 for r in row["quorum_rounds"] if r["kind"] == kind)
-            print(f"{row['ranks']:>7} {kind:>7} {count:>6} {figures['min']:>7.3f} {figures['median']:>8.3f} "
-                  f"{figures['max']:>7.3f}")
-    print(f"\n{'ranks':>7} {'round':>5} {'kind':>7} {'quorum_id':>9} {'latency_s':>9} {'known after s':>13} "
-          f"{'answer_bytes':>12} {'lighthouse CPU s':>16} {'generators CPU s':>16}")
+            row.setdefault("median_vs_first_loop", {})[kind] = ratio = round(
+                figures["median"] / baseline["rounds"][kind]["median"], 3)
+            print(f"{row['event_loop']:>7} {row['ranks']:>7} {kind:>7} {count:>6} {figures['min']:>7.3f} "
+                  f"{figures['median']:>8.3f} {figures['max']:>7.3f} {ratio:>17.2f}")
+    print(f"\n{'loop':>7} {'ranks':>7} {'round':>5} {'kind':>7} {'quorum_id':>9} {'latency_s':>9} "
+          f"{'known after s':>13} {'answer_bytes':>12} {'lighthouse CPU s':>16} {'generators CPU s':>16}")
     for row in rows:
         for number, rnd in enumerate(row["quorum_rounds"]):
             known = f"{rnd['known_after_s']:.3f}" if "known_after_s" in rnd else "-"
-            print(f"{row['ranks']:>7} {number:>5} {rnd['kind']:>7} {rnd['quorum_id']:>9} {rnd['latency_s']:>9.3f} "
+            print(f"{row['event_loop']:>7} {row['ranks']:>7} {number:>5} {rnd['kind']:>7} {rnd['quorum_id']:>9} "
+                  f"{rnd['latency_s']:>9.3f} "
                   f"{known:>13} {rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
                   f"{'+'.join(f'{c:.2f}' for c in rnd['generator_cpu_s']):>16}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

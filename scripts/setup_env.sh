@@ -24,5 +24,5 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install -q -e "$ROOT[test,sim,lightning,launch,accelerate,hf]"
+"$VPY" -m pip install -q -e "$ROOT[test,sim,lightning,launch,accelerate,hf,uvloop]"
 export PATH="$VENV/bin:$PATH"

@@ -80,10 +80,19 @@ def test_inputs_the_report_cannot_scale_are_refused(tmp_path: Path) -> None:
     ({"rows": [{"groups": 300, "quorum_rounds": []}]}, "older bench_lighthouse.py"),
     ({"rows": [{"groups": 0, "rounds": {"failure": {"median": 1.0}}}]}, r"rows\[0\].groups must be a positive"),
     ({"rows": [{"groups": 3, "rounds": {"failure": {"median": -1}}}]}, "must be seconds >= 0"),
+    ({"rows": [{"event_loop": "uvloop", "groups": 3, "rounds": {"failure": {"median": 1.0}}}]}, "no rows of the"),
 ])
 def test_a_bad_bench_file_is_refused_naming_the_field(tmp_path: Path, data: object, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         read_control_plane(write(tmp_path, "bench.json", data))
+
+
+def test_a_bench_comparing_event_loops_is_read_at_the_lighthouse_default(tmp_path: Path) -> None:
+    rows = [{"event_loop": loop, "groups": groups, "rounds": {"failure": {"median": round_s}}}
+            for loop, groups, round_s in [("asyncio", 300, 0.1), ("uvloop", 300, 0.05), ("asyncio", 12_500, 2.0),
+                                          ("uvloop", 12_500, 1.0)]]
+    plane = read_control_plane(write(tmp_path, "bench.json", {"rows": rows}))
+    assert plane.round_s(300) == 0.1 and plane.round_s(12_500) == 2.0
 
 
 def test_the_command_prints_each_part_and_simulates_the_projection(tmp_path: Path,

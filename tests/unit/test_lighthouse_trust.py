@@ -243,6 +243,10 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> tuple[int, str, str
 def test_cli_refuses_unsafe_or_impossible_settings_at_once_in_one_line(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n")
+    hidden = tmp_path / "without_uvloop"  # a machine without the [uvloop] extra
+    hidden.mkdir()
+    (hidden / "uvloop.py").write_text("raise ImportError('No module named uvloop')\n")
+    no_uvloop = {"PYTHONPATH": os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))}
     cases = [  # (arguments, environment, exit code, words the one line must hold)
         (["--token", TOKEN], {}, 2, ["--token", "FTHSDP_TOKEN", "--token-file"]),
         (["--host", "0.0.0.0"], {}, 2, ["0.0.0.0", "FTHSDP_TOKEN", "--insecure"]),
@@ -251,6 +255,7 @@ def test_cli_refuses_unsafe_or_impossible_settings_at_once_in_one_line(tmp_path:
         (["--host", "no-such-host.invalid"], {"FTHSDP_TOKEN": TOKEN}, 1, ["no-such-host.invalid"]),
         (["--host", "203.0.113.7"], {"FTHSDP_TOKEN": TOKEN}, 1, ["203.0.113.7"]),
         (["--host", "203.0.113.7", "--insecure"], {}, 1, ["203.0.113.7"]),
+        (["--event-loop", "uvloop"], no_uvloop, 2, ["--event-loop uvloop", "lightning-fthsdp[uvloop]", "asyncio"]),
     ]
     procs = [(lighthouse_cli(*args, env=env), args, code, words) for args, env, code, words in cases]
     for proc, args, code, words in procs:

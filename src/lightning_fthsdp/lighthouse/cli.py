@@ -71,6 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--insecure", action="store_true",
                         help="listen on a non-loopback --host without a token: anyone who reaches it can join, "
                              "stall or end the job")
+    parser.add_argument("--event-loop", choices=EVENT_LOOPS, default="asyncio",
+                        help="the event loop serving the groups: asyncio (the standard library's), uvloop (libuv's, "
+                             "pip install 'lightning-fthsdp[uvloop]'), or auto: uvloop where installed (default "
+                             "%(default)s; bench/bench_lighthouse.py compares them)")
     # Refused in run() with the fix: a token on the command line is visible to every user through ps.
     parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(func=run)
@@ -78,6 +82,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def run(args: argparse.Namespace) -> int:
     from lightning_fthsdp.lighthouse.server import Lighthouse
+
+    try:
+        loop_factory = event_loop_factory(args.event_loop)
+    except ImportError as e:
+        return _fail(2, f"--event-loop uvloop: {e}; pip install 'lightning-fthsdp[uvloop]', or --event-loop asyncio")
 
     if args.replica_ids is not None and args.min_replicas > len(args.replica_ids):
         return _fail(2, f"--min-replicas {args.min_replicas} exceeds the {len(args.replica_ids)} groups of "
@@ -130,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         # the young generation less often so in-flight requests are not promoted and rescanned.
         gc.freeze()
         gc.set_threshold(100_000, 20, 100)
+        logging.getLogger("fthsdp.lighthouse").info("event loop: %s", type(loop).__module__.split(".")[0])
         print(f"fthsdp lighthouse listening on {lighthouse.url} store {lighthouse.store_address}", flush=True)
         try:
             await stop.wait()
@@ -137,11 +147,29 @@ def run(args: argparse.Namespace) -> int:
             await lighthouse.stop()
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
     except OSError as e:
         return _fail(1, f"cannot listen on --host {args.host} (port {args.port}, store port {args.store_port}): {e}; "
                         f"give an address of this machine (0.0.0.0: all of them) and free ports")
     return 0
+
+
+EVENT_LOOPS = ("asyncio", "uvloop", "auto")
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The factory of the event loop ``choice`` names (None: asyncio's own). ``auto`` takes uvloop where it is
+    installed; ``uvloop`` raises ImportError where it is not."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
 
 
 def _fail(code: int, message: str) -> int:

@@ -54,6 +54,10 @@ class ControlPlane:
         return low_s * groups / low_groups
 
 
+CONTROL_PLANE_LOOP = "asyncio"
+"""The rows read of a bench that compared event loops: those of ``fthsdp lighthouse``'s default."""
+
+
 def read_control_plane(path: str | Path) -> ControlPlane:
     """Read ``bench/bench_lighthouse.py``'s JSON; ValueError names the file, the field and what is wrong."""
     path = Path(path)
@@ -69,6 +73,8 @@ def read_control_plane(path: str | Path) -> ControlPlane:
                          f"non-empty 'rows' list; run python bench/bench_lighthouse.py to write one")
     points: dict[int, float] = {}
     for i, row in enumerate(rows):
+        if isinstance(row, dict) and row.get("event_loop", CONTROL_PLANE_LOOP) != CONTROL_PLANE_LOOP:
+            continue  # the same group count under another event loop than the lighthouse's default
         try:
             groups, round_s = row["groups"], row["rounds"]["failure"]["median"]
         except (TypeError, KeyError):
@@ -80,6 +86,10 @@ def read_control_plane(path: str | Path) -> ControlPlane:
             raise ValueError(f"--control-plane {path}: rows[{i}].rounds.failure.median must be seconds >= 0, got "
                              f"{round_s!r}")
         points[groups] = float(round_s)
+    if not points:
+        raise ValueError(f"--control-plane {path}: no rows of the {CONTROL_PLANE_LOOP} event loop (fthsdp "
+                         f"lighthouse's default); run python bench/bench_lighthouse.py --event-loop "
+                         f"{CONTROL_PLANE_LOOP}")
     return ControlPlane(str(path), tuple(sorted(points.items())))
 
 
