@@ -25,8 +25,8 @@ import pytest
 from lightning_fthsdp.cli import main as cli_main
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
+from lightning_fthsdp.lighthouse.news import REVIVAL_NEWS_S
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
-from lightning_fthsdp.lighthouse.server import REVIVAL_NEWS_S
 from lightning_fthsdp.membership.client import Heartbeat
 from lightning_fthsdp.membership.member import MemberHeartbeat
 from lightning_fthsdp.membership.relay import GroupRelay

@@ -13,7 +13,8 @@ import pytest
 
 from lightning_fthsdp.lighthouse.http import Connection
 from lightning_fthsdp.lighthouse.lag import Lag
-from lightning_fthsdp.lighthouse.server import REVIVAL_NEWS_S, WAKE_WINDOW_S, Lighthouse
+from lightning_fthsdp.lighthouse.news import REVIVAL_NEWS_S
+from lightning_fthsdp.lighthouse.server import WAKE_WINDOW_S, Lighthouse
 from tests.unit.test_lighthouse import hb
 from tests.unit.test_lighthouse_multiplexing import Transport
 

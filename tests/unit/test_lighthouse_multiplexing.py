@@ -403,7 +403,7 @@ def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_wit
             connection.data_received(b"POST /v1/heartbeat HTTP/1.1\r\nX-Request-Id: 1\r\nContent-Length: %d\r\n\r\n%s"
                                      % (len(body), body))
         first = next(iter(lighthouse._heartbeats))
-        lighthouse._bump_epoch()  # a death, say: every held heartbeat is answered on the next turn
+        lighthouse._news.new_epoch()  # a death, say: every held heartbeat is answered on the next turn
         lighthouse._heartbeats.release(first)  # its deadline, due earlier in this same turn
         await asyncio.sleep(0)
         await asyncio.sleep(0)

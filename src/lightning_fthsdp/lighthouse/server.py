@@ -10,19 +10,16 @@ connection to the hang deadline. A leader sends its quorum requests on its heart
 group), each with a request id, so they are handled while its heartbeat is held and answered as soon as decided
 (``http.Connection``). A death or a leave answers the held heartbeat long-polls, which is how survivors learn to
 abort an in-flight allreduce: at once, and at most once per ``WAKE_WINDOW_S`` (a burst of deaths is one wake, not
-one per death). A revival is no new epoch and wakes nobody (the group's quorum request is its news), and shows in the
-answers' dead list within ``REVIVAL_NEWS_S``: a storm of revivals must not answer every held request, nor rebuild
-the answer, once per revival. A new quorum is no epoch change: each member learns it from its own quorum answer (its
-leader relays it to the group's other ranks), so a round costs one answer per group, not two; the heartbeat answers
-after it carry it too.
+one per death). A revival and a new quorum wake nobody (``news``): a round costs one answer per group, not two.
 
 The HTTP API is summarised on :class:`Lighthouse`; every rejected request leaves the state as it was. The server is
 the I/O shell (sockets, the store, timers, routing) over parts that take ``now`` as an input: ``claims`` (what a
 request claims, checked first), ``liveness`` (who lives), ``heartbeats`` (the held heartbeats and their answer),
-``held`` (the held quorum requests), ``excluder`` (partitions and stragglers), ``rounds`` and ``decider`` (the quorum
-rounds and their decisions, by the rules of ``quorum``), ``readiness`` (whether a decision would answer, kept per
-event), ``status_view`` and ``views`` (what it shows); ``api`` encodes the quorum answer. The request bodies are
-parsed by ``protocol.requests``, the wire format the ranks' side encodes them with.
+``news`` (when the held heartbeats hear of a change), ``held`` (the held quorum requests), ``excluder`` (partitions
+and stragglers), ``rounds`` and ``decider`` (the quorum rounds and their decisions, by the rules of ``quorum``),
+``readiness`` (whether a decision would answer, kept per event), ``status_view`` and ``views`` (what it shows);
+``api`` encodes the quorum answer. The request bodies are parsed by ``protocol.requests``, the wire format the ranks'
+side encodes them with.
 """
 
 from __future__ import annotations
@@ -49,6 +46,7 @@ from lightning_fthsdp.lighthouse.ledger import CommitLedger
 from lightning_fthsdp.lighthouse.listener import Listener
 from lightning_fthsdp.lighthouse.liveness import GroupConnections, HeartbeatConnections, Liveness
 from lightning_fthsdp.lighthouse.messages import Handler, HttpError, Pending, Request, Response, json_response
+from lightning_fthsdp.lighthouse.news import HeartbeatNews
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
@@ -65,9 +63,6 @@ log = logging.getLogger("fthsdp.lighthouse")
 MAX_LONG_POLL_MS = 5_000
 WAKE_WINDOW_S = 0.02
 """Shortest time between two wakes of the held heartbeats: deaths closer together than this are told in one."""
-REVIVAL_NEWS_S = 0.1
-"""Longest a revival waits to show in the heartbeat answers' dead list (``Membership.dead_as_of`` keeps a member from
-abandoning a quorum over a dead list older than the quorum)."""
 BEHIND_SHARE = 0.5
 """The lighthouse counts as behind (``lag.Lag``) when its timers run later than this share of the heartbeat timeout:
 a client gives up on a heartbeat answered a timeout late, and its connection's close is then no crash."""
@@ -154,17 +149,16 @@ class Lighthouse:
         self._heartbeat_connections = HeartbeatConnections()
         self._liveness = Liveness(self._registry, self._ledger, self._readiness, self._watch,
                                   self._heartbeat_connections, self._held, self._excluder, self._died,
-                                  self._revived, self._stopped_counting)
+                                  lambda: self._news.revived(), self._stopped_counting)
         self._group_connections = GroupConnections()
-        self._wake_timer: asyncio.TimerHandle | None = None
-        self._revival_timer: asyncio.TimerHandle | None = None
         self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
                                 self._excluder.exclude_partitioned, self._claims.seen_committed,
                                 startup_grace_ms / 1000, time.monotonic())
         self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
-                              self._heartbeat_answers_changed)
+                              lambda: self._news.changed())
         self._heartbeat_answers = HeartbeatAnswers(self._registry, self._rounds, heartbeat_timeout_ms)
         self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answers.to, WAKE_WINDOW_S)
+        self._news = HeartbeatNews(self._heartbeat_answers, self._heartbeats)
         self._status_view = StatusView(self.rules, self._registry, self._ledger, self._readiness, self._watch,
                                        self._excluder.stragglers, self._excluder.exclusions, self._lag,
                                        self._decider.lost, self._heartbeat_connections, self._group_connections)
@@ -235,9 +229,7 @@ class Lighthouse:
         if self._expiry_task is not None:
             self._expiry_task.cancel()
         self._rounds.close()
-        for timer in (self._wake_timer, self._revival_timer):
-            if timer is not None:
-                timer.cancel()
+        self._news.close()
         self._deadlines.close()
         if self._listener is not None:
             self._listener.close()
@@ -313,10 +305,6 @@ class Lighthouse:
             return self._heartbeats.hold(request, replica_id, min(beat.wait_ms, MAX_LONG_POLL_MS) / 1000)
         return self._heartbeat_answers.to(replica_id, self._heartbeats.epoch)
 
-    def _wake(self) -> None:
-        self._wake_timer = None
-        self._heartbeats.wake(time.monotonic())
-
     def _quorum(self, request: Request) -> Response | Pending:
         arrived_s = time.monotonic()
         asked, incarnation, timeout_ms, caught_up, timing = request.parsed(lambda body: parse_quorum(body, arrived_s))
@@ -357,7 +345,7 @@ class Lighthouse:
         self._heartbeat_connections.release_group(replica_id)
         log.info("replica %s left", replica_id)
         self._watch.left(replica_id)
-        self._bump_epoch()
+        self._news.new_epoch()
         self._rounds.schedule(force=True)
         return json_response({})
 
@@ -404,7 +392,7 @@ class Lighthouse:
 
     def _died(self) -> None:
         """A death: the held heartbeats learn it (a new epoch) and a decision may leave the group out."""
-        self._bump_epoch()
+        self._news.new_epoch()
         self._rounds.schedule(force=True)
 
     def _fail_pending(self, replica_id: str, error: HttpError) -> None:
@@ -418,29 +406,6 @@ class Lighthouse:
         asked = self._readiness.pending.get(replica_id)
         self._excluder.reported(replica_id, asked.unreachable if asked is not None else None)
         self._liveness.sync(replica_id, time.monotonic())
-
-    def _revived(self) -> None:
-        """A group lives again: no new epoch and no wake (its quorum request is its news to the others), and the
-        heartbeat answers' dead list is rebuilt at most once per ``REVIVAL_NEWS_S``: each rebuild is O(groups), and a
-        storm of revivals must not cost one per revival."""
-        if self._revival_timer is None:
-            self._revival_timer = asyncio.get_running_loop().call_later(REVIVAL_NEWS_S, self._revivals_told)
-
-    def _revivals_told(self) -> None:
-        self._revival_timer = None
-        self._heartbeat_answers.changed()
-
-    def _bump_epoch(self) -> None:
-        """A new epoch (a death or a leave): the held heartbeats learn it now."""
-        self._heartbeat_answers.changed()
-        delay = self._heartbeats.new_epoch(time.monotonic())
-        if delay is not None:
-            self._wake_timer = asyncio.get_running_loop().call_later(delay, self._wake)
-
-    def _heartbeat_answers_changed(self) -> None:
-        """A new quorum, or who was answered it: heartbeats carry its id and each member's rank in it, for a rank
-        that missed its leader's relay. The members have it from their answers already: no held heartbeat is woken."""
-        self._heartbeat_answers.changed()
 
     def _decide_soon(self) -> None:
         self._rounds.schedule(force=True)
@@ -458,7 +423,7 @@ class Lighthouse:
             if decide:
                 self._rounds.schedule(force=True)
             if strays:
-                self._heartbeat_answers.changed()  # their deaths leave the heartbeat answers' "dead" list
+                self._news.changed()  # their deaths leave the heartbeat answers' "dead" list
                 for replica_id in strays:
                     self._excluder.forget(replica_id)
 
