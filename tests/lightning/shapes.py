@@ -215,6 +215,24 @@ class ManualOneOptimizer(DirectSubmodules):
         optimizer.step()
 
 
+class ManualScheduledZeroAfter(ManualOneOptimizer):
+    """Manual optimization written the other common way: the gradients zeroed after the step, and the module's own LR
+    scheduler stepped in ``training_step`` (Lightning's docs show both)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        self.manual_backward(F.mse_loss(self.net(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        self.log("lr", scheduler.get_last_lr()[0])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]
+
+
 class ManualRootParameter(ManualOneOptimizer):
     """A parameter the LightningModule holds itself (refused without configure_model)."""
 

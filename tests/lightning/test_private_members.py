@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel, RandomDataset
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -197,6 +197,22 @@ def test_lightning_optimizer_is_what_the_module_is_handed() -> None:
     wrapped = private.lightning_optimizer(trainer, 0)
     assert isinstance(wrapped, LightningOptimizer) and wrapped.optimizer is optimizer
     assert module.optimizers() is wrapped
+
+
+def test_optimizer_step_hooks_off_keep_a_manual_step_out_of_the_count(tmp_path: Any) -> None:
+    """``LightningOptimizer._on_before_step`` / ``_on_after_step`` and ``do_nothing_closure``."""
+
+    class StepsTwice(ManualOptimBoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            with private.optimizer_step_hooks_off(self.trainer):
+                super().training_step(batch, batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(StepsTwice())
+    # Two optimizer steps a batch, one of them counted: three batches to reach max_steps.
+    assert trainer.global_step == 3 and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 3
 
 
 # ------------------------------------------------------------------------------------------------------- hooks

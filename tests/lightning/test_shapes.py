@@ -126,8 +126,8 @@ def test_replica_groups_train_the_shape_as_one_process_would(request: pytest.Fix
 
 KILLED = {
     "issue_module": (("--model=shapes.DirectSubmodules",), 2),
-    # Not in process: a relaunch from a durable checkpoint refuses manual optimization (its discarded first step is
-    # trained again through training_step, which steps the optimizer a second time). Sharding is not its point.
+    # Catch-up from a live peer inside the optimizer step training_step called (no replay through Lightning's step:
+    # the user's code steps). Sharding is not its point.
     "manual_optimization_boring_model": ((f"--model={DEMOS}.boring_classes.ManualOptimBoringModel",), 1),
 }
 

@@ -1,11 +1,12 @@
 """Module shapes under ``strategy="fthsdp"`` where the module's state is the point, each fitted in the test process
 as one replica group of one rank (``in_process.fit_one_rank``): what a restarted group receives of each shape (the
-state registered by ``lightning.catchup_state``) loads inside a step and training goes on as if never interrupted,
-and the manual optimization the strategy cannot keep consistent is refused with the fix.
+state registered by ``lightning.catchup_state``) loads inside a step and training goes on as if never interrupted
+(with manual optimization too: the step that loads is trained again through ``training_step``), and the manual
+optimization the strategy cannot keep consistent is refused with the fix.
 
 The transport between groups, the kill and the restart are shape-independent; ``test_shapes.py`` runs them for real
-(replica groups as processes, SIGKILL) on the issue's module, on manual optimization (which a relaunch from a
-checkpoint refuses), on BatchNorm buffers per shard rank and on a followed step.
+(replica groups as processes, SIGKILL) on the issue's module, on manual optimization, on BatchNorm buffers per shard
+rank and on a followed step.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import seed_everything
-from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel, DemoModel
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel, DemoModel, ManualOptimBoringModel
 from lightning.pytorch.demos.transformer import LightningTransformer
 
 from lightning_fthsdp.config.env import ENV_RESUME_STEP
@@ -109,6 +110,10 @@ RESTARTED = {
     "demo_model_on_boring_data": Shape(lambda _: DemoModel(), 64, BoringDataModule),
     "transformer_demo_on_standard_library_text": Shape(
         lambda folder: LightningTransformer(vocab_size=write_text_corpus(folder)), 23),
+    # Manual optimization: the load comes inside the optimizer step training_step called, which trains again.
+    "manual_optimization_boring_model": Shape(lambda _: ManualOptimBoringModel(), 64),
+    "manual_optimization_zeroed_after_the_step_with_its_own_scheduler": Shape(
+        lambda _: shapes.ManualScheduledZeroAfter(), 16),
 }
 
 

@@ -10,10 +10,18 @@ same step as the others; with manual optimization the optimizer step (and with i
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
 import lightning.pytorch as pl
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_fthsdp.lightning import private
+from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.lightning.policy import apply_fully_shard
 
 
@@ -59,6 +67,52 @@ class OneStepPerBatch:
                 "FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, got a "
                 "training_step without a step: a group's data position counts committed steps. Accumulate "
                 "gradients with automatic optimization (Trainer(accumulate_grad_batches=...)) instead")
+
+
+class ManualRetrain:
+    """The gradients of a manual-optimization step trained again inside the optimizer step its ``training_step``
+    called: a durable checkpoint was loaded there (a relaunch, or a quorum resuming from one), so the gradients it had
+    belong to the old weights and the old position.
+
+    ``run(train)`` calls ``train()`` (the module's ``training_step`` on the batch at the committed position); the
+    optimizer step it takes only marks its gradients (``stepped``: the strategy's ``optimizer_step`` steps nothing
+    while one runs), and what else that training_step moves is put back, since the outer ``training_step`` goes on to
+    move it once: Lightning's count of optimizer steps, the LR schedulers (a module may step its own), the learning
+    rates they set and what it logged after its step. The gradients are those of the step, even where the module
+    zeroes them after stepping."""
+
+    def __init__(self, trainer: pl.Trainer, params: Sequence[torch.nn.Parameter], logs: DeferredLogs) -> None:
+        self._trainer, self._params, self._logs = trainer, list(params), logs
+        self._grads: list[torch.Tensor | None] | None = None
+        self._logged = 0  # the logs recorded up to the step
+
+    def stepped(self) -> None:
+        """The training_step stepped its optimizer: its gradients are the step's."""
+        self._grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params]
+        self._logged = self._logs.mark()
+
+    def run(self, train: Callable[[], Any]) -> None:
+        with self._put_back():
+            train()
+        if self._grads is None:
+            raise ValueError("FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, "
+                             "got a training_step without a step when trained again after loading a checkpoint")
+        self._logs.rewind(self._logged)
+        for param, grad in zip(self._params, self._grads, strict=True):
+            param.grad = grad
+
+    @contextmanager
+    def _put_back(self) -> Generator[None, None, None]:
+        trainer = self._trainer
+        schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+        groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
+        with private.optimizer_step_hooks_off(trainer):
+            yield
+        for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
+            config.scheduler.load_state_dict(state)
+        for optimizer, saved in zip(trainer.optimizers, groups, strict=True):
+            for group, values in zip(optimizer.param_groups, saved, strict=True):
+                group.update(values)
 
 
 def shard_for_manual_optimization(module: pl.LightningModule, mesh: DeviceMesh) -> None:

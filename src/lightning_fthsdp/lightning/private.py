@@ -14,6 +14,9 @@ Lightning, strategy and data:
   (subclasses and their arguments included) with our sampler, as Lightning does when it injects its own.
 - ``Strategy._lightning_optimizers``: the ``LightningOptimizer`` wrappers Lightning hands to the LightningModule's
   ``optimizer_step`` hook; a replayed step hands it the same.
+- ``LightningOptimizer._on_before_step`` / ``_on_after_step`` and ``lightning.pytorch.core.optimizer.
+  do_nothing_closure``: the manual loop's count of optimizer steps (and profiler range) around each step, muted while a
+  manual-optimization ``training_step`` trains again inside the step it called (``manual.ManualRetrain``).
 
 Lightning, hooks:
 
@@ -63,7 +66,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, do_nothing_closure
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -95,6 +98,21 @@ def lightning_optimizer(trainer: pl.Trainer, index: int) -> LightningOptimizer:
 
 
 # ------------------------------------------------------------------------------------------------------- hooks
+
+
+@contextmanager
+def optimizer_step_hooks_off(trainer: pl.Trainer) -> Generator[None, None, None]:
+    """Inside: a ``LightningOptimizer.step`` runs none of the manual loop's own hooks around the step (its count of
+    optimizer steps, its profiler range)."""
+    optimizers = list(trainer.strategy._lightning_optimizers)
+    saved = [(o._on_before_step, o._on_after_step) for o in optimizers]
+    for optimizer in optimizers:
+        optimizer._on_before_step = optimizer._on_after_step = do_nothing_closure
+    try:
+        yield
+    finally:
+        for optimizer, (before, after) in zip(optimizers, saved, strict=True):
+            optimizer._on_before_step, optimizer._on_after_step = before, after
 
 
 def call_module_hook(trainer: pl.Trainer, hook_name: str, *args: Any) -> Any:

@@ -157,6 +157,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._steps_per_batch = manual.OneStepPerBatch()
         self._logs = DeferredLogs()  # a training step's self.log calls, logged once it commits as trained
         self._replaying = False  # inside the replay of a step held during catch-up
+        self._retraining: manual.ManualRetrain | None = None  # a manual-optimization step trained again
 
     @property
     def manager(self) -> FTManager:
@@ -288,6 +289,10 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
+        if self._retraining is not None:  # training_step trained again inside this step: its gradients only
+            closure()
+            self._retraining.stepped()
+            return None
         self._steps_per_batch.count_step()
 
         def closure_then_sync() -> Any:
@@ -412,10 +417,21 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def _retrain_at_position(self, params: list[torch.nn.Parameter], optimizer: Optimizer) -> None:
         """Forward and backward again, from no gradient, on the batch at this group's committed position: after a
         durable checkpoint was loaded in this step, the gradients Lightning computed belong to the old weights and
-        the old position."""
+        the old position. With manual optimization, the module's training_step runs again inside the step it called
+        (``manual.ManualRetrain``)."""
         for p in params:
             p.grad = None
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches
+        if not module.automatic_optimization:  # one batch a step: Lightning refuses accumulation with it
+            ((batch, batch_idx),) = self._stream.batches(self.manager.next_batch_index, 1)
+            self._retraining = manual.ManualRetrain(module.trainer, params, self._logs)
+            try:
+                self._retraining.run(lambda: self._sharding.call_step(
+                    module, "training_step", self.batch_to_device(batch), batch_idx))
+            finally:
+                self._retraining = None
+            return
         for batch, batch_idx in self._stream.batches(self.manager.next_batch_index * accumulate, accumulate):
             output = self.training_step(self.batch_to_device(batch), batch_idx)
             loss = output["loss"] if isinstance(output, Mapping) else output
