@@ -70,49 +70,62 @@ class OneStepPerBatch:
 
 
 class ManualRetrain:
-    """The gradients of a manual-optimization step trained again inside the optimizer step its ``training_step``
-    called: a durable checkpoint was loaded there (a relaunch, or a quorum resuming from one), so the gradients it had
-    belong to the old weights and the old position.
+    """A manual-optimization step trained again inside the optimizer step its ``training_step`` called: a durable
+    checkpoint was loaded there (a relaunch, or a quorum resuming from one), so the gradients it had belong to the old
+    weights and the old position.
 
-    ``run(train)`` calls ``train()`` (the module's ``training_step`` on the batch at the committed position); the
-    optimizer step it takes only marks its gradients (``stepped``: the strategy's ``optimizer_step`` steps nothing
-    while one runs), and what else that training_step moves is put back, since the outer ``training_step`` goes on to
-    move it once: Lightning's count of optimizer steps, the LR schedulers (a module may step its own), the learning
-    rates they set and what it logged after its step. The gradients are those of the step, even where the module
-    zeroes them after stepping."""
+    ``run(trainer, params, train)`` calls ``train()`` (the module's ``training_step`` on the batch at the committed
+    position); while it runs (``active``) the optimizer step it takes only marks its gradients (``stepped``), and what
+    else that training_step moves is put back, since the outer ``training_step`` goes on to move it once: Lightning's
+    count of optimizer steps, the LR schedulers (a module may step its own), the learning rates they set and what it
+    logged after its step. The gradients are those of the step, even where the module zeroes them after stepping."""
 
-    def __init__(self, trainer: pl.Trainer, params: Sequence[torch.nn.Parameter], logs: DeferredLogs) -> None:
-        self._trainer, self._params, self._logs = trainer, list(params), logs
+    def __init__(self, logs: DeferredLogs) -> None:
+        self._logs = logs
+        self._params: list[torch.nn.Parameter] | None = None  # while a run is under way
         self._grads: list[torch.Tensor | None] | None = None
         self._logged = 0  # the logs recorded up to the step
 
-    def stepped(self) -> None:
-        """The training_step stepped its optimizer: its gradients are the step's."""
+    @property
+    def active(self) -> bool:
+        return self._params is not None
+
+    def stepped(self, closure: Callable[[], Any]) -> None:
+        """The training_step stepped its optimizer (``closure``, Lightning's, is run): its gradients are the step's."""
+        assert self._params is not None
+        closure()
         self._grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params]
         self._logged = self._logs.mark()
 
-    def run(self, train: Callable[[], Any]) -> None:
-        with self._put_back():
-            train()
-        if self._grads is None:
-            raise ValueError("FTHSDPStrategy needs manual optimization to step the optimizer in every training_step, "
-                             "got a training_step without a step when trained again after loading a checkpoint")
-        self._logs.rewind(self._logged)
-        for param, grad in zip(self._params, self._grads, strict=True):
-            param.grad = grad
+    def run(self, trainer: pl.Trainer, params: Sequence[torch.nn.Parameter], train: Callable[[], Any]) -> None:
+        self._params, self._grads = list(params), None
+        try:
+            with _put_back(trainer):
+                train()
+            if self._grads is None:
+                raise ValueError("FTHSDPStrategy needs manual optimization to step the optimizer in every "
+                                 "training_step, got a training_step without a step when trained again after loading "
+                                 "a checkpoint")
+            self._logs.rewind(self._logged)
+            for param, grad in zip(self._params, self._grads, strict=True):
+                param.grad = grad
+        finally:
+            self._params = None
 
-    @contextmanager
-    def _put_back(self) -> Generator[None, None, None]:
-        trainer = self._trainer
-        schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-        groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
-        with private.optimizer_step_hooks_off(trainer):
-            yield
-        for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
-            config.scheduler.load_state_dict(state)
-        for optimizer, saved in zip(trainer.optimizers, groups, strict=True):
-            for group, values in zip(optimizer.param_groups, saved, strict=True):
-                group.update(values)
+
+@contextmanager
+def _put_back(trainer: pl.Trainer) -> Generator[None, None, None]:
+    """Inside, an optimizer step is not counted; after, the LR schedulers and the optimizers' learning rates (and
+    other hyperparameters) are what they were before."""
+    schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
+    with private.optimizer_step_hooks_off(trainer):
+        yield
+    for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
+        config.scheduler.load_state_dict(state)
+    for optimizer, saved in zip(trainer.optimizers, groups, strict=True):
+        for group, values in zip(optimizer.param_groups, saved, strict=True):
+            group.update(values)
 
 
 def shard_for_manual_optimization(module: pl.LightningModule, mesh: DeviceMesh) -> None:

@@ -2,10 +2,10 @@
 
 One Lightning launch is one replica group: FSDP2 (``fully_shard``) over the group's devices, and across groups the
 fault-tolerant allreduce of ``FTManager``. The hooks below are Lightning's, in the order a fit calls them; each job
-they delegate lives in a module of its own (``topology``, ``stream``, ``sharding``, ``lr_scaling``,
-``schedulers``, ``catchup_state``, ``loops``, ``manual``, ``refusals``, ``launch_records``), and every private
-Lightning or torch member is reached through ``private``. The retry-until-commit loop is the one every front end
-uses (``manager.driver``); the strategy adapts only Lightning's optimizer step. See docs/lightning.md for usage and
+they delegate lives in a module of its own (``topology``, ``stream``, ``sharding``, ``lr_scaling``, ``schedulers``,
+``catchup_state``, ``loops``, ``manual``, ``refusals``, ``launch_records``, ``checkpoint_entry``), and every private
+Lightning or torch member is reached through ``private``. The retry-until-commit loop is the one every front end uses
+(``manager.driver``); the strategy adapts only Lightning's optimizer step. See docs/lightning.md for usage and
 semantics.
 """
 
@@ -33,7 +33,7 @@ from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_RESU
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.faults import Fault
-from lightning_fthsdp.lightning import launch_records, loops, manual, private, refusals
+from lightning_fthsdp.lightning import checkpoint_entry, launch_records, loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.lightning.lr_scaling import DegradedLR, LRScaling, check_lr_scaling
@@ -46,8 +46,6 @@ from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import StepDriver
 from lightning_fthsdp.manager.step import HeldStep
 from lightning_fthsdp.recovery.torch_state import ModuleState
-
-_CHECKPOINT_KEY = "fthsdp"
 
 
 class FTHSDPStrategy(ModelParallelStrategy):
@@ -157,7 +155,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self._steps_per_batch = manual.OneStepPerBatch()
         self._logs = DeferredLogs()  # a training step's self.log calls, logged once it commits as trained
         self._replaying = False  # inside the replay of a step held during catch-up
-        self._retraining: manual.ManualRetrain | None = None  # a manual-optimization step trained again
+        self._retrain = manual.ManualRetrain(self._logs)  # a manual-optimization step trained again
 
     @property
     def manager(self) -> FTManager:
@@ -289,10 +287,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
-        if self._retraining is not None:  # training_step trained again inside this step: its gradients only
-            closure()
-            self._retraining.stepped()
-            return None
+        if self._retrain.active:  # training_step trained again inside this step: its gradients only
+            return self._retrain.stepped(closure)
         self._steps_per_batch.count_step()
 
         def closure_then_sync() -> Any:
@@ -339,8 +335,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """Only the lowest live replica group writes (the others return at once); every rank of it takes part."""
         if not self.is_checkpoint_writer:
             return
-        checkpoint[_CHECKPOINT_KEY] = {"writer": self.replica_id, "step": self.manager.step,
-                                       "batches_committed": dict(self.manager.batches_committed)}
+        checkpoint_entry.write_entry(checkpoint, self.manager)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -352,12 +347,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Every group may resume from the one checkpoint: the FT step and the data positions come with it."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        state = checkpoint.get(_CHECKPOINT_KEY)
-        if state is None:
-            raise ValueError(f"FTHSDPStrategy cannot resume from {checkpoint_path}: it was not written by "
-                             "FTHSDPStrategy (no 'fthsdp' entry); start from weights instead")
-        self.manager.step = int(state["step"])
-        self.manager.batches_committed = {str(k): int(v) for k, v in state["batches_committed"].items()}
+        checkpoint_entry.read_entry(checkpoint, checkpoint_path, self.manager)
         return checkpoint
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -403,16 +393,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     def _train_extra_batches(self, count: int, optimizer: Optimizer) -> None:
         """Forward and backward ``count`` more optimizer steps' worth of this group's own stream, after the one
-        Lightning just trained: their gradients add to it (Lightning scales each micro-batch's loss as it does)."""
+        Lightning just trained: their gradients add to it."""
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        first = (self._stream.step + 1) * accumulate
-        for batch, batch_idx in self._stream.batches(first, count * accumulate):
-            output = self.training_step(self.batch_to_device(batch), batch_idx)
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if not isinstance(loss, torch.Tensor):
-                raise ValueError(f"FTHSDPStrategy(keep_global_batch=True) needs training_step to return the loss "
-                                 f"(a tensor or a dict with 'loss'), got {type(output).__name__}")
-            self.backward(loss / accumulate, optimizer)
+        self._train_batches((self._stream.step + 1) * accumulate, count * accumulate, optimizer)
 
     def _retrain_at_position(self, params: list[torch.nn.Parameter], optimizer: Optimizer) -> None:
         """Forward and backward again, from no gradient, on the batch at this group's committed position: after a
@@ -423,18 +406,24 @@ class FTHSDPStrategy(ModelParallelStrategy):
             p.grad = None
         module = self.lightning_module
         accumulate = module.trainer.accumulate_grad_batches
-        if not module.automatic_optimization:  # one batch a step: Lightning refuses accumulation with it
-            ((batch, batch_idx),) = self._stream.batches(self.manager.next_batch_index, 1)
-            self._retraining = manual.ManualRetrain(module.trainer, params, self._logs)
-            try:
-                self._retraining.run(lambda: self._sharding.call_step(
-                    module, "training_step", self.batch_to_device(batch), batch_idx))
-            finally:
-                self._retraining = None
+        if module.automatic_optimization:
+            self._train_batches(self.manager.next_batch_index * accumulate, accumulate, optimizer)
             return
-        for batch, batch_idx in self._stream.batches(self.manager.next_batch_index * accumulate, accumulate):
+        ((batch, batch_idx),) = self._stream.batches(self.manager.next_batch_index, 1)  # no accumulation with it
+        self._retrain.run(module.trainer, params, lambda: self._sharding.call_step(
+            module, "training_step", self.batch_to_device(batch), batch_idx))
+
+    def _train_batches(self, first: int, count: int, optimizer: Optimizer) -> None:
+        """Forward and backward the micro-batches at positions ``first`` to ``first + count - 1`` of this group's
+        stream, their gradients added to those in place (each micro-batch's loss scaled as Lightning scales it)."""
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        for batch, batch_idx in self._stream.batches(first, count):
             output = self.training_step(self.batch_to_device(batch), batch_idx)
             loss = output["loss"] if isinstance(output, Mapping) else output
+            if not isinstance(loss, torch.Tensor):
+                raise ValueError(f"FTHSDPStrategy trains batches of its own (keep_global_batch=True's extra ones, a "
+                                 f"step again after loading a checkpoint) from the loss training_step returns: return "
+                                 f"it (a tensor or a dict with 'loss'), got {type(output).__name__}")
             self.backward(loss / accumulate, optimizer)
 
     def _replay_step(self, held: HeldStep) -> None:
