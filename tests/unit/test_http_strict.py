@@ -176,6 +176,21 @@ def test_a_burst_of_groups_beyond_the_total_cap_waits_in_the_backlog_and_every_g
             sock.close()
 
 
+def test_idle_connections_at_the_total_cap_make_room_within_the_grace_and_a_group_gets_in(
+        lighthouse: Callable[..., str]) -> None:
+    # An idle flood at the total cap: its connections, young but silent, are closed for newer ones, so a group behind
+    # them in the kernel's backlog is accepted and served without waiting for the grace of each.
+    url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4, grace_s=30.0))
+    idle = [socket.create_connection(address(url), timeout=10) for _ in range(8)]
+    try:
+        answer = exchange(url, b"GET /status HTTP/1.1\r\nConnection: close\r\n" + AUTH + b"\r\n")
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        wait_for(lambda: all(is_closed(s) for s in idle[:4]), 10, "the 4 oldest idle connections to be closed")
+    finally:
+        for sock in idle:
+            sock.close()
+
+
 def test_an_authenticated_connection_is_no_longer_counted_against_the_cap(lighthouse: Callable[..., str]) -> None:
     url = lighthouse(outsider_limits=OutsiderLimits(total=4, per_source=4, grace_s=0))
     with socket.create_connection(address(url), timeout=10) as group:

@@ -12,14 +12,16 @@ One address may hold more than its share for a moment: at its cap, only a connec
 as it is connected, but many groups may share an address (a NAT, one load generator) and on a busy host many of their
 connections may be accepted before the first request of any arrives; closing those would turn a burst of groups (a
 lighthouse restart: every group reconnects) into deaths. For the same reason, at the total cap a connection younger
-than the grace is not closed either: the lighthouse stops accepting (``wait_s``), new connections wait in the kernel's
-backlog until an outsider authenticates, closes or grows older than the grace. 12,500 groups connecting at once (100,000
-ranks in groups of 8) are more than the total cap, and all of them are let in. The total cap always holds, so the
-descriptors outsiders take stay bounded.
+than the grace is closed for a newer one only once it has sent nothing for ``IDLE_AT_CAP_S`` (an idle flood's are;
+a group's request waits to be read): with none such, the lighthouse stops accepting (``room``) and new connections
+wait in the kernel's backlog until an outsider authenticates, closes or qualifies. 12,500 groups connecting at once
+(100,000 ranks in groups of 8) are more than the total cap, and all of them are let in. The total cap always holds, so
+the descriptors outsiders take stay bounded.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import resource
 import time
@@ -41,6 +43,11 @@ PER_SOURCE = 64
 however low the limit."""
 GRACE_S = 1.0
 """How long a new connection has to send its first request before a newer one of its address may take its place."""
+IDLE_AT_CAP_S = 0.2
+"""At the total cap: how long a connection younger than the grace may have sent nothing before a newer one takes its
+place (a group's client writes its request as soon as it is connected)."""
+SCAN_AT_CAP = 16
+"""At the total cap: how many of the oldest outsider connections are looked at for one to close."""
 
 
 @dataclass(frozen=True)
@@ -111,26 +118,37 @@ class Admission:
     def outsiders(self) -> int:
         return len(self._outsiders)
 
-    def wait_s(self, now: float) -> float:
-        """How long before a new connection can be admitted: 0 under the total cap, or when the oldest outsider
-        connection is older than the grace (it makes room); else the time until it is."""
-        if len(self._outsiders) < self.limits.total:
+    def room(self, now: float) -> float:
+        """Whether a new connection may be accepted now: 0 below the total cap, or when an outsider connection may be
+        closed for it (``add`` closes it); else how long before the oldest may be (the caller waits, the new
+        connections in the kernel's backlog)."""
+        if len(self._outsiders) < self.limits.total or self._replaceable(now) is not None:
             return 0.0
-        oldest_s = next(iter(self._outsiders.values()))[1]
-        return max(0.0, self.limits.grace_s - (now - oldest_s))
+        # The oldest qualifies at the idle mark if it stays idle, else at the grace (it is younger than both here).
+        age_s, idle_at_s = now - next(iter(self._outsiders.values()))[1], min(IDLE_AT_CAP_S, self.limits.grace_s)
+        return idle_at_s - age_s if age_s < idle_at_s else self.limits.grace_s - age_s
 
     def add(self, conn: Connection, source: str) -> None:
-        """``conn`` was accepted from ``source``: an outsider's until it authenticates. At its address's cap, the
-        address's oldest outsider connection is closed for it if that is older than the grace; else, at the total
-        cap, the oldest outsider connection (older than the grace when the caller waited ``wait_s``)."""
+        """``conn`` was accepted from ``source`` (once ``room`` allowed it): an outsider's until it authenticates. At
+        its address's cap, the address's oldest outsider connection is closed for it if that is older than the
+        grace; else, at the total cap, the oldest one older than the grace or idle for ``IDLE_AT_CAP_S``."""
         now = time.monotonic()
         same = self._by_source.get(source, {})
         if len(same) >= self.limits.per_source and now - next(iter(same.values())) >= self.limits.grace_s:
             self._evict(next(iter(same)))
-        elif len(self._outsiders) >= self.limits.total:
-            self._evict(next(iter(self._outsiders)))
+        elif len(self._outsiders) >= self.limits.total and (replaced := self._replaceable(now)) is not None:
+            self._evict(replaced)
         self._outsiders[conn] = (source, now)
         self._by_source.setdefault(source, {})[conn] = now
+
+    def _replaceable(self, now: float) -> Connection | None:
+        """The oldest of the first ``SCAN_AT_CAP`` outsider connections that is older than the grace, or older than
+        ``IDLE_AT_CAP_S`` with nothing sent; None if none is."""
+        for conn, (_, accepted_s) in itertools.islice(self._outsiders.items(), SCAN_AT_CAP):
+            age_s = now - accepted_s
+            if age_s >= self.limits.grace_s or (age_s >= IDLE_AT_CAP_S and not conn.unread()):
+                return conn
+        return None
 
     def evict_oldest(self) -> bool:
         """Close the oldest outsider connection (the process is out of descriptors); whether there was one."""

@@ -5,8 +5,8 @@ Why not ``loop.create_server``: it accepts up to its backlog (1,024) connections
 descriptor until a task of its own makes the transport, so a flood of connects takes a thousand descriptors before
 the lighthouse can refuse any; and when the process is out of descriptors it logs a traceback for every failed
 accept (77 MB in 45 s under a flood). Here each connection is counted as it is accepted (at a cap, the oldest outsider
-connection is closed to make room, or accepting waits while every outsider is younger than the grace), at most
-``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the
+connection is closed to make room, or accepting waits while every outsider is young and has sent a request), at
+most ``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the
 groups') were read; out of descriptors, it closes the oldest outsider connection and tries again shortly.
 """
 
@@ -68,8 +68,8 @@ class Listener:
     def _accept(self) -> None:
         self._scheduled = None
         for _ in range(ACCEPT_BATCH):
-            if wait_s := self._admission.wait_s(time.monotonic()):
-                # At the total cap with every outsider still in its grace: the rest wait in the kernel's backlog.
+            if wait_s := self._admission.room(time.monotonic()):
+                # At the total cap with no outsider to close for a newer one: the rest wait in the kernel's backlog.
                 # Polled, since an outsider authenticating or closing also makes room.
                 self._scheduled = self._loop.call_later(min(wait_s, ACCEPT_RETRY_S), self._accept)
                 return
