@@ -23,8 +23,15 @@ def _restore_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
+ONE_WORKER_FOLDERS = ("slurm",)
+"""Folders whose tests share a machine-wide resource (the SLURM cluster's munge daemon): under pytest-xdist
+(``--dist loadgroup``) each runs on one worker, its tests one after another."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         folder = item.path.relative_to(TESTS).parts[0]
         if folder not in FAST_FOLDERS or item.get_closest_marker("integration"):
             item.add_marker(pytest.mark.slow)
+        if folder in ONE_WORKER_FOLDERS:
+            item.add_marker(pytest.mark.xdist_group(folder))
