@@ -53,7 +53,6 @@ class HeldHeartbeats:
         self.epoch = 0
         self._answer = answer
         self._wake_window_s = wake_window_s
-        self._deadlines = deadlines
         self._held = HeldTable(deadlines)
         # Held at an epoch a death or a leave has changed since: answered at the next wake.
         self._stale = HeldTable(deadlines)
@@ -87,7 +86,7 @@ class HeldHeartbeats:
         self.epoch += 1
         if not len(self._held):
             return None
-        self._stale.extend(self._held.take_all())
+        self._held.move_to(self._stale)
         if self._wake_armed:
             return None
         self._wake_armed = True
@@ -97,8 +96,7 @@ class HeldHeartbeats:
         """Answer the heartbeats held at an epoch that changed since (after every change of an event-loop turn, or of
         the wake window)."""
         self._wake_armed, self._woke_at = False, now
-        for waiter, (replica_id, deadline) in self._stale.take_all().items():
-            self._deadlines.cancel(deadline)
+        for waiter, replica_id in self._stale.settle_all().items():
             waiter.answer(self._answer(replica_id, self.epoch))
 
     def _settle(self, waiter: Pending) -> str | None:

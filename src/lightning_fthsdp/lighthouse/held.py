@@ -47,13 +47,17 @@ class HeldTable:
         self._deadlines.cancel(entry[1])
         return entry[0]
 
-    def take_all(self) -> dict[Pending, tuple[str, Deadline]]:
-        """Every entry, the table left empty (their deadlines still run: see ``HeldHeartbeats.new_epoch``)."""
-        entries, self._entries = self._entries, {}
-        return entries
+    def move_to(self, other: HeldTable) -> None:
+        """Every entry goes to ``other`` (which shares the deadlines) with its deadline still running."""
+        other._entries.update(self._entries)
+        self._entries = {}
 
-    def extend(self, entries: dict[Pending, tuple[str, Deadline]]) -> None:
-        self._entries.update(entries)
+    def settle_all(self) -> dict[Pending, str]:
+        """Every entry taken out, its deadline called off: each waiter with its group."""
+        entries, self._entries = self._entries, {}
+        for _, deadline in entries.values():
+            self._deadlines.cancel(deadline)
+        return {waiter: replica_id for waiter, (replica_id, _) in entries.items()}
 
 
 class HeldRequests:

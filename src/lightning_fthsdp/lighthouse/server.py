@@ -290,15 +290,15 @@ class Lighthouse:
         # Only a group's leader (re)creates it: a late heartbeat of a finishing rank after its leader left must not
         # bring the group back as a ghost the others would wait for.
         self._registry.check(replica_id, beat.incarnation, beat.rank)
-        self._claims.check_heartbeat(replica_id, beat.incarnation, beat.step, time.monotonic())
-        record = self._admit(replica_id, beat.incarnation, beat.step)
+        now = time.monotonic()
+        self._claims.check_heartbeat(replica_id, beat.incarnation, beat.step, now)
+        record = self._admit(replica_id, beat.incarnation, beat.step, now)
         if beat.losses >= record.losses:  # else sent before the newest loss report: it revives nothing
             record.losses, record.lost = beat.losses, beat.lost
             if beat.lost:
                 cause = "hang" if set(beat.lost) <= set(beat.lost_hung) else "crash"
-                self._liveness.declare_dead(replica_id, cause, _loss(beat.lost, cause), time.monotonic(),
-                                            self._rounds.quorum)
-            self._liveness.touch(record, replica_id, beat.step, time.monotonic())
+                self._liveness.declare_dead(replica_id, cause, _loss(beat.lost, cause), now, self._rounds.quorum)
+            self._liveness.touch(record, replica_id, beat.step, now)
         self._heartbeat_connections.bind((replica_id, beat.rank), request.connection)
         self._group_connections.carried(replica_id, request.connection)
         if self._heartbeats.epoch == beat.known_epoch and beat.wait_ms > 0:
@@ -306,14 +306,13 @@ class Lighthouse:
         return self._heartbeat_answers.to(replica_id, self._heartbeats.epoch)
 
     def _quorum(self, request: Request) -> Response | Pending:
-        arrived_s = time.monotonic()
-        asked, incarnation, timeout_ms, caught_up, timing = request.parsed(lambda body: parse_quorum(body, arrived_s))
+        now = time.monotonic()
+        asked, incarnation, timeout_ms, caught_up, timing = request.parsed(lambda body: parse_quorum(body, now))
         replica_id = asked.replica_id
         self._claims.check_shard_count(replica_id, asked.shard_count, self._rounds.quorum)
         self._registry.check(replica_id, incarnation, 0)
-        self._claims.check_request(asked, incarnation, time.monotonic(), self._rounds.quorum, self._rounds.answers)
-        self._liveness.touch(self._admit(replica_id, incarnation, asked.step), replica_id, asked.step,
-                             time.monotonic())
+        self._claims.check_request(asked, incarnation, now, self._rounds.quorum, self._rounds.answers)
+        self._liveness.touch(self._admit(replica_id, incarnation, asked.step, now), replica_id, asked.step, now)
         self._group_connections.carried(replica_id, request.connection)
         self._registry.addressed(replica_id, asked.address)
         if asked.commit_failed:
@@ -322,7 +321,6 @@ class Lighthouse:
                 self._fail_pending(rid, refusal)
         if caught_up is not None:
             self._watch.caught_up(replica_id, caught_up.source, caught_up.step, caught_up.nbytes, caught_up.fetch_s)
-        now = time.monotonic()
         if timing is not None:
             self._excluder.note_timing(asked, timing, self._rounds.quorum, now)
         asked, answer = self._excluder.screen(request, asked, timeout_ms, self._rounds.quorum, self._liveness.changes,
@@ -373,21 +371,22 @@ class Lighthouse:
 
     # ---- state changes ----
 
-    def _admit(self, replica_id: str, incarnation: str, step: int) -> GroupRecord:
+    def _admit(self, replica_id: str, incarnation: str, step: int, now: float) -> GroupRecord:
         """The group's record, spoken for by ``incarnation`` (checked already) which claims ``step``. A new
         incarnation replacing a dead one takes nothing of it: its held request is refused and its ranks' connections
         mean nothing."""
-        record, new = self._registry.admit(replica_id, incarnation, time.monotonic())
+        record, new = self._registry.admit(replica_id, incarnation, now)
         if new:
             self._watch.joined(replica_id, record.incarnations, step)
             self._fail_pending(replica_id, HttpError(409, f"replica {replica_id!r} was restarted: a new "
                                                           f"incarnation replaced this one"))
             self._heartbeat_connections.release_group(replica_id)
-            self._rounds.answered.discard(replica_id)
+            self._stopped_counting(replica_id)
         return record
 
     def _stopped_counting(self, replica_id: str) -> None:
-        """Only the members answered the newest quorum, alive since, learn their rank in it from heartbeats."""
+        """The group stopped counting, or is a new incarnation: only the members answered the newest quorum, alive
+        since, learn their rank in it from heartbeats."""
         self._rounds.answered.discard(replica_id)
 
     def _died(self) -> None:
