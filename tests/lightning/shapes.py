@@ -216,17 +216,21 @@ class ManualOneOptimizer(DirectSubmodules):
 
 
 class ManualScheduledZeroAfter(ManualOneOptimizer):
-    """Manual optimization written the other common way: the gradients zeroed after the step, and the module's own LR
-    scheduler stepped in ``training_step`` (Lightning's docs show both)."""
+    """Manual optimization written the other common way: the gradients zeroed after the step, the module's own LR
+    scheduler stepped in ``training_step`` (Lightning's docs show both), and the loss logged before the step and
+    returned."""
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        self.manual_backward(F.mse_loss(self.net(x), y))
+        loss = F.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        self.manual_backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-        self.log("lr", scheduler.get_last_lr()[0])
+        self.log("lr", float(scheduler.get_last_lr()[0]))
+        return loss
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -319,6 +319,38 @@ def test_outsider_caps_leave_most_descriptors_to_the_groups_and_bad_caps_are_ref
         OutsiderLimits(4, 4, grace_s=-1)
 
 
+class FakeConnection:
+    """What ``Admission`` asks of a connection."""
+
+    def __init__(self, silent: bool) -> None:
+        self.is_silent, self.closed = silent, False
+
+    def silent(self) -> bool:
+        return self.is_silent
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_at_the_total_cap_only_a_silent_connection_past_the_idle_mark_or_one_past_the_grace_makes_room() -> None:
+    admission_ = Admission(OutsiderLimits(total=2, per_source=2, grace_s=1.0))
+    asking, silent = FakeConnection(silent=False), FakeConnection(silent=True)
+    start = time.monotonic()
+    admission_.add(asking, "10.0.0.1")  # type: ignore[arg-type]
+    admission_.add(silent, "10.0.0.1")  # type: ignore[arg-type]
+    idle_at = start + admission.IDLE_AT_CAP_S + 0.05
+    assert 0 < admission_.room(start) < admission.IDLE_AT_CAP_S + 0.05  # both young: wait
+    assert admission_.room(idle_at) == 0 and not silent.closed  # the silent one may go, once a newer one comes
+    newer = FakeConnection(silent=True)
+    admission_.add(newer, "10.0.0.2")  # type: ignore[arg-type]
+    assert silent.closed and not asking.closed and admission_.outsiders == 2
+    # The one that asked keeps its grace; the newer silent one is under the idle mark: wait, then the grace ends it.
+    assert admission_.room(time.monotonic()) > 0
+    assert admission_.room(start + 1.05) == 0
+    admission_.add(FakeConnection(silent=False), "10.0.0.3")  # type: ignore[arg-type]
+    assert asking.closed and admission_.outsiders == 2
+
+
 def test_bytes_the_loop_has_not_read_yet_count_as_unread() -> None:
     """What keeps a lighthouse that runs behind from declaring a group hung whose heartbeat waits in the kernel."""
     async def run() -> list[bool]:

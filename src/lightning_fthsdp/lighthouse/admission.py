@@ -110,6 +110,7 @@ class Admission:
         self.limits = limits
         self._outsiders: dict[Connection, tuple[str, float]] = {}  # each one's address and accept time, oldest first
         self._by_source: dict[str, dict[Connection, float]] = {}  # each address's, with their accept times
+        self._replaced: Connection | None = None  # the one ``room`` found to close for the next ``add``
         self.evicted = 0
         """Outsider connections closed to make room for newer ones."""
         self._evictions = Tally()
@@ -122,7 +123,11 @@ class Admission:
         """Whether a new connection may be accepted now: 0 below the total cap, or when an outsider connection may be
         closed for it (``add`` closes it); else how long before the oldest may be (the caller waits, the new
         connections in the kernel's backlog)."""
-        if len(self._outsiders) < self.limits.total or self._replaceable(now) is not None:
+        self._replaced = None
+        if len(self._outsiders) < self.limits.total:
+            return 0.0
+        self._replaced = self._replaceable(now)
+        if self._replaced is not None:
             return 0.0
         # The oldest qualifies at the idle mark if it stays idle, else at the grace (it is younger than both here).
         age_s, idle_at_s = now - next(iter(self._outsiders.values()))[1], min(IDLE_AT_CAP_S, self.limits.grace_s)
@@ -131,22 +136,26 @@ class Admission:
     def add(self, conn: Connection, source: str) -> None:
         """``conn`` was accepted from ``source`` (once ``room`` allowed it): an outsider's until it authenticates. At
         its address's cap, the address's oldest outsider connection is closed for it if that is older than the
-        grace; else, at the total cap, the oldest one older than the grace or idle for ``IDLE_AT_CAP_S``."""
+        grace; else, at the total cap, the one ``room`` found (unless it went meanwhile: then the cap is one fewer
+        already)."""
         now = time.monotonic()
         same = self._by_source.get(source, {})
         if len(same) >= self.limits.per_source and now - next(iter(same.values())) >= self.limits.grace_s:
             self._evict(next(iter(same)))
-        elif len(self._outsiders) >= self.limits.total and (replaced := self._replaceable(now)) is not None:
-            self._evict(replaced)
+        elif len(self._outsiders) >= self.limits.total and self._replaced in self._outsiders:
+            self._evict(self._replaced)
+        self._replaced = None
         self._outsiders[conn] = (source, now)
         self._by_source.setdefault(source, {})[conn] = now
 
     def _replaceable(self, now: float) -> Connection | None:
         """The oldest of the first ``SCAN_AT_CAP`` outsider connections that is older than the grace, or older than
-        ``IDLE_AT_CAP_S`` with nothing sent; None if none is."""
+        ``IDLE_AT_CAP_S`` with nothing sent (``Connection.silent``); None if none is. A connection that sent anything,
+        if only a byte, keeps its grace: an outsider flooding with such connections slows admission at the total cap
+        to ``total / grace_s`` connections a second, and each of them is closed at ``http.REQUEST_TIMEOUT_S``."""
         for conn, (_, accepted_s) in itertools.islice(self._outsiders.items(), SCAN_AT_CAP):
             age_s = now - accepted_s
-            if age_s >= self.limits.grace_s or (age_s >= IDLE_AT_CAP_S and not conn.unread()):
+            if age_s >= self.limits.grace_s or (age_s >= IDLE_AT_CAP_S and conn.silent()):
                 return conn
         return None
 

@@ -148,6 +148,11 @@ class Connection(asyncio.Protocol):
             return False
         return waiting[0] > 0
 
+    def silent(self) -> bool:
+        """Whether the client has sent nothing to handle yet as far as can be known: made, and nothing ``unread``
+        (before the transport is made its request may wait in the kernel already)."""
+        return self._transport is not None and not self.unread()
+
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()

@@ -3,11 +3,11 @@ accept errors counted in one log line per interval.
 
 Why not ``loop.create_server``: it accepts up to its backlog (1,024) connections in one turn and holds each one's
 descriptor until a task of its own makes the transport, so a flood of connects takes a thousand descriptors before
-the lighthouse can refuse any; and when the process is out of descriptors it logs a traceback for every failed
-accept (77 MB in 45 s under a flood). Here each connection is counted as it is accepted (at a cap, the oldest outsider
-connection is closed to make room, or accepting waits while every outsider is young and has sent a request), at
-most ``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the
-groups') were read; out of descriptors, it closes the oldest outsider connection and tries again shortly.
+the lighthouse can refuse any; and when the process is out of descriptors it logs a traceback for every failed accept
+(77 MB in 45 s under a flood). Here each connection is counted as it is accepted (at a cap, the oldest outsider
+connection is closed to make room: one past the grace, or young and silent; with none such among the oldest,
+accepting waits), at most ``ACCEPT_BATCH`` a turn, and only after the turn's ready connections (the groups') were
+read; out of descriptors, it closes the oldest outsider connection and tries again shortly.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
 
 from lightning_fthsdp.lightning import private
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
@@ -74,58 +75,91 @@ class ManualRetrain:
     checkpoint was loaded there (a relaunch, or a quorum resuming from one), so the gradients it had belong to the old
     weights and the old position.
 
-    ``run(trainer, params, train)`` calls ``train()`` (the module's ``training_step`` on the batch at the committed
-    position); while it runs (``active``) the optimizer step it takes only marks its gradients (``stepped``), and what
-    else that training_step moves is put back, since the outer ``training_step`` goes on to move it once: Lightning's
-    count of optimizer steps, the LR schedulers (a module may step its own), the learning rates they set and what it
-    logged after its step. The gradients are those of the step, even where the module zeroes them after stepping."""
+    ``run(trainer, params, optimizer, train)`` calls ``train()`` (the module's ``training_step`` on the batch at the
+    committed position); while it runs (``active``) the optimizer step it takes only marks its gradients
+    (``stepped``), and what else that training_step moves is put back, since the outer ``training_step`` goes on to
+    move it once: Lightning's count of optimizer steps, the LR schedulers (a module may step its own) and the
+    optimizers' learning rates and other hyperparameters. The gradients are those of the step, even where the module
+    zeroes them after stepping. What the outer ``training_step`` logged and returns came from the old weights: the
+    step logs and returns the inner one's instead (``begin_step`` and ``end_step`` around the outer one)."""
 
     def __init__(self, logs: DeferredLogs) -> None:
         self._logs = logs
         self._params: list[torch.nn.Parameter] | None = None  # while a run is under way
+        self._optimizer: Optimizer | None = None
         self._grads: list[torch.Tensor | None] | None = None
-        self._logged = 0  # the logs recorded up to the step
+        self._step_logs = 0  # the logs recorded before the outer training_step
+        self._retrained: tuple[Any, int] | None = None  # the inner one's output, and the end of its logs
 
     @property
     def active(self) -> bool:
         return self._params is not None
 
-    def stepped(self, closure: Callable[[], Any]) -> None:
-        """The training_step stepped its optimizer (``closure``, Lightning's, is run): its gradients are the step's."""
+    def stepped(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Any:
+        """The training_step stepped ``optimizer`` (Lightning's ``closure`` is run, its result returned as a step's
+        is): its gradients are the step's."""
         assert self._params is not None
-        closure()
+        if optimizer is not self._optimizer:
+            raise ValueError("FTHSDPStrategy trained a manual-optimization step again on the batch at the loaded "
+                             "position, and its training_step stepped another optimizer than the step being "
+                             "committed: choose the optimizer from the trainer's global_step, not from batch_idx (a "
+                             "group's batch index depends on its own data position)")
+        result = closure()
         self._grads = [None if p.grad is None else p.grad.detach().clone() for p in self._params]
-        self._logged = self._logs.mark()
+        return result
 
-    def run(self, trainer: pl.Trainer, params: Sequence[torch.nn.Parameter], train: Callable[[], Any]) -> None:
-        self._params, self._grads = list(params), None
+    def begin_step(self) -> None:
+        """A training_step begins."""
+        self._step_logs = self._logs.mark()
+
+    def run(self, trainer: pl.Trainer, params: Sequence[torch.nn.Parameter], optimizer: Optimizer,
+            train: Callable[[], Any]) -> None:
+        self._logs.rewind(self._step_logs)  # what the outer training_step logged so far came from the old weights
+        self._params, self._optimizer, self._grads = list(params), optimizer, None
         try:
             with _put_back(trainer):
-                train()
+                output = train()
             if self._grads is None:
                 raise ValueError("FTHSDPStrategy needs manual optimization to step the optimizer in every "
                                  "training_step, got a training_step without a step when trained again after loading "
                                  "a checkpoint")
-            self._logs.rewind(self._logged)
             for param, grad in zip(self._params, self._grads, strict=True):
                 param.grad = grad
+            self._retrained = (output, self._logs.mark())
         finally:
-            self._params = None
+            self._params = self._optimizer = None
+
+    def end_step(self, output: Any) -> Any:
+        """The training_step returned ``output``: the step's output (the inner one's if it trained again, what the
+        outer one logged after its step dropped)."""
+        if self._retrained is None:
+            return output
+        (output, logged), self._retrained = self._retrained, None
+        self._logs.rewind(logged)
+        return output
 
 
 @contextmanager
 def _put_back(trainer: pl.Trainer) -> Generator[None, None, None]:
     """Inside, an optimizer step is not counted; after, the LR schedulers and the optimizers' learning rates (and
-    other hyperparameters) are what they were before."""
+    other hyperparameters, tensors copied back in place: schedulers update a tensor learning rate in place) are what
+    they were before."""
     schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-    groups = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
-    with private.optimizer_step_hooks_off(trainer):
-        yield
-    for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
-        config.scheduler.load_state_dict(state)
-    for optimizer, saved in zip(trainer.optimizers, groups, strict=True):
-        for group, values in zip(optimizer.param_groups, saved, strict=True):
-            group.update(values)
+    groups = [[{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
+              for o in trainer.optimizers]
+    try:
+        with private.optimizer_step_hooks_off(trainer):
+            yield
+    finally:
+        for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
+            config.scheduler.load_state_dict(state)
+        for optimizer, saved in zip(trainer.optimizers, groups, strict=True):
+            for group, values in zip(optimizer.param_groups, saved, strict=True):
+                for key, value in values.items():
+                    if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                        group[key].copy_(value)
+                    else:
+                        group[key] = value
 
 
 def shard_for_manual_optimization(module: pl.LightningModule, mesh: DeviceMesh) -> None:

@@ -255,10 +255,12 @@ class FTHSDPStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         module = self.lightning_module
+        self._retrain.begin_step()
         with self.precision_plugin.train_step_context(), self._logs.recording(module):
             output = self._sharding.call_step(module, "training_step", *args, **kwargs)
         if not module.automatic_optimization:  # its optimizer steps (and commits) ran inside the step
             self._steps_per_batch.check_stepped()
+            output = self._retrain.end_step(output)
             self._logs.flush(module, trained=self.replica_id in self.manager.participants)
         return output
 
@@ -288,7 +290,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         if self._replaying:
             return self._step_at_degraded_lr(optimizer, closure, model, **kwargs)
         if self._retrain.active:  # training_step trained again inside this step: its gradients only
-            return self._retrain.stepped(closure)
+            return self._retrain.stepped(optimizer, closure)
         self._steps_per_batch.count_step()
 
         def closure_then_sync() -> Any:
@@ -374,11 +376,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
         assert self.model is not None and self._driver is not None and self._module_state is not None
         manager = self.manager
         params = [p for p in self.model.parameters() if p.requires_grad]
-        logged = self._logs.mark()
+        logged = [self._logs.mark()]
+
+        def retrain() -> None:
+            self._retrain_at_position(params, optimizer)
+            logged[0] = self._logs.mark()  # a later attempt keeps these gradients: and what they logged
+
         committed = self._driver.until_committed(
-            params, train_extra_batches=lambda count: self._train_extra_batches(count, optimizer),
-            retrain=lambda: self._retrain_at_position(params, optimizer),
-            on_uncommitted=lambda _: self._logs.rewind(logged))  # the attempt's extra batches log again
+            params, train_extra_batches=lambda count: self._train_extra_batches(count, optimizer), retrain=retrain,
+            on_uncommitted=lambda _: self._logs.rewind(logged[0]))  # the attempt's extra batches log again
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
         # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
@@ -410,7 +416,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._train_batches(self.manager.next_batch_index * accumulate, accumulate, optimizer)
             return
         ((batch, batch_idx),) = self._stream.batches(self.manager.next_batch_index, 1)  # no accumulation with it
-        self._retrain.run(module.trainer, params, lambda: self._sharding.call_step(
+        self._retrain.run(module.trainer, params, optimizer, lambda: self._sharding.call_step(
             module, "training_step", self.batch_to_device(batch), batch_idx))
 
     def _train_batches(self, first: int, count: int, optimizer: Optimizer) -> None:
