@@ -22,14 +22,17 @@ STEPS = 40
 KILL_STEP = 25
 
 
-@pytest.mark.parametrize("phase", ["before", "allreduce"])
-def test_sigkill_one_of_three_groups(job: Job, phase: str) -> None:
-    """Group c SIGKILLs itself at step 5, before or inside the cross-group allreduce: a and b finish, identical,
+@pytest.mark.parametrize(("phase", "extra"), [("before", ()), ("allreduce", ()), ("allreduce", ("--bucket-kib", "1"))],
+                         ids=["before", "allreduce", "allreduce-during-backward"])
+def test_sigkill_one_of_three_groups(job: Job, phase: str, extra: tuple[str, ...]) -> None:
+    """Group c SIGKILLs itself at step 25, before or inside the cross-group allreduce: a and b finish, identical,
     no committed step lost, at most one step discarded. Inside the allreduce, c's death may break one survivor's
-    exchange after the other's completed: that one discards the step and catches up from the other, once, at once."""
+    exchange after the other's completed: that one discards the step and catches up from the other, once, at once.
+    With 1 KiB buckets the exchange's first buckets start while backward runs (``manager.overlap``): c dies inside
+    its backward, with buckets in flight."""
     job.start_lighthouse()
-    a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
-    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}:phase={phase}")
+    a, b = job.start_group("a", STEPS, extra=extra), job.start_group("b", STEPS, extra=extra)
+    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}:phase={phase}", extra=extra)
     assert job.wait_exit(c, 120) == -9
     assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
     assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]

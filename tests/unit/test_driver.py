@@ -82,7 +82,8 @@ def test_every_attempt_sends_the_gradients_as_computed_and_the_commit_leaves_the
     phases: list[str] = []
     kinds: list[str] = []
     result = driver(manager, phase=phases.append).until_committed(ps, on_uncommitted=kinds.append)
-    assert manager.exchanged == [[[1.0, 1.0], [2.0, 2.0], [1.0, 1.0]]] * 3  # restored before each retry
+    # Last parameter first (the order backward produces them), then the had-gradient flags; restored before each retry.
+    assert manager.exchanged == [[[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]]] * 3
     assert all(p.grad is not None and p.grad.tolist() == [0.5, 0.5] for p in ps)
     assert (result.discarded, result.followed, result.replayed, result.caught_up) == (2, 0, 0, False)
     assert result.stall_s > 0
@@ -100,7 +101,7 @@ def test_a_parameter_no_contributing_group_had_a_gradient_for_is_left_without_on
     manager = Scripted(["discard", "commit"], had=[1.0, 0.0, 1.0])
     ps = params(1.0, None, 3.0)
     driver(manager).until_committed(ps)
-    assert manager.exchanged[0] == manager.exchanged[1] == [[1.0, 1.0], [0.0, 0.0], [3.0, 3.0], [1.0, 0.0, 1.0]]
+    assert manager.exchanged[0] == manager.exchanged[1] == [[3.0, 3.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0, 1.0]]
     assert ps[1].grad is None and ps[0].grad is not None and ps[2].grad is not None
 
 

@@ -1,7 +1,8 @@
 """AcceleratorGuards: three ``Accelerator`` methods as a fault-tolerant loop needs them, while ``FaultTolerantHSDP`` is
 entered (instance attributes over the class's methods, removed on exit; the Accelerator is otherwise untouched).
 
-- ``backward`` also keeps the loss, for the group's launch records;
+- ``backward`` also keeps the loss, for the group's launch records, and first lets the helper start the exchange
+  while it runs (``before_backward``);
 - ``clip_grad_norm_`` with the helper's ``max_grad_norm`` returns the norm the helper measured when it clipped the
   averaged gradients (a step replayed after a catch-up must be clipped exactly like the trained one, so the helper
   clips both); with any other norm it raises, naming the fix;
@@ -22,13 +23,14 @@ class AcceleratorGuards:
     """Installs and removes the three guards on one Accelerator."""
 
     def __init__(self, accelerator: Accelerator, *, max_grad_norm: float | None, last_norm: Callable[[], Any],
-                 writes_state: Callable[[], bool]) -> None:
+                 writes_state: Callable[[], bool], before_backward: Callable[[], None]) -> None:
         self.accelerator = accelerator
         self.losses: list[torch.Tensor] = []
         """This step's micro-batch losses (detached), as given to ``backward``."""
         self._max_grad_norm = max_grad_norm
         self._last_norm = last_norm
         self._writes_state = writes_state
+        self._before_backward = before_backward
         self._originals = {name: getattr(accelerator, name) for name in ("backward", "clip_grad_norm_", "save_state")}
 
     def original(self, name: str) -> Callable[..., Any]:
@@ -45,6 +47,7 @@ class AcceleratorGuards:
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.losses.append(loss.detach())
+        self._before_backward()
         self._originals["backward"](loss, **kwargs)
 
     def _clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:

@@ -25,6 +25,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import send_to_device
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fthsdp.accelerate.guards import AcceleratorGuards
 from lightning_fthsdp.accelerate.refusals import refuse_unsupported
@@ -33,6 +34,7 @@ from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_RECORD, ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
+from lightning_fthsdp.exchange.average import BUCKET_BYTES
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import Committed, StepDriver
 from lightning_fthsdp.manager.step import HeldStep
@@ -73,6 +75,11 @@ class FaultTolerantHSDP:
             Accelerate's own NCCL group came first, set ``NCCL_SOCKET_IFNAME`` yourself if NCCL's choice is wrong.
         record: append the group's launch records (docs/launch.md) here; default ``$FTHSDP_RECORD`` (what
             ``fthsdp launch`` sets), none when unset.
+        overlap_exchange: start exchanging the gradients while the backward of a step's last micro-batch runs
+            (``manager.overlap``), as DDP does: what edits a gradient between that backward and ``sync_gradients``
+            is not exchanged, and a second backward in that micro-batch raises. Never with DDP inside the group (its
+            own reduction completes only at the end of backward). False: exchange after backward.
+        bucket_mib: the most MiB of one bucket of the exchange; the same in every group.
 
     Raises ValueError at construction for fp16, ``ParallelismConfig(dp_replicate_size>1)``, FSDP1, DeepSpeed, and
     inconsistent settings (``refusals``); ``CommitsFailed`` from ``sync_gradients`` when
@@ -85,7 +92,8 @@ class FaultTolerantHSDP:
                  drop_last: bool = False, max_grad_norm: float | None = None, replica_id: str | None = None,
                  lighthouse: str | None = None, token: str | None = None, replicas: int | None = None,
                  replica_index: int | None = None, timeouts: Timeouts | None = None,
-                 advertise_host: str | None = None, record: str | Path | None = None) -> None:
+                 advertise_host: str | None = None, record: str | Path | None = None, overlap_exchange: bool = True,
+                 bucket_mib: float = BUCKET_BYTES / (1 << 20)) -> None:
         anatomy.mark("imports")  # no-op when marked already; else the script's imports and model end here
         anatomy.mark("setup")
         refuse_unsupported(accelerator)
@@ -105,11 +113,19 @@ class FaultTolerantHSDP:
         self._stream = GroupStream(dataset, topology, shard_count=accelerator.num_processes,
                                    shard_rank=accelerator.process_index, batch_size=batch_size,
                                    collate_fn=collate_fn, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host)
+        if not bucket_mib > 0:
+            raise ValueError(f"FaultTolerantHSDP bucket_mib must be > 0, got {bucket_mib!r}")
+        self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host,
+                                           max(1, round(bucket_mib * (1 << 20))))
+        # DDP's reduction inside the group finishes only at the end of backward: a gradient hook sees the local one.
+        self.overlap_exchange = overlap_exchange and not isinstance(model, DistributedDataParallel)
         self._driver = StepDriver(self.manager, apply=self._apply_held, topology=topology)
         self.discarded = 0
         """Failed commit attempts of this process (each retried with the same gradients)."""
         self._drawn = 0  # micro-batches of the current step handed out by batches()
+        # The sharded parameters, as between steps (FSDP2 holds the root's unsharded ones from its forward to the end
+        # of backward): whose gradients backward may start exchanging.
+        self._params = list(model.parameters())
         self._may_step = False  # the optimizer may step: a committed step (trained or replayed) is due
         self._norm: Any = None
         self._trained_once = False
@@ -117,7 +133,8 @@ class FaultTolerantHSDP:
         self._records_requested = bool(target)  # the same on every rank, unlike where the records go
         self.records = RecordWriter(target if accelerator.is_main_process else None, self.replica_id)
         self._guards = AcceleratorGuards(accelerator, max_grad_norm=self.max_grad_norm, last_norm=lambda: self._norm,
-                                         writes_state=lambda: self.is_checkpoint_writer)
+                                         writes_state=lambda: self.is_checkpoint_writer,
+                                         before_backward=self._before_backward)
         self._hooks = [self.optimizer.register_step_pre_hook(self._before_optimizer_step),
                        self.optimizer.register_step_post_hook(self._after_optimizer_step)]
         anatomy.mark("model")
@@ -159,6 +176,7 @@ class FaultTolerantHSDP:
         finally:
             for hook in self._hooks:
                 hook.remove()
+            self._driver.close()
             self.manager.shutdown()
 
     def batches(self) -> Iterator[Any]:
@@ -189,7 +207,7 @@ class FaultTolerantHSDP:
                 "ft.batches()")
         self._drawn = 0
         committed = self._driver.until_committed(
-            [p for p in self.model.parameters() if p.requires_grad],
+            self._trained_params(),
             on_uncommitted=lambda kind: (self.records.write(RecordKind.FOLLOW, step=self.step)
                                          if kind == "follow" else None))
         self.discarded += committed.discarded
@@ -199,8 +217,16 @@ class FaultTolerantHSDP:
 
     # ------------------------------------------------------------------------------------------- helpers
 
+    def _trained_params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _before_backward(self) -> None:
+        """Ahead of ``accelerator.backward``: the last micro-batch's starts the exchange (``overlap_exchange``)."""
+        if self.overlap_exchange and self._drawn == self.accelerator.gradient_accumulation_steps:
+            self._driver.before_backward([p for p in self._params if p.requires_grad])
+
     def _build_manager(self, lighthouse: str | None, token: str | None, timeouts: Timeouts | None,
-                       advertise_host: str | None) -> FTManager:
+                       advertise_host: str | None, bucket_bytes: int) -> FTManager:
         """The rank's FTManager over the group's own process group, with its catch-up state."""
         accelerator = self.accelerator
         process_group = None
@@ -211,7 +237,8 @@ class FaultTolerantHSDP:
         device = accelerator.device
         manager = FTManager(replica_id=self.replica_id, lighthouse=lighthouse, token=token,
                             process_group=process_group, backend="gloo" if device.type == "cpu" else "nccl",
-                            device=device, timeouts=timeouts, advertise_host=advertise_host)
+                            device=device, timeouts=timeouts, advertise_host=advertise_host,
+                            bucket_bytes=bucket_bytes)
         module_state = ModuleState(self.model)
         manager.register_state("model", module_state.get, module_state.load)
         manager.register_state("optimizer", lambda: optimizer_state(self.optimizer),

@@ -53,6 +53,7 @@ from torch import nn
 from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_REPLICA_ID, from_env
 from lightning_fthsdp.config.timeouts import add_timeout_arguments, timeouts_from_args
+from lightning_fthsdp.exchange.average import BUCKET_BYTES
 from lightning_fthsdp.faults import Fault, FaultFile
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import StepDriver
@@ -158,6 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="cross-group backend: gloo (CPU) or nccl (GPU)")
     parser.add_argument("--ballast-mib", type=int, default=0,
                         help="register this much extra state (MiB) for catch-up to transfer (benchmarks)")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false",
+                        help="exchange the gradients only after backward ends, instead of starting each bucket as "
+                             "backward produces it (lightning_fthsdp.manager.overlap)")
+    parser.add_argument("--bucket-kib", type=int, default=BUCKET_BYTES >> 10,
+                        help="the most KiB of one bucket of the exchange (lightning_fthsdp.exchange.average); the same "
+                             "in every group")
     parser.add_argument("--exchange-mib", type=float, default=0.0,
                         help="add this much (MiB of float32 zeros) to every step's cross-group exchange: the gradient "
                              "volume of a larger model, for benchmarks of a slow link (bench/bench_straggler.py)")
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                         backend=args.backend, device=device, timeouts=args.timeouts, on_phase=on_phase,
                         global_batches=args.global_batches, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every_n_steps=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
-                        advertise_host=args.advertise_host)
+                        advertise_host=args.advertise_host, bucket_bytes=args.bucket_kib << 10)
     records = RecordWriter(args.log_jsonl, manager.replica_id, manager.rank)
     # What a restarted group fetches from a healthy one (RNG, step and data positions travel automatically).
     model_state = ModuleState(model)
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             on_phase("forward")
             loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
             on_phase("backward")
+            if args.overlap:
+                driver.before_backward(params)
             loss.backward()
             pad = args.step_time_ms / 1000 - (time.monotonic() - started)
             if pad > 0 and (args.pace_file is None or args.pace_file.exists()):

@@ -1,33 +1,112 @@
-"""The gradient exchange across replica groups: SUM over the cross-group process group, divided by the batches in it."""
+"""The gradient exchange across replica groups: SUM over the cross-group process group, divided by the batches in it,
+in buckets.
+
+A bucket is a run of consecutive tensors of one dtype, flattened into a private staging buffer of at most
+``bucket_bytes`` (a larger tensor makes a bucket alone): private because an abandoned gloo collective may still write
+into it after the rank walks away. Which tensors share a bucket follows from their sizes and dtypes alone, and
+buckets start in order, so every group of a quorum (the same model, the same tensors) issues the same collectives in
+the same order, whether it starts some of them while backward runs (``manager.overlap``) or all of them after it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from lightning_fthsdp.exchange.comm import CrossGroupComm
+from lightning_fthsdp.exchange.errors import CollectiveAborted
+
+BUCKET_BYTES = 25 << 20
+"""The default most bytes of one bucket: small enough that the first buckets start early in backward, large enough
+that a collective's fixed cost stays small beside its transfer."""
+
+
+@dataclass
+class _Started:
+    stop: int
+    """One past the bucket's last tensor."""
+    start: int
+    flat: torch.Tensor
+    work: object | None
+
+
+class BucketedSum:
+    """One attempt's exchange of a step's tensors over ``comm``: ``start`` what is known early, ``finish`` the rest.
+
+    ``contribute=False`` sends zeros in the tensors' place (a group whose weights are not the job's).
+    """
+
+    def __init__(self, comm: CrossGroupComm, *, contribute: bool, bucket_bytes: int = BUCKET_BYTES) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"BucketedSum bucket_bytes must be >= 1, got {bucket_bytes!r}")
+        self._comm, self._contribute, self._bucket_bytes = comm, contribute, bucket_bytes
+        self._started: list[_Started] = []
+        self.sent = 0
+        """The tensors before this index are in started buckets."""
+        self.finished = False
+        self.failure: CollectiveAborted | None = None
+        """Why a bucket started during backward could not start: ``finish`` raises it."""
+
+    def start(self, tensors: Sequence[torch.Tensor | None], *, final: bool = False) -> None:
+        """Start the buckets of ``tensors[sent:]``, the next of the step's tensors in order; without ``final`` the
+        last bucket waits (a tensor after it may still join it). Raises CollectiveAborted when one cannot start."""
+        end = len(tensors)
+        while self.sent < end:
+            stop = self._bucket_end(tensors, self.sent, end)
+            if stop == end and not final:
+                return
+            run = tensors[self.sent:stop]
+            assert all(t is not None for t in run), "a bucket starts only once its tensors are known"
+            if self._contribute:
+                flat = torch.cat([t.detach().reshape(-1) for t in run if t is not None]).to(self._comm.device)
+            else:
+                first = run[0]
+                assert first is not None
+                flat = torch.zeros(sum(t.numel() for t in run if t is not None), dtype=first.dtype,
+                                   device=self._comm.device)
+            self._started.append(_Started(stop, self.sent, flat, None))
+            self.sent = stop
+            self._started[-1].work = self._comm.allreduce_start(flat)
+
+    def finish(self, tensors: Sequence[torch.Tensor], *, divisor: int) -> None:
+        """Start what is left of ``tensors`` (all of the step's, in order), wait for every bucket, and replace the
+        tensors in place by their SUM divided by ``divisor``. Raises CollectiveAborted on any failure: the tensors
+        then hold garbage."""
+        self.finished = True
+        if self.failure is not None:
+            raise self.failure
+        self.start(tensors, final=True)
+        for bucket in self._started:
+            self._comm.allreduce_wait(bucket.work)
+            bucket.flat.div_(divisor)
+            offset = 0
+            for t in tensors[bucket.start:bucket.stop]:
+                t.detach().copy_(bucket.flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _bucket_end(self, tensors: Sequence[torch.Tensor | None], first: int, end: int) -> int:
+        """One past the last tensor of the bucket that begins at ``first``, ``end`` where a tensor not known yet
+        would decide."""
+        head = tensors[first]
+        if head is None:
+            return end
+        size = head.numel() * head.element_size()
+        stop = first + 1
+        while stop < end:
+            t = tensors[stop]
+            if t is None:
+                return end
+            if t.dtype != head.dtype or size + t.numel() * t.element_size() > self._bucket_bytes:
+                return stop
+            size += t.numel() * t.element_size()
+            stop += 1
+        return end
 
 
 def average_gradients(comm: CrossGroupComm, tensors: Sequence[torch.Tensor], *, divisor: int,
-                      contribute: bool) -> None:
-    """Replace ``tensors`` in place by their SUM over ``comm``'s configured group divided by ``divisor``; one
-    collective per dtype. ``contribute=False`` sends zeros in their place (a group whose weights are not the job's).
-
-    Raises CollectiveAborted on any failure: the tensors then hold garbage.
-    """
-    # A private staging buffer: an abandoned gloo collective may still write into it after we walk away.
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same_dtype in by_dtype.values():
-        if contribute:
-            flat = torch.cat([t.detach().reshape(-1) for t in same_dtype]).to(comm.device)
-        else:
-            flat = torch.zeros(sum(t.numel() for t in same_dtype), dtype=same_dtype[0].dtype, device=comm.device)
-        comm.allreduce_sum(flat)
-        flat.div_(divisor)
-        offset = 0
-        for t in same_dtype:
-            t.detach().copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+                      contribute: bool, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Replace ``tensors`` in place by their SUM over ``comm``'s configured group divided by ``divisor``, all in one go
+    (``BucketedSum``). Raises CollectiveAborted on any failure: the tensors then hold garbage."""
+    BucketedSum(comm, contribute=contribute, bucket_bytes=bucket_bytes).finish(tensors, divisor=divisor)

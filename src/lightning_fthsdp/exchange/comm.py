@@ -58,7 +58,8 @@ member costs the survivors' rendezvous threads one collective timeout, and colle
 @dataclass
 class _Parked:
     backend: dist.ProcessGroup
-    work: object | None
+    works: list[object]
+    """Its ops still in flight when it was retired."""
 
 
 @dataclass
@@ -109,6 +110,7 @@ class CrossGroupComm:
         self._quorum_id: int | None = None
         self._size = 0
         self._graveyard: list[_Parked] = []
+        self._in_flight: list[object] = []  # ops started on the current group and not waited for yet
         self._prepared: _Prepared | None = None
         self._stores = StorePool(timeouts.connect_timeout_ms)
         self._newest = -1  # the newest quorum configured or prepared: an older one is never built again
@@ -160,7 +162,7 @@ class CrossGroupComm:
 
     def invalidate(self) -> None:
         """Never use the current group again (after an error anywhere in the step)."""
-        self._retire(None)
+        self._retire()
 
     def prepare(self, quorum_id: int, rank: int, size: int, store_address: str) -> None:
         """Start quorum ``quorum_id``'s rendezvous in the background (any thread), as soon as the quorum is known,
@@ -189,7 +191,7 @@ class CrossGroupComm:
         # The group just retired is destroyed at the next reconfiguration, not now: destroying a gloo group before
         # its successor's first collective makes that collective slower (their threads compete).
         self._reap()
-        self._retire(None)
+        self._retire()
         key = (quorum_id, rank, size, store_address)
         with self._lock:
             prepared = self._prepared if self._prepared is not None and self._prepared.key[0] <= quorum_id else None
@@ -229,29 +231,42 @@ class CrossGroupComm:
 
         After a failure ``buffer`` may hold garbage and must not be used; the group is retired.
         """
+        self.allreduce_wait(self.allreduce_start(buffer))
+
+    def allreduce_start(self, buffer: torch.Tensor) -> object | None:
+        """Start SUMming ``buffer`` in place across the group; ``allreduce_wait`` it (several may be in flight, waited
+        in the order started). Raises CollectiveAborted when it cannot start; the group is then retired."""
         if self._size == 1:
-            return
+            return None
         if self._backend is None:
             raise CollectiveAborted("no cross-group process group: configure() failed or was retired")
-        backend = self._backend
         try:
-            work = backend.allreduce([buffer], dist.AllreduceOptions())
+            work = self._backend.allreduce([buffer], dist.AllreduceOptions())
         except RuntimeError as exc:
-            self._retire(None)
+            self._retire()
             raise CollectiveAborted(f"allreduce could not start: {exc}") from exc
+        self._in_flight.append(work)
         if self._on_collective_started is not None:
             self._on_collective_started()
+        return work
+
+    def allreduce_wait(self, work: object | None) -> None:
+        """Wait for an ``allreduce_start``; raises CollectiveAborted on any failure or abort (the group is retired with
+        every op still in flight, its buffers then hold garbage)."""
+        if work is None:
+            return
         try:
             # Polled, never a callback (see the module docstring); for NCCL also because its work's future completes
             # as soon as the kernel is queued. An abort (a peer declared dead) or the deadline ends a collective the
             # peer never joins.
-            self._wait(work.is_completed, self._timeouts.collective_timeout_ms)
-            work.wait()
+            self._wait(work.is_completed, self._timeouts.collective_timeout_ms)  # type: ignore[attr-defined]
+            work.wait()  # type: ignore[attr-defined]
         except (CollectiveAborted, RuntimeError) as exc:
-            self._retire(work)
+            self._retire()
             if isinstance(exc, CollectiveAborted):
                 raise
             raise CollectiveAborted(f"allreduce failed: {exc}") from exc
+        self._in_flight.remove(work)
 
     def close(self) -> None:
         """Release every group. Bounded: it abandons the rendezvous still under way and waits for them to end (within
@@ -265,7 +280,7 @@ class CrossGroupComm:
             prepared, self._prepared = self._prepared, None
             rendezvous, self._rendezvous = self._rendezvous, []
         self._discard(prepared)
-        self._retire(None)
+        self._retire()
         for _, _, pending in rendezvous:
             pending.abandoned.set()
         for thread, deadline, _ in rendezvous:
@@ -382,17 +397,18 @@ class CrossGroupComm:
                 self._wake.wait(min(remaining, poll_s))
                 poll_s = min(2 * poll_s, _POLL_S[1])
 
-    def _retire(self, work: object | None) -> None:
+    def _retire(self) -> None:
         if self._backend is not None:
             if self.backend_name == "nccl":
                 self._backend.abort()
-            self._graveyard.append(_Parked(self._backend, work))
+            self._graveyard.append(_Parked(self._backend, self._in_flight))
         self._backend = None
+        self._in_flight = []
         self._quorum_id = None
 
     def _reap(self) -> None:
         """Have retired groups whose last op has finished destroyed (destroying one mid-op would block)."""
-        finished = [p.work is None or p.work.is_completed() for p in self._graveyard]
+        finished = [all(w.is_completed() for w in p.works) for p in self._graveyard]  # type: ignore[attr-defined]
         done: list[object] = [p for p, f in zip(self._graveyard, finished, strict=True) if f]
         self._graveyard = [p for p, f in zip(self._graveyard, finished, strict=True) if not f]
         if done:

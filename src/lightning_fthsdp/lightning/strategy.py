@@ -32,12 +32,14 @@ from lightning_fthsdp.config import addresses
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_RESUME_STEP, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
+from lightning_fthsdp.exchange.average import BUCKET_BYTES
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import checkpoint_entry, launch_records, loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
 from lightning_fthsdp.lightning.deferred_logs import DeferredLogs
 from lightning_fthsdp.lightning.lr_scaling import DegradedLR, LRScaling, check_lr_scaling
 from lightning_fthsdp.lightning.metrics import FTMetrics, FTMetricsLogger
+from lightning_fthsdp.lightning.overlap import exchange_during_backward
 from lightning_fthsdp.lightning.policy import DEFAULT_MIN_PARAMS
 from lightning_fthsdp.lightning.schedulers import JobSchedulers
 from lightning_fthsdp.lightning.sharding import PolicySharding
@@ -86,6 +88,9 @@ class FTHSDPStrategy(ModelParallelStrategy):
             ``NCCL_SOCKET_IFNAME`` is set); default ``$FTHSDP_ADVERTISE_HOST``, else the host's local address on the
             route to the lighthouse. Set it where the groups' traffic takes another network than the lighthouse's;
             see ``FTManager`` for what is refused.
+        overlap_exchange: start exchanging the gradients while the backward of a step's last micro-batch runs
+            (``manager.overlap``; where ``lightning.overlap`` allows it); False: exchange after backward.
+        bucket_mib: the most MiB of one bucket of the exchange; the same in every group.
         fault: failure injection for tests (``lightning_fthsdp.faults`` grammar); never set it in production.
         save_distributed_checkpoint, process_group_backend: as for ``ModelParallelStrategy``.
         timeout: this group's own process group timeout; default ``timeouts.process_group_timeout_ms``, whose place
@@ -114,6 +119,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
         checkpoint_every_n_steps: int = 0,
         checkpoint_keep: int = 2,
         advertise_host: str | None = None,
+        overlap_exchange: bool = True,
+        bucket_mib: float = BUCKET_BYTES / (1 << 20),
         fault: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -143,10 +150,17 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.validate_every_n_steps = validate_every_n_steps
         self._checkpointing = {"checkpoint_dir": checkpoint_dir, "checkpoint_every_n_steps": checkpoint_every_n_steps,
                                "checkpoint_keep": checkpoint_keep}
+        if not bucket_mib > 0:
+            raise ValueError(f"FTHSDPStrategy bucket_mib must be > 0, got {bucket_mib!r}")
+        self.overlap_exchange, self._bucket_bytes = overlap_exchange, max(1, round(bucket_mib * (1 << 20)))
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None
         self._driver: StepDriver | None = None
+        self._own_batches = False  # the strategy trains batches of its own (extra ones, a retrained step)
+        # The module's parameters after a step (FSDP2 holds the root's unsharded ones from its forward to the end of
+        # backward, and shards lazily in the first step): whose gradients the next step's backward may start exchanging.
+        self._params: list[torch.nn.Parameter] = []
         self._module_state: ModuleState | None = None
         self._stream = TrainingStream(self.topology)
         self._sharding = PolicySharding(auto_shard_min_params)
@@ -264,6 +278,15 @@ class FTHSDPStrategy(ModelParallelStrategy):
             self._logs.flush(module, trained=self.replica_id in self.manager.participants)
         return output
 
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward; the exchange starts while it runs where ``lightning.overlap`` allows."""
+        if self.overlap_exchange and self._driver is not None and self._params and not self._own_batches \
+                and exchange_during_backward(self.lightning_module.trainer):
+            self._driver.before_backward([p for p in self._params if p.requires_grad])
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -319,6 +342,8 @@ class FTHSDPStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
         if self._manager is not None:
             self._manager.shutdown()
             self._manager = None
@@ -361,7 +386,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
             backend="gloo" if self.root_device.type == "cpu" else "nccl",
             device=self.root_device, timeouts=self.timeouts, on_phase=self._fire_fault,
             global_batches=self.replicas if self.keep_global_batch else None, advertise_host=self.advertise_host,
-            **self._checkpointing)
+            bucket_bytes=self._bucket_bytes, **self._checkpointing)
 
     def _step_at_degraded_lr(self, optimizer: Optimizer, closure: Callable[[], Any],
                              model: pl.LightningModule | torch.nn.Module | None, **kwargs: Any) -> Any:
@@ -375,7 +400,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         stream position, the metrics and the step's learning rates."""
         assert self.model is not None and self._driver is not None and self._module_state is not None
         manager = self.manager
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained_params()
         logged = [self._logs.mark()]
 
         def retrain() -> None:
@@ -385,6 +410,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         committed = self._driver.until_committed(
             params, train_extra_batches=lambda count: self._train_extra_batches(count, optimizer), retrain=retrain,
             on_uncommitted=lambda _: self._logs.rewind(logged[0]))  # the attempt's extra batches log again
+        self._params = list(self.model.parameters())
         trainer = self.lightning_module.trainer
         participated = self.replica_id in manager.participants
         # What a catching-up group receives of this step's buffers: the next forward changes the live ones.
@@ -423,14 +449,22 @@ class FTHSDPStrategy(ModelParallelStrategy):
         """Forward and backward the micro-batches at positions ``first`` to ``first + count - 1`` of this group's
         stream, their gradients added to those in place (each micro-batch's loss scaled as Lightning scales it)."""
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        for batch, batch_idx in self._stream.batches(first, count):
-            output = self.training_step(self.batch_to_device(batch), batch_idx)
-            loss = output["loss"] if isinstance(output, Mapping) else output
-            if not isinstance(loss, torch.Tensor):
-                raise ValueError(f"FTHSDPStrategy trains batches of its own (keep_global_batch=True's extra ones, a "
-                                 f"step again after loading a checkpoint) from the loss training_step returns: return "
-                                 f"it (a tensor or a dict with 'loss'), got {type(output).__name__}")
-            self.backward(loss / accumulate, optimizer)
+        self._own_batches = True
+        try:
+            for batch, batch_idx in self._stream.batches(first, count):
+                output = self.training_step(self.batch_to_device(batch), batch_idx)
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not isinstance(loss, torch.Tensor):
+                    raise ValueError(f"FTHSDPStrategy trains batches of its own (keep_global_batch=True's extra ones, "
+                                     f"a step again after loading a checkpoint) from the loss training_step returns: "
+                                     f"return it (a tensor or a dict with 'loss'), got {type(output).__name__}")
+                self.backward(loss / accumulate, optimizer)
+        finally:
+            self._own_batches = False
+
+    def _trained_params(self) -> list[torch.nn.Parameter]:
+        assert self.model is not None
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _replay_step(self, held: HeldStep) -> None:
         """Apply one step the job committed while this group followed it during catch-up (the driver's ``apply``):

@@ -10,6 +10,11 @@ A parameter no contributing group had a gradient for is skipped by the optimizer
 (``manager.gradients``). When the commit loaded a catch-up state, the steps the group followed while the transfer
 ran are applied first, each through the front end's ``apply`` with its averaged gradients in place; the front end's
 own optimizer step then applies the committed one. What a front end adapts is only its optimizer step.
+
+A front end that calls ``before_backward`` ahead of the backward of a step's last micro-batch has the exchange start
+while that backward runs (``manager.overlap``); a retried attempt exchanges after its gradients are restored. Under
+FSDP2 the parameters to give are the sharded ones the module holds outside forward and backward (it holds others in
+between): take them between steps.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from lightning_fthsdp.config.ranges import REPLAY, span
 from lightning_fthsdp.data.topology import DataTopology
 from lightning_fthsdp.manager.gradients import ExchangedGradients
 from lightning_fthsdp.manager.manager import FTManager
+from lightning_fthsdp.manager.overlap import OverlappedExchange
 from lightning_fthsdp.manager.step import HeldStep
 from lightning_fthsdp.recovery.torch_state import local
 
@@ -64,8 +70,28 @@ class StepDriver:
         self._manager, self._apply, self._topology = manager, apply, topology
         self._phase = phase or (lambda _: None)
         self._exchanged = ExchangedGradients([], manager.device)
+        self._overlap: OverlappedExchange | None = None
         if apply is not None:
             manager.enable_replay()
+
+    def before_backward(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Ahead of the backward of a step's last micro-batch (on every rank of the group, it agrees on the step's
+        quorum): start exchanging the gradients of ``params`` as that backward produces them, where the step allows
+        (``FTManager.open_exchange``). Pass the same ``params`` to ``until_committed``."""
+        params = list(params)
+        if self._overlap is None or not _same(self._overlap.params, params):
+            if self._overlap is not None:
+                self._overlap.remove()
+            self._overlap = OverlappedExchange(params)
+        exchange = self._manager.open_exchange()
+        if exchange is not None:
+            self._overlap.arm(exchange)
+
+    def close(self) -> None:
+        """Take ``before_backward``'s hooks off the parameters."""
+        if self._overlap is not None:
+            self._overlap.remove()
+            self._overlap = None
 
     def until_committed(self, params: Sequence[torch.nn.Parameter], *,
                         train_extra_batches: Callable[[int], None] | None = None,
@@ -83,6 +109,11 @@ class StepDriver:
         Raises ValueError on a quorum larger than the topology, RuntimeError on a checkpoint load without
         ``retrain``, CommitsFailed once the manager's budget of failed commits in a row is spent."""
         manager, params = self._manager, list(params)
+        if self._overlap is not None and self._overlap.armed and not _same(self._overlap.params, params):
+            raise RuntimeError(f"StepDriver (group {manager.replica_id}): the trained parameters changed between the "
+                               f"step's backward, which started exchanging their gradients, and its exchange (a "
+                               f"requires_grad changed inside the step?): change them between steps, or turn the "
+                               f"overlapped exchange off (overlap_exchange=False)")
         ours = self._copy(params)
         loads, catch_ups = manager.checkpoint_loads, len(manager.catch_up_log)
         result, started = Committed(), time.monotonic()
@@ -149,3 +180,7 @@ class StepDriver:
                 p.grad = None
             else:
                 local(p.grad).copy_(own)
+
+
+def _same(ours: Sequence[torch.nn.Parameter], theirs: Sequence[torch.nn.Parameter]) -> bool:
+    return len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs, strict=True))

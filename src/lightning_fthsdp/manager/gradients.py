@@ -22,14 +22,15 @@ class ExchangedGradients:
         self._had = torch.zeros(0)  # per parameter: > 0 once exchanged if a contributing group had a gradient
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tensors to exchange: each parameter's gradient (this rank's shard; zeros put in where it has none),
-        then the flags. The same tensors carry the averages back (and a replayed step's, see ``drop_missing``)."""
+        """The tensors to exchange: each parameter's gradient (this rank's shard; zeros put in where it has none), last
+        parameter first (the order backward produces them: ``exchange.overlap``), then the flags. The same tensors
+        carry the averages back (and a replayed step's, see ``drop_missing``)."""
         self._had = torch.tensor([float(p.grad is not None) for p in self._params], device=self._device)
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._sent = [(p, p.grad) for p in self._params]
-        return [local(p.grad) for p in self._params] + [self._had]
+        return [local(p.grad) for p in reversed(self._params)] + [self._had]
 
     def drop_missing(self) -> None:
         """After the exchange: no gradient (None) for a parameter no contributing group had one for. The exchanged

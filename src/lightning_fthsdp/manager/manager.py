@@ -34,7 +34,7 @@ from lightning_fthsdp.config.addresses import lighthouse_host
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_TOKEN, from_env, resolve
 from lightning_fthsdp.config.ranges import ALLREDUCE, COMMIT, RENDEZVOUS, REPLAY, VOTE, span
 from lightning_fthsdp.config.timeouts import Timeouts
-from lightning_fthsdp.exchange.average import average_gradients
+from lightning_fthsdp.exchange.average import BUCKET_BYTES, BucketedSum
 from lightning_fthsdp.exchange.comm import CrossGroupComm
 from lightning_fthsdp.exchange.errors import CollectiveAborted
 from lightning_fthsdp.manager.agreement import GroupAgreement
@@ -93,6 +93,8 @@ class FTManager:
             the background; 0: write none, only load). More often loses fewer steps when every holder fails at once
             and costs the writer a CPU copy of its state (overlapped with forward and backward) and disk I/O.
         checkpoint_keep: complete checkpoints kept (the oldest are removed).
+        bucket_bytes: the most bytes of one bucket of the exchange (``exchange.average``); every group of the job
+            must use the same.
     """
 
     def __init__(
@@ -113,11 +115,15 @@ class FTManager:
         checkpoint_dir: str | None = None,
         checkpoint_every_n_steps: int = 0,
         checkpoint_keep: int = 2,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         if global_batches is not None and (not isinstance(global_batches, int) or global_batches < 1):
             raise ValueError(f"FTManager global_batches must be an integer >= 1 (the job's replica group count) or "
                              f"None, got {global_batches!r}")
         self.global_batches = global_batches
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"FTManager bucket_bytes must be an integer >= 1, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
         if not isinstance(replay_buffer_mib, int) or replay_buffer_mib < 0:
             raise ValueError(f"FTManager replay_buffer_mib must be an integer >= 0, got {replay_buffer_mib!r}")
         self._reserve_snapshot_memory = reserve_snapshot_memory
@@ -298,20 +304,46 @@ class FTManager:
         while degraded, else 1. Waits for the step's quorum (every rank of the group must call it)."""
         return self._shares.get(self.replica_id, 1) if self._agreed_step().quorum is not None else 1
 
+    def open_exchange(self) -> BucketedSum | None:
+        """Before the backward of the step's gradients (every rank of the group alike): agree on the step's quorum now
+        and, when the step is a plain one (this group contributes one batch, catches up from nobody, loads no
+        checkpoint), build its cross-group group and return the exchange to start during backward
+        (``manager.overlap``); ``sync_gradients`` finishes it. None: the whole exchange runs in ``sync_gradients``."""
+        state = self._agreed_step()
+        quorum = state.quorum
+        if (quorum is None or state.exchange is not None or self._shares.get(self.replica_id) != 1
+                or self._follower.active or self.replica_id in quorum.catch_up_from or quorum.resume_step >= 0
+                or self._resumption.relaunching):
+            return None
+        try:
+            with span(RENDEZVOUS):
+                self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
+                                     self._group.store_address)
+        except CollectiveAborted as exc:
+            self._exchange_failed(state, quorum, exc, built=False)
+            return None
+        state.exchange = BucketedSum(self._comm, contribute=True, bucket_bytes=self.bucket_bytes)
+        return state.exchange
+
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Average ``tensors`` in place over the groups that contribute real gradients this step.
 
         ``tensors`` hold the sum of the gradients of this group's ``step_batches()`` batches (each a mean over its
-        batch); the average is weighted by them. Returns whether the exchange succeeded; on False the tensors hold
-        garbage and ``commit()`` will vote no.
+        batch); the average is weighted by them. Every group passes the same tensors in the same order (the
+        exchange's buckets follow from it); the buckets of an ``open_exchange`` started during backward are this
+        call's first tensors. Returns whether the exchange succeeded; on False the tensors hold garbage and
+        ``commit()`` will vote no.
         """
         state = self._agreed_step()
         state.exchanged = state.ready = False  # a repeated call's outcome replaces the last one's
         exchange_from = time.monotonic()
         state.compute_s, state.wait_s = max(0.0, exchange_from - state.started_s - state.agree_s), None
         quorum = state.quorum
+        opened, state.exchange = state.exchange, None
         if quorum is None:
             state.failure = f"no quorum: {self._agreement.no_quorum_reason}"
+            return False
+        if state.rendezvous_failed:  # in open_exchange
             return False
         if self._resumption.instead_of_exchange(quorum, self.step):
             state.resumed = True
@@ -327,15 +359,12 @@ class FTManager:
                                      self._group.store_address)
             built = True
             # Never real gradients while catching up: our weights are not the job's until the state is loaded.
+            exchange = opened or BucketedSum(self._comm, bucket_bytes=self.bucket_bytes,
+                                             contribute=self.replica_id in self._shares and not self._follower.active)
             with span(ALLREDUCE):
-                average_gradients(self._comm, tensors, divisor=sum(self._shares.values()),
-                                  contribute=self.replica_id in self._shares and not self._follower.active)
+                exchange.finish(tensors, divisor=sum(self._shares.values()))
         except CollectiveAborted as exc:
-            self._elog.warning(
-                "step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
-            self._comm.invalidate()
-            state.failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
-            state.collective_failed, state.rendezvous_failed = True, not built
+            self._exchange_failed(state, quorum, exc, built=built)
             return False
         state.exchanged = True
         state.wait_s = time.monotonic() - exchange_from
@@ -443,6 +472,12 @@ class FTManager:
                 self._participants = self._current.quorum.participants
                 self._shares = split_batches(self._participants, self.global_batches)
         return self._current
+
+    def _exchange_failed(self, state: StepState, quorum: Quorum, exc: CollectiveAborted, *, built: bool) -> None:
+        self._elog.warning("step failed in quorum %d: %s", quorum.quorum_id, exc, extra={"quorum_id": quorum.quorum_id})
+        self._comm.invalidate()
+        state.failure = f"the exchange in quorum {quorum.quorum_id} failed: {exc}"
+        state.collective_failed, state.rendezvous_failed = True, not built
 
     def _loaded_checkpoint(self, tree: StateTree) -> None:
         self._catchup.load(tree, keep_memory=False)

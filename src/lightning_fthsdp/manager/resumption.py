@@ -34,6 +34,11 @@ class Resumption:
                                f"step began: call it before training")
         self._relaunch_step = step
 
+    @property
+    def relaunching(self) -> bool:
+        """Whether the next exchange may load the relaunch checkpoint instead."""
+        return self._relaunch_step is not None
+
     def instead_of_exchange(self, quorum: Quorum, step: int) -> bool:
         """Whether the step of ``quorum`` (this group holding committed ``step``) loads a checkpoint instead of
         exchanging (loaded here), or holds its state already in a quorum that resumes from one."""

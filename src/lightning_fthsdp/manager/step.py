@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_fthsdp.exchange.average import BucketedSum
 from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.protocol.requests import StepTiming
 from lightning_fthsdp.recovery.expected import Counters
@@ -88,6 +89,8 @@ class StepState:
     """Seconds the exchange took, waiting for the other groups included (None: no exchange succeeded)."""
     failure: str = ""
     """Why the step failed so far, for the commit that counts it (empty: it has not)."""
+    exchange: BucketedSum | None = None
+    """The exchange ``open_exchange`` started for backward, until ``sync_gradients`` finishes it."""
 
     def timing(self) -> StepTiming | None:
         """The step's times as the next quorum request reports them (``lighthouse.stragglers``); None: none."""
