@@ -165,3 +165,17 @@ def test_bench_soak_smoke_injects_failures_and_finds_nothing_broken(tmp_path: Pa
     result = json.loads(out.read_text())
     assert result["ok"] and result["failures"] >= 1, (result["failures"], result["findings"])
     assert str(out) in printed
+
+
+def test_bench_overlap_smoke_times_plain_hsdp_and_both_exchanges(tmp_path: Path) -> None:
+    from lightning_fthsdp.netcluster.cluster import available
+
+    out = tmp_path / "overlap.json"
+    printed = smoke("bench_overlap.py", out)
+    result = json.loads(out.read_text())
+    assert set(result["median_step_s"]) == {"compute", "plain_hsdp", "after_backward", "overlapped"}, result
+    assert all(s > 0 for s in result["median_step_s"].values()), result["median_step_s"]
+    assert result["vs_plain_hsdp"]["plain_hsdp"] == 1.0, result["vs_plain_hsdp"]
+    # Where namespaces can be made the groups are on hosts of their own behind slow links; else loopback, said so.
+    assert result["namespaces"] == (available() is None), result
+    assert ("hosts of their own" if result["namespaces"] else "loopback") in printed and str(out) in printed
