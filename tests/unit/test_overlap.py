@@ -119,3 +119,22 @@ def test_hooks_do_nothing_unless_armed_and_go_when_removed() -> None:
         assert exchange.sent == 0 and not hooks.armed
     finally:
         comm.close()
+
+
+def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the_fix() -> None:
+    """What went out is not the step's gradient: finish refuses instead of averaging the edit away."""
+    comm = comm_of_one()
+    model = WithUnused()
+    params = list(model.parameters())
+    hooks = OverlappedExchange(params)
+    exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+    try:
+        hooks.arm(exchange)
+        backward(model, 0)
+        assert exchange.sent == 3
+        model.third.weight.grad.mul_(0.5)  # type: ignore[union-attr]  # e.g. a clip of the user's own
+        with pytest.raises(RuntimeError, match=r"gradients \[1\] .*changed in place.*overlap_exchange=False"):
+            exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=1)
+    finally:
+        hooks.remove()
+        comm.close()

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import send_to_device
+from accelerate.utils import DistributedType, send_to_device
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fthsdp.accelerate.guards import AcceleratorGuards
 from lightning_fthsdp.accelerate.refusals import refuse_unsupported
@@ -117,8 +116,10 @@ class FaultTolerantHSDP:
             raise ValueError(f"FaultTolerantHSDP bucket_mib must be > 0, got {bucket_mib!r}")
         self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host,
                                            max(1, round(bucket_mib * (1 << 20))))
-        # DDP's reduction inside the group finishes only at the end of backward: a gradient hook sees the local one.
-        self.overlap_exchange = overlap_exchange and not isinstance(model, DistributedDataParallel)
+        # DDP's reduction inside the group (whatever wraps it: torch.compile, the user) ends only with backward: a
+        # gradient hook sees the rank's own gradient. FSDP2 fires the hook on the reduce-scattered shard.
+        self.overlap_exchange = overlap_exchange and (
+            accelerator.num_processes == 1 or accelerator.distributed_type == DistributedType.FSDP)
         self._driver = StepDriver(self.manager, apply=self._apply_held, topology=topology)
         self.discarded = 0
         """Failed commit attempts of this process (each retried with the same gradients)."""
@@ -211,6 +212,7 @@ class FaultTolerantHSDP:
             on_uncommitted=lambda kind: (self.records.write(RecordKind.FOLLOW, step=self.step)
                                          if kind == "follow" else None))
         self.discarded += committed.discarded
+        self._params = list(self.model.parameters())  # between steps: the sharded ones, whatever replaced them
         self._norm = self._clip()
         self._may_step = True
         self._record_commit(committed)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_fthsdp.exchange.comm import CrossGroupComm
+from lightning_fthsdp.exchange.comm import CrossGroupComm, Started
 from lightning_fthsdp.exchange.errors import CollectiveAborted
 
 BUCKET_BYTES = 25 << 20
@@ -24,12 +24,14 @@ that a collective's fixed cost stays small beside its transfer."""
 
 
 @dataclass
-class _Started:
+class _Bucket:
+    start: int
     stop: int
     """One past the bucket's last tensor."""
-    start: int
     flat: torch.Tensor
-    work: object | None
+    versions: list[int]
+    """Its tensors' version counters when it started: an in-place change after that was not sent."""
+    op: Started | None = None
 
 
 class BucketedSum:
@@ -42,7 +44,7 @@ class BucketedSum:
         if bucket_bytes < 1:
             raise ValueError(f"BucketedSum bucket_bytes must be >= 1, got {bucket_bytes!r}")
         self._comm, self._contribute, self._bucket_bytes = comm, contribute, bucket_bytes
-        self._started: list[_Started] = []
+        self._started: list[_Bucket] = []
         self.sent = 0
         """The tensors before this index are in started buckets."""
         self.finished = False
@@ -66,25 +68,38 @@ class BucketedSum:
                 assert first is not None
                 flat = torch.zeros(sum(t.numel() for t in run if t is not None), dtype=first.dtype,
                                    device=self._comm.device)
-            self._started.append(_Started(stop, self.sent, flat, None))
+            bucket = _Bucket(self.sent, stop, flat, [t._version for t in run if t is not None])
+            self._started.append(bucket)
             self.sent = stop
-            self._started[-1].work = self._comm.allreduce_start(flat)
+            bucket.op = self._comm.allreduce_start(flat)
 
     def finish(self, tensors: Sequence[torch.Tensor], *, divisor: int) -> None:
         """Start what is left of ``tensors`` (all of the step's, in order), wait for every bucket, and replace the
         tensors in place by their SUM divided by ``divisor``. Raises CollectiveAborted on any failure: the tensors
-        then hold garbage."""
+        then hold garbage; RuntimeError when a tensor of a bucket started early changed in place after it started
+        (what went out is not the step's gradient)."""
         self.finished = True
-        if self.failure is not None:
-            raise self.failure
-        self.start(tensors, final=True)
-        for bucket in self._started:
-            self._comm.allreduce_wait(bucket.work)
-            bucket.flat.div_(divisor)
-            offset = 0
-            for t in tensors[bucket.start:bucket.stop]:
-                t.detach().copy_(bucket.flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        try:
+            if self.failure is not None:
+                raise self.failure
+            changed = [i for b in self._started for i, version in zip(range(b.start, b.stop), b.versions, strict=True)
+                       if tensors[i]._version != version]
+            if changed:
+                raise RuntimeError(
+                    f"BucketedSum: gradients {changed} of the exchange (counted from the last parameter) changed in "
+                    f"place after they were sent to the other replica groups during backward: change gradients "
+                    f"before backward ends (or not at all), or turn the overlapped exchange off "
+                    f"(overlap_exchange=False)")
+            self.start(tensors, final=True)
+            for bucket in self._started:
+                self._comm.allreduce_wait(bucket.op)
+                bucket.flat.div_(divisor)
+                offset = 0
+                for t in tensors[bucket.start:bucket.stop]:
+                    t.detach().copy_(bucket.flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        finally:
+            self._started = []  # the staging buffers: a full copy of the gradients, not kept into the next step
 
     def _bucket_end(self, tensors: Sequence[torch.Tensor | None], first: int, end: int) -> int:
         """One past the last tensor of the bucket that begins at ``first``, ``end`` where a tensor not known yet

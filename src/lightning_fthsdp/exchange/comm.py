@@ -62,6 +62,15 @@ class _Parked:
     """Its ops still in flight when it was retired."""
 
 
+@dataclass(frozen=True)
+class Started:
+    """An allreduce in flight (``CrossGroupComm.allreduce_start``)."""
+
+    work: object
+    deadline: float
+    """When the wait gives up (monotonic): collective_timeout after the start."""
+
+
 @dataclass
 class _Prepared:
     key: tuple[int, int, int, str]
@@ -233,7 +242,7 @@ class CrossGroupComm:
         """
         self.allreduce_wait(self.allreduce_start(buffer))
 
-    def allreduce_start(self, buffer: torch.Tensor) -> object | None:
+    def allreduce_start(self, buffer: torch.Tensor) -> Started | None:
         """Start SUMming ``buffer`` in place across the group; ``allreduce_wait`` it (several may be in flight, waited
         in the order started). Raises CollectiveAborted when it cannot start; the group is then retired."""
         if self._size == 1:
@@ -245,21 +254,25 @@ class CrossGroupComm:
         except RuntimeError as exc:
             self._retire()
             raise CollectiveAborted(f"allreduce could not start: {exc}") from exc
+        # The backend's own timeout (gloo's, NCCL's watchdog) counts from here: so does the wait's.
+        started = Started(work, time.monotonic() + self._timeouts.collective_timeout_ms / 1000)
         self._in_flight.append(work)
         if self._on_collective_started is not None:
             self._on_collective_started()
-        return work
+        return started
 
-    def allreduce_wait(self, work: object | None) -> None:
-        """Wait for an ``allreduce_start``; raises CollectiveAborted on any failure or abort (the group is retired with
-        every op still in flight, its buffers then hold garbage)."""
-        if work is None:
+    def allreduce_wait(self, started: Started | None) -> None:
+        """Wait for an ``allreduce_start``, at most collective_timeout from its start; raises CollectiveAborted on any
+        failure or abort (the group is retired with every op still in flight, its buffers then hold garbage)."""
+        if started is None:
             return
+        work = started.work
         try:
             # Polled, never a callback (see the module docstring); for NCCL also because its work's future completes
             # as soon as the kernel is queued. An abort (a peer declared dead) or the deadline ends a collective the
             # peer never joins.
-            self._wait(work.is_completed, self._timeouts.collective_timeout_ms)  # type: ignore[attr-defined]
+            self._wait(work.is_completed, self._timeouts.collective_timeout_ms,  # type: ignore[attr-defined]
+                       deadline=started.deadline)
             work.wait()  # type: ignore[attr-defined]
         except (CollectiveAborted, RuntimeError) as exc:
             self._retire()
@@ -362,10 +375,11 @@ class CrossGroupComm:
             self._rendezvous.append((thread, deadline, pending))
         thread.start()
 
-    def _wait(self, ready: Future | Callable[[], bool], timeout_ms: int):  # type: ignore[type-arg,no-untyped-def]
+    def _wait(self, ready: Future | Callable[[], bool], timeout_ms: int,  # type: ignore[type-arg,no-untyped-def]
+              deadline: float | None = None):
         """``ready``'s result once done (a Future wakes us; a predicate is polled), unless aborted or past the
-        deadline: CollectiveAborted."""
-        deadline = time.monotonic() + timeout_ms / 1000
+        deadline (``timeout_ms`` from now unless given): CollectiveAborted."""
+        deadline = deadline if deadline is not None else time.monotonic() + timeout_ms / 1000
         poll_s = _POLL_S[0]
         while True:
             with self._lock:

@@ -229,6 +229,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         # code steps: there is no step to replay through, so the transfer ends in the step the group joined).
         self._driver = StepDriver(manager, topology=self.topology, phase=self._fire_fault,
                                   apply=self._replay_step if trainer.lightning_module.automatic_optimization else None)
+        self._params = []  # a new fit: its parameters are known after its first step
         if not any(isinstance(c, FTMetricsLogger) for c in trainer.callbacks):
             trainer.callbacks.append(FTMetricsLogger(self.ft_metrics))
 

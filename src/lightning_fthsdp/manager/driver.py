@@ -124,6 +124,8 @@ class StepDriver:
             tensors = [*self._exchanged.tensors(), *extra]
             self._phase("follow" if manager.following else "before")
             manager.sync_gradients(tensors)
+            if self._overlap is not None:
+                self._overlap.disarm()  # a retried attempt exchanges after its gradients are restored
             if self._topology is not None and manager.quorum is not None:
                 self._topology.check_quorum(manager.quorum.member_ids, manager.replica_id)
             self._phase("commit")

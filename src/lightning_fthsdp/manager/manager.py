@@ -345,6 +345,9 @@ class FTManager:
             return False
         if state.rendezvous_failed:  # in open_exchange
             return False
+        if opened is not None and opened.failure is not None:  # a bucket could not start during backward
+            self._exchange_failed(state, quorum, opened.failure, built=True)
+            return False
         if self._resumption.instead_of_exchange(quorum, self.step):
             state.resumed = True
             return False  # every member trains the step again once loaded

@@ -10,7 +10,8 @@ exchange finishes after backward, with zeros in its place, as every group does.
 
 Like DDP, the gradients are sent as backward produces them: what changes a gradient after its backward (a second
 backward in the same step, a hook editing gradients) is not what was sent. A gradient produced again after its bucket
-started raises (a second backward in one step); front ends arm the overlap only where nothing else edits them.
+started raises (a second backward in one step), and so does one changed in place after it (``BucketedSum.finish``):
+front ends arm the overlap only where nothing else edits them.
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ class OverlappedExchange:
         """Whether an exchange is armed that has not finished."""
         return self._exchange is not None and not self._exchange.finished
 
+    def disarm(self) -> None:
+        """Forget the armed exchange and the gradients it was given (nothing of a step kept into the next)."""
+        self._exchange, self._produced, self._known = None, [], 0
+
     def remove(self) -> None:
         """Take the hooks off the parameters."""
         for hook in self._hooks:
             hook.remove()
-        self._hooks, self._exchange = [], None
+        self._hooks = []
+        self.disarm()
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         exchange = self._exchange
