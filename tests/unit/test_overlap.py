@@ -3,6 +3,8 @@ the exchange after backward gives, bit for bit, also when one group overlaps and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,38 +93,74 @@ def test_buckets_start_during_backward_and_average_as_after_it(store: dist.TCPSt
     assert not torch.equal(ours[0], torch.zeros_like(ours[0]))
 
 
-def test_a_gradient_produced_again_after_its_bucket_went_out_raises_naming_the_fix() -> None:
-    comm = comm_of_one()
-    model = WithUnused()
-    hooks = OverlappedExchange(list(model.parameters()))
+def on_two_members(store: dist.TCPStore, fn: Callable[[CrossGroupComm, int], None]) -> None:  # noqa: F811
+    """``fn(comm, rank)`` on both members of a real cross-group group (a group alone sends nothing early)."""
+    comms = [CrossGroupComm("gloo", torch.device("cpu"), TIMEOUTS, shard_rank=0) for _ in range(2)]
+
+    def rank_fn(rank: int) -> None:
+        comms[rank].configure(1, rank, 2, f"127.0.0.1:{store.port}")
+        fn(comms[rank], rank)
+
     try:
-        hooks.arm(BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES))
-        backward(model, 0)
-        with pytest.raises(RuntimeError, match=r"backward ran twice in one step.*overlap_exchange=False"):
-            backward(model, 0)
+        run_ranks(rank_fn)
     finally:
-        hooks.remove()
-        comm.close()
+        for c in comms:
+            c.close()
 
 
-def test_hooks_do_nothing_unless_armed_and_go_when_removed() -> None:
-    comm = comm_of_one()
-    model = WithUnused()
-    hooks = OverlappedExchange(list(model.parameters()))
-    exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
-    try:
-        backward(model, 0)
-        backward(model, 0)  # not armed: no exchange, no error
+def test_a_gradient_produced_again_after_its_bucket_went_out_raises_naming_the_fix(
+        store: dist.TCPStore) -> None:  # noqa: F811
+    def second_backward(comm: CrossGroupComm, rank: int) -> None:
+        model = WithUnused()
+        hooks = OverlappedExchange(list(model.parameters()))
+        try:
+            hooks.arm(BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES))
+            backward(model, rank)
+            with pytest.raises(RuntimeError, match=r"backward ran twice in one step.*overlap_exchange=False"):
+                backward(model, rank)
+        finally:
+            hooks.remove()
+
+    on_two_members(store, second_backward)
+
+
+def test_hooks_do_nothing_unless_armed_and_go_when_removed(store: dist.TCPStore) -> None:  # noqa: F811
+    def unarmed_then_removed(comm: CrossGroupComm, rank: int) -> None:
+        model = WithUnused()
+        hooks = OverlappedExchange(list(model.parameters()))
+        exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+        backward(model, rank)
+        backward(model, rank)  # not armed: no exchange, no error
         hooks.arm(exchange)
         hooks.remove()
-        backward(model, 0)
+        backward(model, rank)  # armed, its hooks gone: nothing goes out
         assert exchange.sent == 0 and not hooks.armed
-    finally:
-        comm.close()
+
+    on_two_members(store, unarmed_then_removed)
 
 
-def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the_fix() -> None:
+def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the_fix(
+        store: dist.TCPStore) -> None:  # noqa: F811
     """What went out is not the step's gradient: finish refuses instead of averaging the edit away."""
+    def edit_after_backward(comm: CrossGroupComm, rank: int) -> None:
+        model = WithUnused()
+        params = list(model.parameters())
+        hooks = OverlappedExchange(params)
+        exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+        try:
+            hooks.arm(exchange)
+            backward(model, rank)
+            assert exchange.sent == 3
+            model.third.weight.grad.mul_(0.5)  # type: ignore[union-attr]  # e.g. a clip of the user's own
+            with pytest.raises(RuntimeError, match=r"gradients \[1\] .*changed in place.*overlap_exchange=False"):
+                exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=1)
+        finally:
+            hooks.remove()
+
+    on_two_members(store, edit_after_backward)
+
+
+def test_a_group_alone_sends_nothing_and_its_average_is_its_gradient_over_the_divisor() -> None:
     comm = comm_of_one()
     model = WithUnused()
     params = list(model.parameters())
@@ -131,10 +169,10 @@ def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the
     try:
         hooks.arm(exchange)
         backward(model, 0)
-        assert exchange.sent == 3
-        model.third.weight.grad.mul_(0.5)  # type: ignore[union-attr]  # e.g. a clip of the user's own
-        with pytest.raises(RuntimeError, match=r"gradients \[1\] .*changed in place.*overlap_exchange=False"):
-            exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=1)
+        expected = model.third.weight.grad.clone() / 2  # type: ignore[union-attr]
+        assert exchange.sent == 0
+        exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=2)
+        assert torch.equal(model.third.weight.grad, expected)  # type: ignore[arg-type]
     finally:
         hooks.remove()
         comm.close()

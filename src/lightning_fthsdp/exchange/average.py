@@ -55,7 +55,7 @@ class BucketedSum:
         """Start the buckets of ``tensors[sent:]``, the next of the step's tensors in order; without ``final`` the
         last bucket waits (a tensor after it may still join it). Raises CollectiveAborted when one cannot start."""
         end = len(tensors)
-        while self.sent < end:
+        while self.sent < end and not self._comm.alone:
             stop = self._bucket_end(tensors, self.sent, end)
             if stop == end and not final:
                 return
@@ -90,6 +90,13 @@ class BucketedSum:
                     f"place after they were sent to the other replica groups during backward: change gradients "
                     f"before backward ends (or not at all), or turn the overlapped exchange off "
                     f"(overlap_exchange=False)")
+            if self._comm.alone:  # no staging: the sum is the tensors themselves
+                for t in tensors:
+                    if not self._contribute:
+                        t.detach().zero_()
+                    elif divisor != 1:
+                        t.detach().div_(divisor)
+                return
             self.start(tensors, final=True)
             for bucket in self._started:
                 self._comm.allreduce_wait(bucket.op)

@@ -142,6 +142,11 @@ class CrossGroupComm:
     def quorum_id(self) -> int | None:
         return self._quorum_id
 
+    @property
+    def alone(self) -> bool:
+        """Whether the configured group has this rank alone: a SUM over it is the tensor itself."""
+        return self._size == 1
+
     def abort(self, reason: str, quorum_id: int | None = None) -> None:
         """Abandon whatever this rank is waiting on (callable from any thread, e.g. the heartbeat watchdog).
 
