@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.manager.watchdog import Watchdog
 from lightning_fthsdp.membership.view import Membership
@@ -81,3 +83,16 @@ def test_a_member_abandons_its_quorum_only_for_a_dead_set_as_new_as_that_quorum(
     watchdog._abandon_for(frozenset({"c"}), as_of=3)
     watchdog._abandon_for(frozenset({"c", "d"}), as_of=4)
     assert comm.aborted == [3, 3]
+
+
+def test_a_restarted_lighthouse_counts_deaths_on_from_its_predecessors_total() -> None:
+    """Group a was declared dead once by the old lighthouse (a restart of its own, long before the quorum). The
+    restarted lighthouse knows no death of it: the lease its quorum began with still holds (the restart declared
+    nobody dead); the first death the new one declares ends it."""
+    member = membership([])
+    member.answered({**answer(OLD, 9, 5), "deaths": {"a": 1}}, sent=time.monotonic())
+    at_quorum = member.deaths
+    member.answered({**answer(NEW, 0, 6), "deaths": {}}, sent=time.monotonic())
+    assert member.deaths == at_quorum == 1 and member.lease_valid(at_quorum)
+    member.answered({**answer(NEW, 1, 6), "deaths": {"a": 1}}, sent=time.monotonic())
+    assert member.deaths == 2 and not member.lease_valid(at_quorum)

@@ -38,6 +38,17 @@ def backward(model: nn.Module, rank: int) -> None:
     model(torch.randn(5, 8, generator=generator)).square().mean().backward()
 
 
+def armed_backward(comm: CrossGroupComm, rank: int) -> tuple[WithUnused, list[nn.Parameter], OverlappedExchange,
+                                                              BucketedSum]:
+    """A model whose backward ran with an exchange over ``comm`` armed: what it went through."""
+    model = WithUnused()
+    params = list(model.parameters())
+    hooks, exchange = OverlappedExchange(params), BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+    hooks.arm(exchange)
+    backward(model, rank)
+    return model, params, hooks, exchange
+
+
 def exchanged(model: nn.Module, comm: CrossGroupComm, *, overlap: bool, rank: int) -> tuple[list[torch.Tensor], int]:
     """One step's averaged gradients (and flags), and how many tensors went out before backward ended."""
     params = list(model.parameters())
@@ -143,13 +154,8 @@ def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the
         store: dist.TCPStore) -> None:  # noqa: F811
     """What went out is not the step's gradient: finish refuses instead of averaging the edit away."""
     def edit_after_backward(comm: CrossGroupComm, rank: int) -> None:
-        model = WithUnused()
-        params = list(model.parameters())
-        hooks = OverlappedExchange(params)
-        exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+        model, params, hooks, exchange = armed_backward(comm, rank)
         try:
-            hooks.arm(exchange)
-            backward(model, rank)
             assert exchange.sent == 3
             model.third.weight.grad.mul_(0.5)  # type: ignore[union-attr]  # e.g. a clip of the user's own
             with pytest.raises(RuntimeError, match=r"gradients \[1\] .*changed in place.*overlap_exchange=False"):
@@ -162,13 +168,8 @@ def test_a_gradient_changed_in_place_after_its_bucket_went_out_raises_naming_the
 
 def test_a_group_alone_sends_nothing_and_its_average_is_its_gradient_over_the_divisor() -> None:
     comm = comm_of_one()
-    model = WithUnused()
-    params = list(model.parameters())
-    hooks = OverlappedExchange(params)
-    exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+    model, params, hooks, exchange = armed_backward(comm, 0)
     try:
-        hooks.arm(exchange)
-        backward(model, 0)
         expected = model.third.weight.grad.clone() / 2  # type: ignore[union-attr]
         assert exchange.sent == 0
         exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=2)

@@ -58,7 +58,10 @@ class Membership:
         heartbeat, so a dead set from before a quorum was decided may name a member that lives again: the quorum,
         which the lighthouse formed of live groups, is the newer news. Written after ``dead``: read it first."""
         self.deaths = 0
-        """How often the lighthouse declared this group dead, as of the newest answer."""
+        """How often a lighthouse declared this group dead, as of the newest answer: each lighthouse counts from its
+        own start, so a restarted one's count goes on from its predecessor's total (``answered``)."""
+        self._deaths_before = 0  # the total before the lighthouse now answering
+        self._deaths_from: tuple[str, int] | None = None  # store and epoch of the answer the count is from
         self.lease_ms = timeouts.heartbeat_timeout_ms
         """The lighthouse's heartbeat timeout once it answered (ours until then): how long an acknowledgement lasts."""
         self._acknowledged = time.monotonic()
@@ -85,9 +88,16 @@ class Membership:
         """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``
         (``protocol.answers.heartbeat_answer_body``)."""
         heard = read_heartbeat_answer(answer, self._replica_id)
+        store, epoch = heard.quorum.store, heard.epoch
+        if self._deaths_from is not None and (store != self._deaths_from[0] or epoch < self._deaths_from[1]):
+            # Another lighthouse (a restart): its count begins at 0, and a death it declares is news. Told apart as
+            # the store's loss is, from this answer's own store and epoch (quorum news may have brought the new store
+            # before it).
+            self._deaths_before = self.deaths
+        self._deaths_from = (store, epoch)
         # Deaths and the lease length before the acknowledgement time: lease_valid (another thread) that sees the new
         # time must see what the same answer says of them.
-        self.deaths = heard.deaths
+        self.deaths = self._deaths_before + heard.deaths
         self._adopt_lease(heard.heartbeat_timeout_ms)
         self._acknowledged = sent
         self.state = "ok"
