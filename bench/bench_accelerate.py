@@ -146,8 +146,11 @@ def main() -> None:
     if args.steps <= args.warmup:
         parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if args.worker:
+        from lightning_fthsdp.lightning import release_process_groups
+
         worker(args)
-        return
+        # Torch's C++ teardown at interpreter exit now and then aborts a rank that finished (-6, seen under load).
+        release_process_groups()
 
     from lightning_fthsdp.launch.processes import Job
 
