@@ -163,15 +163,20 @@ def run_mode(mode: str, args: argparse.Namespace, hosts: Hosts, workdir: Path) -
                  for host in ("a", "b")]
     else:
         extra = [[]]
+    procs: list[subprocess.Popen[str]] = []
     try:
-        procs = [hosts.popen(host, [*common, "--rank", str(rank), *extra[rank]], env)
-                 for rank, host in enumerate(("a", "b")[:len(extra)])]
+        for rank, host in enumerate(("a", "b")[:len(extra)]):
+            procs.append(hosts.popen(host, [*common, "--rank", str(rank), *extra[rank]], env))
         outputs = [proc.communicate(timeout=args.timeout_s)[0] for proc in procs]
         for proc, out in zip(procs, outputs, strict=True):
             if proc.returncode != 0:
                 raise RuntimeError(f"bench_overlap: a {mode} worker exited {proc.returncode}:\n{out[-2000:]}")
         return json.loads(outputs[0].strip().splitlines()[-1])["times"]
     finally:
+        for proc in procs:  # ours, still running only when the mode failed or ran past --timeout-s
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if job is not None:
             job.close()
         del keep

@@ -1,4 +1,4 @@
-"""average_gradients: SUM across the cross-group process group, divided by the batches that went into it."""
+"""BucketedSum: SUM across the cross-group process group, divided by the batches that went into it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fthsdp.exchange.average import average_gradients
+from lightning_fthsdp.exchange.average import BucketedSum
 from lightning_fthsdp.exchange.comm import CrossGroupComm
 from tests.unit.test_comm import TIMEOUTS, run_ranks, store  # noqa: F401 (store is a fixture)
 
@@ -21,7 +21,7 @@ def test_each_dtype_is_divided_in_place() -> None:
     comm = comm_of_one()
     try:
         a, b, c = torch.full((2, 2), 6.0), torch.full((3,), 3.0, dtype=torch.float64), torch.full((1,), 9.0)
-        average_gradients(comm, [a, b, c], divisor=3, contribute=True)
+        BucketedSum(comm, contribute=True).finish([a, b, c], divisor=3)
         assert torch.equal(a, torch.full((2, 2), 2.0)) and torch.equal(c, torch.full((1,), 3.0))
         assert b.dtype == torch.float64 and torch.equal(b, torch.ones(3, dtype=torch.float64))
     finally:
@@ -32,7 +32,7 @@ def test_a_group_that_does_not_contribute_sends_zeros() -> None:
     comm = comm_of_one()
     try:
         grad = torch.full((4,), 5.0)
-        average_gradients(comm, [grad], divisor=1, contribute=False)
+        BucketedSum(comm, contribute=False).finish([grad], divisor=1)
         assert torch.equal(grad, torch.zeros(4))
     finally:
         comm.close()
@@ -47,9 +47,9 @@ def test_the_average_spans_the_members_and_weighs_by_the_divisor(store: dist.TCP
     def rank_fn(rank: int) -> tuple[list[float], list[float]]:
         comms[rank].configure(1, rank, 2, address)
         weighted = torch.full((3,), [4.0, 5.0][rank])
-        average_gradients(comms[rank], [weighted], divisor=3, contribute=True)
+        BucketedSum(comms[rank], contribute=True).finish([weighted], divisor=3)
         following = torch.full((3,), [2.0, 100.0][rank])
-        average_gradients(comms[rank], [following], divisor=1, contribute=rank == 0)
+        BucketedSum(comms[rank], contribute=rank == 0).finish([following], divisor=1)
         return weighted.tolist(), following.tolist()
 
     try:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_fthsdp.exchange.average import BucketedSum, average_gradients
+from lightning_fthsdp.exchange.average import BucketedSum
 from lightning_fthsdp.exchange.comm import CrossGroupComm
 from lightning_fthsdp.manager.gradients import ExchangedGradients
 from lightning_fthsdp.manager.overlap import OverlappedExchange
@@ -65,7 +65,7 @@ def exchanged(model: nn.Module, comm: CrossGroupComm, *, overlap: bool, rank: in
         if overlap:
             exchange.finish(tensors, divisor=2)
         else:
-            average_gradients(comm, tensors, divisor=2, contribute=True, bucket_bytes=BUCKET_BYTES)
+            BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES).finish(tensors, divisor=2)
         gradients.drop_missing()
     finally:
         hooks.remove()

@@ -33,7 +33,7 @@ from lightning_fthsdp.config import anatomy
 from lightning_fthsdp.config.env import ENV_RECORD, ENV_REPLICA_ID, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
-from lightning_fthsdp.exchange.average import BUCKET_BYTES
+from lightning_fthsdp.exchange.average import BUCKET_BYTES, bucket_bytes_of
 from lightning_fthsdp.manager import FTManager
 from lightning_fthsdp.manager.driver import Committed, StepDriver
 from lightning_fthsdp.manager.step import HeldStep
@@ -112,10 +112,8 @@ class FaultTolerantHSDP:
         self._stream = GroupStream(dataset, topology, shard_count=accelerator.num_processes,
                                    shard_rank=accelerator.process_index, batch_size=batch_size,
                                    collate_fn=collate_fn, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        if not bucket_mib > 0:
-            raise ValueError(f"FaultTolerantHSDP bucket_mib must be > 0, got {bucket_mib!r}")
         self.manager = self._build_manager(lighthouse, token, timeouts, advertise_host,
-                                           max(1, round(bucket_mib * (1 << 20))))
+                                           bucket_bytes_of(bucket_mib, "FaultTolerantHSDP"))
         # DDP's reduction inside the group (whatever wraps it: torch.compile, the user) ends only with backward: a
         # gradient hook sees the rank's own gradient. FSDP2 fires the hook on the reduce-scattered shard.
         self.overlap_exchange = overlap_exchange and (

@@ -51,7 +51,7 @@ class BucketedSum:
         self.failure: CollectiveAborted | None = None
         """Why a bucket started during backward could not start: ``finish`` raises it."""
 
-    def start(self, tensors: Sequence[torch.Tensor | None], *, final: bool = False) -> None:
+    def start(self, tensors: Sequence[torch.Tensor], *, final: bool = False) -> None:
         """Start the buckets of ``tensors[sent:]``, the next of the step's tensors in order; without ``final`` the
         last bucket waits (a tensor after it may still join it). Raises CollectiveAborted when one cannot start."""
         end = len(tensors)
@@ -60,15 +60,11 @@ class BucketedSum:
             if stop == end and not final:
                 return
             run = tensors[self.sent:stop]
-            assert all(t is not None for t in run), "a bucket starts only once its tensors are known"
             if self._contribute:
-                flat = torch.cat([t.detach().reshape(-1) for t in run if t is not None]).to(self._comm.device)
+                flat = torch.cat([t.detach().reshape(-1) for t in run]).to(self._comm.device)
             else:
-                first = run[0]
-                assert first is not None
-                flat = torch.zeros(sum(t.numel() for t in run if t is not None), dtype=first.dtype,
-                                   device=self._comm.device)
-            bucket = _Bucket(self.sent, stop, flat, [t._version for t in run if t is not None])
+                flat = torch.zeros(sum(t.numel() for t in run), dtype=run[0].dtype, device=self._comm.device)
+            bucket = _Bucket(self.sent, stop, flat, [t._version for t in run])
             self._started.append(bucket)
             self.sent = stop
             bucket.op = self._comm.allreduce_start(flat)
@@ -108,27 +104,21 @@ class BucketedSum:
         finally:
             self._started = []  # the staging buffers: a full copy of the gradients, not kept into the next step
 
-    def _bucket_end(self, tensors: Sequence[torch.Tensor | None], first: int, end: int) -> int:
-        """One past the last tensor of the bucket that begins at ``first``, ``end`` where a tensor not known yet
-        would decide."""
-        head = tensors[first]
-        if head is None:
-            return end
-        size = head.numel() * head.element_size()
-        stop = first + 1
+    def _bucket_end(self, tensors: Sequence[torch.Tensor], first: int, end: int) -> int:
+        """One past the last tensor of the bucket that begins at ``first``; ``end`` when it reaches the last tensor
+        known (a later one may still join it)."""
+        dtype, size, stop = tensors[first].dtype, 0, first
         while stop < end:
             t = tensors[stop]
-            if t is None:
-                return end
-            if t.dtype != head.dtype or size + t.numel() * t.element_size() > self._bucket_bytes:
+            if stop > first and (t.dtype != dtype or size + t.numel() * t.element_size() > self._bucket_bytes):
                 return stop
             size += t.numel() * t.element_size()
             stop += 1
         return end
 
 
-def average_gradients(comm: CrossGroupComm, tensors: Sequence[torch.Tensor], *, divisor: int,
-                      contribute: bool, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Replace ``tensors`` in place by their SUM over ``comm``'s configured group divided by ``divisor``, all in one go
-    (``BucketedSum``). Raises CollectiveAborted on any failure: the tensors then hold garbage."""
-    BucketedSum(comm, contribute=contribute, bucket_bytes=bucket_bytes).finish(tensors, divisor=divisor)
+def bucket_bytes_of(bucket_mib: float, owner: str) -> int:
+    """A front end's ``bucket_mib`` setting in bytes; ValueError naming ``owner`` unless it is > 0."""
+    if not bucket_mib > 0:
+        raise ValueError(f"{owner} bucket_mib must be > 0 (MiB of one bucket of the exchange), got {bucket_mib!r}")
+    return max(1, round(bucket_mib * (1 << 20)))

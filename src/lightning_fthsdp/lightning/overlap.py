@@ -3,8 +3,8 @@
 Only where the gradients backward produces are the ones the optimizer step exchanges: automatic optimization (manual
 steps call backward where and as often as they like), the micro-batch an optimizer step follows (accumulation adds
 more after the others), and no ``on_after_backward`` of the module's or a callback's (it may edit the gradients after
-their buckets were sent). The strategy's own extra batches and retrained steps need no rule: the manager does not open
-an exchange for a step of several batches, and a retrained step starts from no gradient.
+their buckets were sent). Never for the batches the strategy trains itself (extra ones, a step trained again after a
+checkpoint load): Lightning's loop state there is the outer step's, so the strategy leaves them out itself.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from lightning_fthsdp.config import addresses
 from lightning_fthsdp.config.env import ENV_LIGHTHOUSE, ENV_REPLICA_ID, ENV_RESUME_STEP, resolve
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.data.topology import DataTopology
-from lightning_fthsdp.exchange.average import BUCKET_BYTES
+from lightning_fthsdp.exchange.average import BUCKET_BYTES, bucket_bytes_of
 from lightning_fthsdp.faults import Fault
 from lightning_fthsdp.lightning import checkpoint_entry, launch_records, loops, manual, private, refusals
 from lightning_fthsdp.lightning.catchup_state import register_catchup_state
@@ -150,9 +150,7 @@ class FTHSDPStrategy(ModelParallelStrategy):
         self.validate_every_n_steps = validate_every_n_steps
         self._checkpointing = {"checkpoint_dir": checkpoint_dir, "checkpoint_every_n_steps": checkpoint_every_n_steps,
                                "checkpoint_keep": checkpoint_keep}
-        if not bucket_mib > 0:
-            raise ValueError(f"FTHSDPStrategy bucket_mib must be > 0, got {bucket_mib!r}")
-        self.overlap_exchange, self._bucket_bytes = overlap_exchange, max(1, round(bucket_mib * (1 << 20)))
+        self.overlap_exchange, self._bucket_bytes = overlap_exchange, bucket_bytes_of(bucket_mib, "FTHSDPStrategy")
         self._fault = Fault.parse(fault) if fault else None
         self.ft_metrics = FTMetrics()
         self._manager: FTManager | None = None

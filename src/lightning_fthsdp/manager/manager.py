@@ -345,9 +345,6 @@ class FTManager:
             return False
         if state.rendezvous_failed:  # in open_exchange
             return False
-        if opened is not None and opened.failure is not None:  # a bucket could not start during backward
-            self._exchange_failed(state, quorum, opened.failure, built=True)
-            return False
         if self._resumption.instead_of_exchange(quorum, self.step):
             state.resumed = True
             return False  # every member trains the step again once loaded
@@ -355,12 +352,13 @@ class FTManager:
         source = quorum.catch_up_from.get(self.replica_id)
         if source is not None:
             self._follower.start(quorum, source)
-        built = False
+        built = opened is not None  # by open_exchange: never again (a bucket's failure retired it)
         try:
-            with span(RENDEZVOUS):
-                self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
-                                     self._group.store_address)
-            built = True
+            if not built:
+                with span(RENDEZVOUS):
+                    self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
+                                         self._group.store_address)
+                built = True
             # Never real gradients while catching up: our weights are not the job's until the state is loaded.
             exchange = opened or BucketedSum(self._comm, bucket_bytes=self.bucket_bytes,
                                              contribute=self.replica_id in self._shares and not self._follower.active)

@@ -17,6 +17,7 @@ front ends arm the overlap only where nothing else edits them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -73,6 +74,6 @@ class OverlappedExchange:
             self._known += 1
         if self._known > exchange.sent:
             try:
-                exchange.start(self._produced[:self._known])
+                exchange.start(cast(list[torch.Tensor], self._produced[:self._known]))  # all produced
             except CollectiveAborted as exc:  # the step fails where it would have without the overlap: in finish
                 exchange.failure = exc
