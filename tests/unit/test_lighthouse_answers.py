@@ -64,6 +64,25 @@ def test_a_fresh_lighthouse_asks_for_the_members_once_and_changes_nothing_before
     assert code == 200 and adopted["quorum_id"] == 4 and Quorum.from_json(adopted, quorum).member_ids == ("a", "b")
 
 
+def test_a_restarted_lighthouse_waits_for_the_adopted_quorums_silent_members_before_forming_without_them(
+        lighthouse: Callable[..., str]) -> None:
+    """c reaches a restarted lighthouse first and is answered the quorum of a and c it holds; its next request comes
+    before a has spoken to this lighthouse at all. Formed at once, c's next quorum would hold c alone (a is not
+    heartbeating here yet), c would commit a step alone and a would have to catch up from it. The lighthouse waits
+    for a (within the join timeout) and the two go on in the same quorum."""
+    url = lighthouse(min_replicas=1, join_timeout_ms=30_000)
+    quorum = Quorum(4, (Member("a", 9, "a:1"), Member("c", 9, "c:1")), 9, 2)
+    code, adopted = Client(url).call("POST", "/v1/quorum", {**held("c", quorum, 9), "members": ["a", "c"]})
+    assert code == 200 and adopted["quorum_id"] == 4, adopted
+    c, a = Client(url), Client(url)
+    c.send("POST", "/v1/quorum", without_members(held("c", quorum, 10)))
+    wait_for(lambda: replica(Client(url).status(), "c")["pending"], 5, "c's request held", interval_s=0.005)
+    a.send("POST", "/v1/quorum", {**held("a", quorum, 10), "members": ["a", "c"]})
+    (code_c, for_c), (code_a, for_a) = c.recv(), a.recv()
+    assert code_c == code_a == 200, (for_c, for_a)
+    assert for_c["quorum_id"] == for_a["quorum_id"] == 4 and for_c["max_step"] == 10, (for_c, for_a)
+
+
 def test_the_client_resends_its_members_to_a_restarted_lighthouse_and_keeps_its_quorum(
         lighthouse: Callable[..., str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A new lighthouse stands in for a restarted one. The clients send their members only when it asks for them

@@ -91,9 +91,10 @@ def _ask(readiness: Readiness, rid: str, step: int, quorum_id: int = -1, arrived
                                 shard_count=1))
 
 
-def _decider(rules: QuorumRules, ledger: CommitLedger, readiness: Readiness, grace_s: float = 0.0) -> Decider:
+def _decider(rules: QuorumRules, ledger: CommitLedger, readiness: Readiness, grace_s: float = 0.0,
+             silent_step: Callable[[], int] = lambda: -1) -> Decider:
     return Decider(rules, ledger, Watch(None, clock=lambda: 0.0), readiness, lambda now: None, frozenset,
-                   startup_grace_s=grace_s, started_s=100.0)
+                   silent_step, startup_grace_s=grace_s, started_s=100.0)
 
 
 def test_a_new_lighthouse_decides_nothing_in_its_startup_grace_and_says_when_to_decide_again() -> None:
@@ -121,6 +122,33 @@ def test_a_quorum_below_the_committed_step_waits_for_a_holder_then_records_the_l
     resumed = decider.decide(now=230.0, previous=previous).quorum
     assert resumed is not None and resumed.max_step == 3 and not decider.lost.waiting
     assert ledger.committed_step == 3 and [lost.to_json()["lost_steps"] for lost in ledger.lost] == [4]
+
+
+@pytest.mark.parametrize("b_asks", [True, False])
+def test_a_new_lighthouses_first_quorum_waits_for_a_heartbeating_group_holding_more_than_the_groups_asking(
+        b_asks: bool) -> None:
+    """Restarted groups at step 0 ask; b, which heartbeats at step 1381, has not asked (it is still inside a
+    collective of the old quorum). Their quorum at step 0 waits for b (the lost-state wait); once b asks it joins at
+    its step, and had it never asked the groups at step 0 would go on after the wait, with no steps recorded lost
+    (this lighthouse never answered step 1381)."""
+    rules = QuorumRules(min_replicas=1, lost_state_wait_ms=30_000)
+    ledger, readiness = CommitLedger(), Readiness(rules)
+    silent = {"b": 1381}
+    decider = _decider(rules, ledger, readiness, silent_step=lambda: max(silent.values(), default=-1))
+    _ask(readiness, "a", 0, quorum_id=29, arrived_s=200.0)
+    _ask(readiness, "c", 0, arrived_s=200.0)
+    waiting = decider.decide(now=203.0, previous=None)
+    assert waiting.quorum is None and waiting.again_at == 233.0
+    if b_asks:
+        _ask(readiness, "b", 1381, quorum_id=29, arrived_s=204.0)
+        del silent["b"]
+        formed = decider.decide(now=204.0, previous=None).quorum
+        assert formed is not None and formed.max_step == 1381 and set(formed.catch_up_from) == {"a", "c"}
+    else:
+        assert decider.decide(now=232.9, previous=None).quorum is None
+        formed = decider.decide(now=233.0, previous=None).quorum
+        assert formed is not None and formed.max_step == 0 and ledger.lost == []
+    assert not decider.lost.waiting
 
 
 def test_liveness_declares_a_silent_group_dead_only_past_the_timeout_and_the_lighthouses_own_lag() -> None:

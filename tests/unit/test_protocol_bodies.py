@@ -4,6 +4,7 @@ lighthouse."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -95,6 +96,9 @@ def test_a_first_quorum_request_holds_nothing_and_its_428_retry_names_the_member
     body = quorum_body("a", "inc-1", 9, 2, "", False, HELD, 4, False, 1_000, timing=StepTiming(0.5, None))
     asked, *_, timing = parse_quorum(wire(with_members(body, HELD)), 0.0)
     assert (asked.quorum_id, asked.members, asked.members_digest) == (4, ("a", "b"), HELD.members_digest)
+    assert asked.held_following == ()
+    following = dataclasses.replace(HELD, following=frozenset("b"))
+    assert parse_quorum(wire(with_members(body, following)), 0.0)[0].held_following == ("b",)
     assert "wait_s" not in body and timing == StepTiming(0.5, None)
 
 
@@ -134,6 +138,8 @@ def quorum(body: dict[str, object]) -> object:
      f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour)"),
     (quorum, quorum_request(members_digest="f" * 65), "field 'members_digest' must be at most 64 characters"),
     (quorum, quorum_request(members=["a", "a b"]), "field 'members' has an invalid entry: replica_id must be"),
+    (quorum, quorum_request(members=["a", "b"], held_following=["c"]),
+     "field 'held_following' must name members of the quorum held (field 'members'), got ['c'] beyond them"),
     (quorum, quorum_request(unreachable=["b"] * (MAX_UNREACHABLE + 1)),
      f"field 'unreachable' names {MAX_UNREACHABLE + 1} groups, more than {MAX_UNREACHABLE}"),
     (quorum, quorum_request(wait_s=0.5), "field 'wait_s' needs 'compute_s' in the same request"),

@@ -228,6 +228,19 @@ def test_restarted_lighthouse_adopts_the_quorum_healthy_groups_hold() -> None:
     assert adopt(pending(req("a", 3, quorum_id=2, members=("a",), commit_failed=True))) is None
 
 
+def test_an_adopted_quorum_keeps_the_followers_its_members_kept_while_the_lighthouse_was_away() -> None:
+    """a caught up while the lighthouse was away; it and b kept quorum 4 with a following (a contributed zeros, as b
+    counts it). a reaches the restarted lighthouse first: the quorum it gets keeps a following, so in the step b still
+    trains on the quorum it kept both divide by the same contributions."""
+    members = ("a", "b")
+    quorum, receivers = adopt(pending(req("a", 9, quorum_id=4, members=members,  # type: ignore[misc]
+                                          held_following=("a",))))
+    assert quorum.following == frozenset("a") and quorum.participants == ("b",) and receivers == frozenset("a")
+    # A holder of the same quorum without that follower holds another answer: it is no receiver, nothing is adopted.
+    assert adopt(pending(req("a", 9, quorum_id=4, members=members, held_following=("a",)),
+                         req("b", 9, quorum_id=4, members=members))) is None
+
+
 @pytest.mark.parametrize("c", [
     req("c", 8, quorum_id=4, members=("a", "b", "c"), commit_failed=True),  # it failed the commit a and b made
     req("c", 9, quorum_id=4, members=("a", "b", "c"), committed_in=3),  # another state of step 9

@@ -23,10 +23,12 @@ class Scratch:
     alive: set[str] = field(default_factory=set)
     pending: dict[str, QuorumRequest] = field(default_factory=dict)
     previous: Quorum | None = None
+    awaited: set[str] = field(default_factory=set)
+    """The adopted previous quorum's members not heartbeating at its adoption and silent since."""
 
     def ready(self, now: float) -> bool:
         alive = frozenset(self.alive)
-        _, members, expected = reference(self.previous, self.pending, alive)
+        _, members, expected = reference(self.previous, self.pending, alive, self.awaited)
         return is_ready(self.rules, members, self.pending, alive, now, expected)
 
     def oldest(self) -> float | None:
@@ -37,15 +39,16 @@ ids = st.sampled_from(IDS)
 # Each event is one the server applies: a heartbeat (a new group or a revival), a death (its connection closed or
 # its heartbeats expired), a quorum request (replacing the group's earlier one; ``lag`` lets arrivals come out of
 # order, which the server never does but the arrival heap must not rely on), a request dropped (timed out, client
-# gone), a leave, a quorum formed (then some or all of its members' requests are answered and dropped), and time
-# passing (often by exactly the join timeout or parts of it).
+# gone), a leave, a quorum formed or adopted (then some or all of its members' requests are answered and dropped), and
+# time passing (often by exactly the join timeout or parts of it).
 EVENTS = {
     "beat": st.tuples(st.just("beat"), ids),
     "die": st.tuples(st.just("die"), ids),
     "ask": st.tuples(st.just("ask"), ids, st.integers(-1, 1), st.frozensets(ids), st.sampled_from([0.0, 0.5, 3.0])),
     "drop": st.tuples(st.just("drop"), ids),
     "leave": st.tuples(st.just("leave"), ids),
-    "form": st.tuples(st.just("form"), st.integers(0, 4), st.frozensets(ids, min_size=1), st.frozensets(ids)),
+    "form": st.tuples(st.just("form"), st.integers(0, 4), st.frozensets(ids, min_size=1), st.frozensets(ids),
+                      st.booleans()),
     "wait": st.tuples(st.just("wait"), st.one_of(st.sampled_from([0.5, 2.0, 2.5, 5.0]), st.floats(0, 6))),
 }
 # Heartbeats, requests, deaths and drops weigh more, and requests hold few quorum ids: that makes the interleavings
@@ -62,6 +65,7 @@ def apply(event: tuple, readiness: Readiness, scratch: Scratch, now: float) -> f
     if kind == "beat":
         readiness.set_alive(args[0], True)
         scratch.alive.add(args[0])
+        scratch.awaited.discard(args[0])
     elif kind == "die":
         readiness.set_alive(args[0], False)
         scratch.alive.discard(args[0])
@@ -79,9 +83,10 @@ def apply(event: tuple, readiness: Readiness, scratch: Scratch, now: float) -> f
         readiness.drop(args[0])
         scratch.pending.pop(args[0], None)
     elif kind == "form":
-        quorum_id, members, answered = args
+        quorum_id, members, answered, adopted = args
         scratch.previous = Quorum(quorum_id, tuple(Member(rid, 0) for rid in sorted(members)), 0, 2)
-        readiness.formed(scratch.previous)
+        scratch.awaited = set(members - scratch.alive) if adopted else set()
+        readiness.formed(scratch.previous, adopted)
         for rid in sorted(members & answered):
             readiness.drop(rid)
             scratch.pending.pop(rid, None)
@@ -101,6 +106,7 @@ def test_readiness_equals_is_ready_after_every_event(min_replicas: int, history:
         assert readiness.alive == scratch.alive and readiness.pending == scratch.pending, where
         assert readiness.asked == sum(rid in scratch.alive for rid in scratch.pending), where
         assert readiness.oldest() == scratch.oldest(), where
+        assert readiness.awaited == scratch.awaited, where
         # Now, and at a time before every arrival, where no join timeout has passed and only the counters decide.
         for at in (now, 0.0):
             assert readiness.ready(at) == scratch.ready(at), f"at {at} {where}"

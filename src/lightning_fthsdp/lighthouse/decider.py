@@ -1,7 +1,8 @@
 """Which quorum the pending requests form, at a given ``now``: a quorum a healthy holder brings to a lighthouse without
 one (adopted), none during a new lighthouse's startup grace, else the rules' (``quorum.decide``); a quorum below the
-job's committed step only once the lost-state wait is over, resuming from the newest durable checkpoint when that is
-ahead. The server answers the decision and keeps the timer that decides again at ``Decision.again_at``.
+job's committed step, or a new lighthouse's first quorum below the step a group that heartbeats and has not asked
+holds, only once the lost-state wait is over, resuming from the newest durable checkpoint when that is ahead. The
+server answers the decision and keeps the timer that decides again at ``Decision.again_at``.
 """
 
 from __future__ import annotations
@@ -34,16 +35,24 @@ class Decision:
 class Decider:
     """Decides over ``readiness`` (the pending requests and the groups alive), recording each quorum in ``ledger`` and
     ``watch``. ``exclude(now)`` runs before the rules decide (``Excluder.exclude_partitioned``); ``seen_committed()``:
-    the requesters the ledger believes as catch-up sources (``Claims.seen_committed``)."""
+    the requesters the ledger believes as catch-up sources (``Claims.seen_committed``); ``silent_step()``: the highest
+    step a group that heartbeats and has not asked holds (-1: none).
+
+    A lighthouse that formed no quorum yet knows the job's committed step only from what the groups say. When it
+    replaces one that died, a group holding the job's state may still be inside a collective of the old quorum (its
+    peer gave up the step when the lighthouse went away) and ask only once that times out, after the join timeout;
+    restarted groups at step 0 must not form the job's first quorum without it meanwhile: this lighthouse would then
+    hold step 0 as committed and refuse the holder, and the groups following it, as claiming a state never
+    committed."""
 
     def __init__(self, rules: QuorumRules, ledger: CommitLedger, watch: Watch, readiness: Readiness,
                  exclude: Callable[[float], None], seen_committed: Callable[[], frozenset[str]],
-                 startup_grace_s: float, started_s: float) -> None:
+                 silent_step: Callable[[], int], startup_grace_s: float, started_s: float) -> None:
         self.lost = LostStateWait(rules.lost_state_wait_ms / 1000)
         self.started_s = started_s
         """When the lighthouse started (its startup grace counts from it)."""
         self._rules, self._ledger, self._watch, self._readiness = rules, ledger, watch, readiness
-        self._exclude, self._seen_committed = exclude, seen_committed
+        self._exclude, self._seen_committed, self._silent_step = exclude, seen_committed, silent_step
         self._startup_grace_s = startup_grace_s
 
     def decide(self, now: float, previous: Quorum | None) -> Decision:
@@ -58,10 +67,13 @@ class Decider:
         else:
             self._exclude(now)
             quorum = decide(self._rules, previous, self._readiness.pending, frozenset(self._readiness.alive), now,
-                            self._seen_committed())
+                            self._seen_committed(), self._readiness.awaited)
         if quorum is None:
             return Decision(None, again_at=self.lost.deadline)
-        if quorum.max_step < self._ledger.committed_step and not self._lost_wait_over(quorum, now):
+        # A group that heartbeats tells its step; one that asks is in the quorum already; an adopted quorum is the one
+        # the holders themselves kept.
+        held = self._silent_step() if previous is None and receivers is None else -1
+        if max(held, self._ledger.committed_step) > quorum.max_step and not self._lost_wait_over(quorum, held, now):
             return Decision(None, again_at=self.lost.deadline)
         if quorum.max_step < self._ledger.committed_step:
             quorum = self._resume_from_checkpoint(quorum, previous)
@@ -82,12 +94,17 @@ class Decider:
         self._watch.decided(quorum)
         return Decision(quorum, receivers)
 
-    def _lost_wait_over(self, quorum: Quorum, now: float) -> bool:
-        """Whether a quorum below the committed step may be answered: once no holder came back within
-        ``lost_state_wait_ms`` of the first such decision."""
+    def _lost_wait_over(self, quorum: Quorum, held: int, now: float) -> bool:
+        """Whether a quorum below the committed step (or below the ``held`` step of a group that has not asked) may be
+        answered: once no holder came back within ``lost_state_wait_ms`` of the first such decision."""
         if not self.lost.waiting:
-            log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
-                        "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step, self.lost.wait_s)
+            if held > self._ledger.committed_step:
+                log.warning("a group that heartbeats at step %d has not asked for a quorum (the groups asking hold "
+                            "step %d at most): waiting up to %.0f s for it", held, quorum.max_step, self.lost.wait_s)
+            else:
+                log.warning("no live group holds the committed step %d (the members asking hold step %d at most): "
+                            "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
+                            self.lost.wait_s)
         return self.lost.over(now)
 
     def _resume_from_checkpoint(self, quorum: Quorum, previous: Quorum | None) -> Quorum:

@@ -51,6 +51,10 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     the restarted lighthouse first, keep using the same cross-group process groups (no deadlock between the two,
     no reconfiguration).
 
+    The members kept it while the lighthouse was away with its followers (``QuorumRequest.held_following``): one that
+    caught up meanwhile contributes nothing until a lighthouse answers every member that it does, so the adopted
+    quorum keeps them following too.
+
     Returns the adopted quorum and the requesters that may receive it: those holding that same quorum, healthy
     (no failed commit) and at the same step as the group it is taken from. None when no request qualifies, or when
     a member of that quorum asks and is no receiver (it failed its commit, holds another step or state): the
@@ -64,12 +68,13 @@ def adopt(pending: Mapping[str, QuorumRequest]) -> tuple[Quorum, frozenset[str]]
     source = max(holders, key=lambda r: (r.quorum_id, r.step))
     receivers = frozenset(r.replica_id for r in holders
                           if r.quorum_id == source.quorum_id and r.step == source.step and r.members == source.members
-                          and r.committed_in == source.committed_in)
+                          and r.held_following == source.held_following and r.committed_in == source.committed_in)
     if any(r.replica_id in source.members and r.replica_id not in receivers for r in pending.values()):
         return None
     members = tuple(Member(rid, source.step, pending[rid].address if rid in pending else "")
                     for rid in sorted(source.members))
-    quorum = Quorum(source.quorum_id, members, source.step, source.shard_count)
+    quorum = Quorum(source.quorum_id, members, source.step, source.shard_count,
+                    following=frozenset(source.held_following))
     return quorum, receivers
 
 
@@ -114,16 +119,18 @@ def is_ready(
 
 
 def reference(
-    previous: Quorum | None, pending: Mapping[str, QuorumRequest], alive: frozenset[str]
+    previous: Quorum | None, pending: Mapping[str, QuorumRequest], alive: frozenset[str],
+    awaited: Collection[str] = (),
 ) -> tuple[int, frozenset[str], frozenset[str]]:
     """What the next quorum is decided against: (the reference quorum's id, its members, the groups expected to ask).
 
-    The reference is the previous quorum, and the heartbeating groups are expected. A lighthouse without one (fresh
-    or restarted) takes the newest quorum the requests hold and expects its members back too (they may not have
-    heartbeated yet), so one early group does not form a quorum alone and force a reconfiguration.
+    The reference is the previous quorum, and the heartbeating groups are expected, with ``awaited``: the members of
+    an adopted previous quorum this lighthouse has not heard from (``Readiness.awaited``). A lighthouse without one
+    (fresh or restarted) takes the newest quorum the requests hold and expects its members back too (they may not
+    have heartbeated yet). Either way one early group does not form a quorum alone and force a reconfiguration.
     """
     if previous is not None:
-        return previous.quorum_id, frozenset(previous.member_ids), alive
+        return previous.quorum_id, frozenset(previous.member_ids), alive | frozenset(awaited)
     previous_id, previous_members = previous_from_requests(pending)
     return previous_id, previous_members, alive | previous_members
 
@@ -147,6 +154,7 @@ def decide(
     alive: frozenset[str],
     now: float,
     seen: Collection[str] | None = None,
+    awaited: Collection[str] = (),
 ) -> Quorum | None:
     """The next quorum, or None while the rules say wait.
 
@@ -154,11 +162,12 @@ def decide(
     with a pending request counts as alive only if it is in ``alive``); ``seen``: the requesters the lighthouse saw
     commit the state they claim (None: all). Only they are assigned as catch-up sources, unless no up-to-date
     requester is one (a fresh job, a job resumed from checkpoints, a restarted lighthouse: nothing was seen).
+    ``awaited``: groups expected to ask although not heartbeating (see ``reference``).
     quorum_id changes exactly when the member set changes, a member reports a failed commit, or a member does not
     hold the previous quorum (a new incarnation of a group: it has none of that quorum's process groups, whose
     rendezvous keys are spent).
     """
-    previous_id, previous_members, expected = reference(previous, pending, alive)
+    previous_id, previous_members, expected = reference(previous, pending, alive, awaited)
     if not is_ready(rules, previous_members, pending, alive, now, expected):
         return None
     requests = sorted((pending[rid] for rid in pending if rid in alive), key=lambda r: r.replica_id)

@@ -30,6 +30,7 @@ class Readiness:
         self._alive: set[str] = set()
         self._pending: dict[str, QuorumRequest] = {}
         self._formed = False
+        self._awaited: set[str] = set()
         self._ref_id, self._ref = -1, frozenset[str]()
         self._asked = 0  # |pending & alive|
         self._ref_asked = 0  # |ref & pending & alive|
@@ -47,6 +48,13 @@ class Readiness:
         return self._pending
 
     @property
+    def awaited(self) -> Set[str]:
+        """The members of an adopted quorum (formed by a lighthouse before this one) that this one has not heard from
+        since it adopted it: expected to ask like heartbeating groups, so the members already answered do not form a
+        quorum without them in the moment before their first heartbeat (their join timeout still bounds the wait)."""
+        return self._awaited
+
+    @property
     def asked(self) -> int:
         """How many alive groups have a request pending (the candidates)."""
         return self._asked
@@ -58,6 +66,7 @@ class Readiness:
         delta = 1 if alive else -1
         if alive:
             self._alive.add(replica_id)
+            self._awaited.discard(replica_id)
         else:
             self._alive.discard(replica_id)
         request = self._pending.get(replica_id)
@@ -93,9 +102,11 @@ class Readiness:
         if not self._formed and request.quorum_id == self._ref_id >= 0:
             self._set_ref(*previous_from_requests(self._pending))
 
-    def formed(self, quorum: Quorum) -> None:
-        """``quorum`` is the previous quorum from now on: the reference of every later decision."""
+    def formed(self, quorum: Quorum, adopted: bool = False) -> None:
+        """``quorum`` is the previous quorum from now on: the reference of every later decision (``adopted``: see
+        ``awaited``)."""
         self._formed = True
+        self._awaited = {rid for rid in quorum.member_ids if rid not in self._alive} if adopted else set()
         self._set_ref(quorum.quorum_id, frozenset(quorum.member_ids))
 
     def oldest(self) -> float | None:
@@ -116,7 +127,7 @@ class Readiness:
             return True
         # Before a quorum is formed the reference's members are expected too; when they all asked, the line above
         # answered already.
-        if asked == len(self._alive) and (self._formed or not self._ref):
+        if asked == len(self._alive) and not self._awaited and (self._formed or not self._ref):
             return True
         oldest = self.oldest()
         return oldest is not None and now - oldest >= self.rules.join_timeout_ms / 1000

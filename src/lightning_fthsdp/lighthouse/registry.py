@@ -12,7 +12,7 @@ Synchronous and clock-free (``now`` is an argument), like the quorum rules, so i
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterator
+from collections.abc import ItemsView, Iterable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -143,6 +143,10 @@ class Registry:
         their step (see ``counts``)."""
         return [rid for rid, r in self._records.items()
                 if not r.dead and not self.counts(rid, False, now, committed_step)]
+
+    def highest_step(self, replica_ids: Iterable[str]) -> int:
+        """The highest step the groups ``replica_ids`` last said they hold (-1: none of them is known)."""
+        return max((record.step for rid in replica_ids if (record := self._records.get(rid)) is not None), default=-1)
 
     def answered(self, replica_id: str, quorum_id: int) -> None:
         """The group's current incarnation was answered quorum ``quorum_id``: it is a member."""

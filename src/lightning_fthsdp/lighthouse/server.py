@@ -153,6 +153,8 @@ class Lighthouse:
         self._group_connections = GroupConnections()
         self._decider = Decider(self.rules, self._ledger, self._watch, self._readiness,
                                 self._excluder.exclude_partitioned, self._claims.seen_committed,
+                                lambda: self._registry.highest_step(
+                                    self._readiness.alive - self._readiness.pending.keys()),
                                 startup_grace_ms / 1000, time.monotonic())
         self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
                               lambda: self._news.changed())

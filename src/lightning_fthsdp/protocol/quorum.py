@@ -54,6 +54,10 @@ class QuorumRequest:
     following: bool = False
     """The requester follows the job while its state is still in transfer: ``step`` counts the steps it holds the
     averaged gradients of, to replay once the state arrives. It contributes zeros and serves nobody."""
+    held_following: tuple[str, ...] = ()
+    """The members following in the requester's current quorum, sent with ``members`` only: while the lighthouse was
+    away its members kept that quorum, followers included, and a restarted lighthouse that adopts it must hand out the
+    very same quorum (who contributes is what every member divides by)."""
     members_digest: str = ""
     """``Quorum.members_digest`` of the quorum the requester holds ("": none): the lighthouse answers with a delta
     against it when it still knows those members."""

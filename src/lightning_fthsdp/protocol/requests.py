@@ -215,7 +215,7 @@ def quorum_body(replica_id: str, incarnation: str, step: int, shard_count: int, 
 
 def with_members(body: dict[str, object], current: Quorum) -> dict[str, object]:
     """``body`` sent again to a lighthouse that answered it 428: with the members of the quorum held."""
-    return {**body, "members": list(current.member_ids)}
+    return {**body, "members": list(current.member_ids), "held_following": sorted(current.following)}
 
 
 def parse_quorum(body: dict[str, object],
@@ -230,8 +230,9 @@ def parse_quorum(body: dict[str, object],
     failed), ``rendezvous_failed`` (optional: it could not build its quorum's cross-group group), ``unreachable``
     (optional: the probe targets it could not reach, after a probe answer, ``answers.probe_answer_body``); of the
     quorum the requester holds, ``quorum_id`` (-1: none), ``members_digest`` (optional, ``Quorum.members_digest``:
-    lets the answer be a delta) and ``members`` (optional, its member ids: sent only when the lighthouse answers 428
-    because it needs them, then at once with the same request). The answer is the quorum (``Quorum.to_json``, or a
+    lets the answer be a delta), ``members`` (optional, its member ids: sent only when the lighthouse answers 428
+    because it needs them, then at once with the same request) and ``held_following`` (optional, with ``members``
+    only: those of them following in it). The answer is the quorum (``Quorum.to_json``, or a
     delta) with ``store``, the rendezvous store's address."""
     replica_id, incarnation = replica_id_field(body), incarnation_field(body)
     step, shard_count = require_int(body, "step", 0), require_int(body, "shard_count", 1)
@@ -244,6 +245,11 @@ def parse_quorum(body: dict[str, object],
         raise BadBody(f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got {timeout_ms}: a "
                       f"quorum request is bounded")
     members = replica_ids_field(body, "members", "a list of replica ids") if "members" in body else ()
+    held_following = replica_ids_field(body, "held_following", "a list of replica ids") \
+        if "held_following" in body else ()
+    if not set(held_following) <= set(members):
+        raise BadBody(f"field 'held_following' must name members of the quorum held (field 'members'), got "
+                      f"{sorted(set(held_following) - set(members))} beyond them")
     digest = ""
     if "members_digest" in body:
         digest = require(body, "members_digest", str, 'a string: the members digest of the quorum held ("": none)')
@@ -260,7 +266,8 @@ def parse_quorum(body: dict[str, object],
             raise BadBody(f"field 'unreachable' names {len(unreachable)} groups, more than {MAX_UNREACHABLE}: a group "
                           f"reports only the probe targets the lighthouse gave it")
     request = QuorumRequest(replica_id, step, shard_count, arrived_s, address, commit_failed, quorum_id,
-                            members=members, members_digest=digest, committed_in=committed_in,
+                            members=members, held_following=held_following, members_digest=digest,
+                            committed_in=committed_in,
                             following=following, unreachable=unreachable, exchange_failed=exchange_failed,
                             rendezvous_failed=rendezvous_failed)
     return request, incarnation, timeout_ms, _caught_up(body), _step_timing(body)
