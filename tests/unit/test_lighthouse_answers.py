@@ -13,7 +13,7 @@ import pytest
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.launch.processes import wait_for
 from lightning_fthsdp.lighthouse.api import GZIP_OVER_BYTES
-from lightning_fthsdp.membership.client import QuorumClient
+from lightning_fthsdp.membership.client import Heartbeat, QuorumClient
 from lightning_fthsdp.membership.connection import LighthouseConnection
 from lightning_fthsdp.protocol.quorum import Member, Quorum
 from tests.unit.test_lighthouse import Client, form, inc, lighthouse, qr, replica
@@ -81,6 +81,28 @@ def test_a_restarted_lighthouse_waits_for_the_adopted_quorums_silent_members_bef
     (code_c, for_c), (code_a, for_a) = c.recv(), a.recv()
     assert code_c == code_a == 200, (for_c, for_a)
     assert for_c["quorum_id"] == for_a["quorum_id"] == 4 and for_c["max_step"] == 10, (for_c, for_a)
+
+
+def test_a_member_of_the_adopted_quorum_silent_for_a_heartbeat_timeout_is_not_waited_for(
+        lighthouse: Callable[..., str]) -> None:
+    """a died with the lighthouse before it: c, answered the adopted quorum and heartbeating, asks again and gets a
+    quorum of its own once a heartbeat timeout has passed since the adoption without a word from a, not after the
+    join timeout."""
+    url = lighthouse(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1_000)
+    quorum = Quorum(4, (Member("a", 9, "a:1"), Member("c", 9, "c:1")), 9, 2)
+    code, adopted = Client(url).call("POST", "/v1/quorum", {**held("c", quorum, 9), "members": ["a", "c"]})
+    assert code == 200 and adopted["quorum_id"] == 4, adopted
+    timeouts = Timeouts(heartbeat_interval_ms=100, heartbeat_timeout_ms=1_000, collective_timeout_ms=2_000,
+                        quorum_timeout_ms=3_000, connect_timeout_ms=4_000, join_timeout_ms=1_000)
+    beat = Heartbeat(url, None, "c", inc("c"), 0, 1, timeouts, step=lambda: 10, on_dead=lambda dead: None,
+                     on_lost=lambda store: None, on_quorum=lambda *_: None)
+    beat.start()
+    try:
+        code, alone = Client(url).call("POST", "/v1/quorum", without_members(held("c", quorum, 10)))
+        assert code == 200 and alone["quorum_id"] == 5 and alone["max_step"] == 10, alone
+        assert Quorum.from_json(alone, quorum).member_ids == ("c",)
+    finally:
+        beat.leave()
 
 
 def test_the_client_resends_its_members_to_a_restarted_lighthouse_and_keeps_its_quorum(

@@ -129,8 +129,8 @@ def test_a_new_lighthouses_first_quorum_waits_for_a_heartbeating_group_holding_m
         b_asks: bool) -> None:
     """Restarted groups at step 0 ask; b, which heartbeats at step 1381, has not asked (it is still inside a
     collective of the old quorum). Their quorum at step 0 waits for b (the lost-state wait); once b asks it joins at
-    its step, and had it never asked the groups at step 0 would go on after the wait, with no steps recorded lost
-    (this lighthouse never answered step 1381)."""
+    its step, and had it never asked the groups at step 0 would go on after the wait, the steps in between reported
+    lost."""
     rules = QuorumRules(min_replicas=1, lost_state_wait_ms=30_000)
     ledger, readiness = CommitLedger(), Readiness(rules)
     silent = {"b": 1381}
@@ -147,7 +147,8 @@ def test_a_new_lighthouses_first_quorum_waits_for_a_heartbeating_group_holding_m
     else:
         assert decider.decide(now=232.9, previous=None).quorum is None
         formed = decider.decide(now=233.0, previous=None).quorum
-        assert formed is not None and formed.max_step == 0 and ledger.lost == []
+        assert formed is not None and formed.max_step == 0
+        assert [(lost.from_step, lost.committed_step) for lost in ledger.lost] == [(0, 1381)]
     assert not decider.lost.waiting
 
 

@@ -99,6 +99,8 @@ def test_a_first_quorum_request_holds_nothing_and_its_428_retry_names_the_member
     assert asked.held_following == ()
     following = dataclasses.replace(HELD, following=frozenset("b"))
     assert parse_quorum(wire(with_members(body, following)), 0.0)[0].held_following == ("b",)
+    unsorted = {**wire(with_members(body, HELD)), "members": ["a", "b", "c"], "held_following": ["c", "b", "c"]}
+    assert parse_quorum(unsorted, 0.0)[0].held_following == ("b", "c")
     assert "wait_s" not in body and timing == StepTiming(0.5, None)
 
 
@@ -140,6 +142,8 @@ def quorum(body: dict[str, object]) -> object:
     (quorum, quorum_request(members=["a", "a b"]), "field 'members' has an invalid entry: replica_id must be"),
     (quorum, quorum_request(members=["a", "b"], held_following=["c"]),
      "field 'held_following' must name members of the quorum held (field 'members'), got ['c'] beyond them"),
+    (quorum, quorum_request(members=["a", "b"], held_following=["b", "a"]),
+     "field 'held_following' names every member of the quorum held: a quorum has a member that contributes"),
     (quorum, quorum_request(unreachable=["b"] * (MAX_UNREACHABLE + 1)),
      f"field 'unreachable' names {MAX_UNREACHABLE + 1} groups, more than {MAX_UNREACHABLE}"),
     (quorum, quorum_request(wait_s=0.5), "field 'wait_s' needs 'compute_s' in the same request"),

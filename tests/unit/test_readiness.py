@@ -25,6 +25,7 @@ class Scratch:
     previous: Quorum | None = None
     awaited: set[str] = field(default_factory=set)
     """The adopted previous quorum's members not heartbeating at its adoption and silent since."""
+    adopted_at: float = 0.0
 
     def ready(self, now: float) -> bool:
         alive = frozenset(self.alive)
@@ -37,12 +38,15 @@ class Scratch:
 
 ids = st.sampled_from(IDS)
 # Each event is one the server applies: a heartbeat (a new group or a revival), a death (its connection closed or
-# its heartbeats expired), a quorum request (replacing the group's earlier one; ``lag`` lets arrivals come out of
+# its heartbeats expired), a word from a group that does not count, the expiry loop's end of the wait for an adopted
+# quorum's silent members, a quorum request (replacing the group's earlier one; ``lag`` lets arrivals come out of
 # order, which the server never does but the arrival heap must not rely on), a request dropped (timed out, client
 # gone), a leave, a quorum formed or adopted (then some or all of its members' requests are answered and dropped), and
 # time passing (often by exactly the join timeout or parts of it).
 EVENTS = {
     "beat": st.tuples(st.just("beat"), ids),
+    "hear": st.tuples(st.just("hear"), ids),
+    "expire": st.tuples(st.just("expire"), st.sampled_from([0.0, 1.0, 3.0])),
     "die": st.tuples(st.just("die"), ids),
     "ask": st.tuples(st.just("ask"), ids, st.integers(-1, 1), st.frozensets(ids), st.sampled_from([0.0, 0.5, 3.0])),
     "drop": st.tuples(st.just("drop"), ids),
@@ -55,20 +59,25 @@ EVENTS = {
 # where one counter alone decides (a member of the reference asks, or dies while asking, while another group only
 # heartbeats; the request the reference came from is dropped) common enough that a wrong update of any counter
 # fails every run, not one in several.
-WEIGHTS = {"beat": 3, "ask": 4, "die": 2, "drop": 2, "leave": 1, "form": 1, "wait": 1}
+WEIGHTS = {"beat": 3, "ask": 4, "die": 2, "drop": 2, "leave": 1, "form": 1, "wait": 1, "hear": 1, "expire": 1}
 events = st.lists(st.sampled_from([kind for kind, weight in WEIGHTS.items() for _ in range(weight)])
                   .flatmap(EVENTS.__getitem__), min_size=20, max_size=100)
 
 
 def apply(event: tuple, readiness: Readiness, scratch: Scratch, now: float) -> float:
     kind, *args = event
-    if kind == "beat":
-        readiness.set_alive(args[0], True)
-        scratch.alive.add(args[0])
+    if kind in ("beat", "die"):  # as Liveness.sync: the group was heard, and counts or not
+        readiness.heard(args[0])
+        readiness.set_alive(args[0], kind == "beat")
         scratch.awaited.discard(args[0])
-    elif kind == "die":
-        readiness.set_alive(args[0], False)
-        scratch.alive.discard(args[0])
+        (scratch.alive.add if kind == "beat" else scratch.alive.discard)(args[0])
+    elif kind == "hear":  # a word from a group that does not count (kept out, or past its grace)
+        readiness.heard(args[0])
+        scratch.awaited.discard(args[0])
+    elif kind == "expire":  # the expiry loop, a heartbeat timeout of ``args[0]`` seconds
+        readiness.stop_awaiting(adopted_before=now - args[0])
+        if scratch.adopted_at < now - args[0]:
+            scratch.awaited.clear()
     elif kind == "ask":
         rid, quorum_id, held, lag = args
         request = QuorumRequest(rid, 0, 2, now - lag, quorum_id=quorum_id, members=tuple(sorted(held)))
@@ -85,8 +94,8 @@ def apply(event: tuple, readiness: Readiness, scratch: Scratch, now: float) -> f
     elif kind == "form":
         quorum_id, members, answered, adopted = args
         scratch.previous = Quorum(quorum_id, tuple(Member(rid, 0) for rid in sorted(members)), 0, 2)
-        scratch.awaited = set(members - scratch.alive) if adopted else set()
-        readiness.formed(scratch.previous, adopted)
+        scratch.awaited, scratch.adopted_at = set(members - scratch.alive) if adopted else set(), now
+        readiness.formed(scratch.previous, now if adopted else None)
         for rid in sorted(members & answered):
             readiness.drop(rid)
             scratch.pending.pop(rid, None)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_fthsdp.lighthouse.ledger import CommitLedger
+from lightning_fthsdp.lighthouse.ledger import CommitLedger, LostState
 from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
 from lightning_fthsdp.lighthouse.quorum import QuorumRules, adopt, decide
 from lightning_fthsdp.lighthouse.readiness import Readiness
@@ -89,6 +89,8 @@ class Decider:
                           "state came back within %.0f s and no newer durable checkpoint was reported, so %d steps "
                           "are lost", quorum.quorum_id, quorum.max_step, lost.committed_step, self.lost.wait_s,
                           lost_steps)
+        elif held > quorum.max_step:
+            self._silent_holder_lost(quorum, held)
         self.lost.end()
         self._ledger.record(quorum, adopted=receivers is not None)
         self._watch.decided(quorum)
@@ -106,6 +108,17 @@ class Decider:
                             "waiting up to %.0f s for one", self._ledger.committed_step, quorum.max_step,
                             self.lost.wait_s)
         return self.lost.over(now)
+
+    def _silent_holder_lost(self, quorum: Quorum, held: int) -> None:
+        """A new lighthouse's first quorum starts below the step a group heartbeats at, which did not ask within the
+        lost-state wait: the steps in between are reported lost (they were this job's, unless that group followed a
+        source that died: it holds the steps it followed, not a state)."""
+        lost = LostState(quorum.quorum_id, quorum.max_step, held)
+        self._ledger.lost.append(lost)
+        self._watch.lost(lost)
+        log.error("quorum %d starts at step %d although a group that heartbeats at step %d did not ask for a quorum "
+                  "within %.0f s, so %d steps are lost; that group cannot rejoin with them (restart it so it catches "
+                  "up)", quorum.quorum_id, quorum.max_step, held, self.lost.wait_s, held - quorum.max_step)
 
     def _resume_from_checkpoint(self, quorum: Quorum, previous: Quorum | None) -> Quorum:
         """``quorum`` (below the committed step, after the wait for a holder) resuming from the newest checkpoint when

@@ -161,6 +161,7 @@ class Liveness:
         """Whether the group counts as alive for the quorum rules (see ``Registry.counts``)."""
         counts = self._registry.counts(replica_id, replica_id in self._held, now, self._ledger.committed_step) \
             and replica_id not in self._excluded
+        self._readiness.heard(replica_id)
         if self._readiness.set_alive(replica_id, counts) and not counts:
             self._stopped(replica_id)
 
@@ -180,6 +181,8 @@ class Liveness:
                  if rid in self._readiness.alive and rid not in self._held]
         for replica_id in ended:
             self.sync(replica_id, now)
+        # The members of an adopted quorum silent since a heartbeat timeout after the adoption are not waited for.
+        awaited_over = self._readiness.stop_awaiting(adopted_before=cutoff)
         strays = self._registry.forget_strays(dead_before=cutoff)
         for replica_id in strays:
             self._connections.release_group(replica_id)
@@ -187,4 +190,4 @@ class Liveness:
         if strays:
             log.info("forgot %d replica ids that died without ever joining a quorum: %s", len(strays),
                      ",".join(sorted(strays)[:10]) + (",..." if len(strays) > 10 else ""))
-        return bool(ended), strays
+        return bool(ended) or awaited_over, strays

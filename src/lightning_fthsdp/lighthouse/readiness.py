@@ -31,6 +31,7 @@ class Readiness:
         self._pending: dict[str, QuorumRequest] = {}
         self._formed = False
         self._awaited: set[str] = set()
+        self._awaited_since = 0.0
         self._ref_id, self._ref = -1, frozenset[str]()
         self._asked = 0  # |pending & alive|
         self._ref_asked = 0  # |ref & pending & alive|
@@ -51,8 +52,23 @@ class Readiness:
     def awaited(self) -> Set[str]:
         """The members of an adopted quorum (formed by a lighthouse before this one) that this one has not heard from
         since it adopted it: expected to ask like heartbeating groups, so the members already answered do not form a
-        quorum without them in the moment before their first heartbeat (their join timeout still bounds the wait)."""
+        quorum without them in the moment before their first heartbeat. Any word from one ends its wait (``heard``),
+        and the wait for all ends a heartbeat timeout after the adoption (``stop_awaiting``): one silent that long is
+        as dead as a group that stopped heartbeating."""
         return self._awaited
+
+    def heard(self, replica_id: str) -> None:
+        """The group spoke (whether or not it counts as alive): it is awaited no more."""
+        if self._awaited:
+            self._awaited.discard(replica_id)
+
+    def stop_awaiting(self, adopted_before: float) -> bool:
+        """Await nobody any more if the adoption was before ``adopted_before``; returns whether that changed anything
+        (a decision may be possible now)."""
+        if not self._awaited or self._awaited_since >= adopted_before:
+            return False
+        self._awaited.clear()
+        return True
 
     @property
     def asked(self) -> int:
@@ -102,11 +118,12 @@ class Readiness:
         if not self._formed and request.quorum_id == self._ref_id >= 0:
             self._set_ref(*previous_from_requests(self._pending))
 
-    def formed(self, quorum: Quorum, adopted: bool = False) -> None:
-        """``quorum`` is the previous quorum from now on: the reference of every later decision (``adopted``: see
-        ``awaited``)."""
+    def formed(self, quorum: Quorum, adopted_at: float | None = None) -> None:
+        """``quorum`` is the previous quorum from now on: the reference of every later decision (``adopted_at``: when
+        it was adopted, see ``awaited``; None: formed by this lighthouse)."""
         self._formed = True
-        self._awaited = {rid for rid in quorum.member_ids if rid not in self._alive} if adopted else set()
+        self._awaited = set() if adopted_at is None else {rid for rid in quorum.member_ids if rid not in self._alive}
+        self._awaited_since = adopted_at or 0.0
         self._set_ref(quorum.quorum_id, frozenset(quorum.member_ids))
 
     def oldest(self) -> float | None:

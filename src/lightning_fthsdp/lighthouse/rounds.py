@@ -83,7 +83,7 @@ class Rounds:
         if quorum is not None:
             changed = self.quorum is None or self.quorum.quorum_id != quorum.quorum_id
             self.quorum = quorum
-            self._readiness.formed(quorum, adopted=decision.receivers is not None)
+            self._readiness.formed(quorum, adopted_at=now if decision.receivers is not None else None)
             # A new membership is news; the same quorum answered again each step is not.
             log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
                     ",".join(quorum.member_ids), quorum.max_step,

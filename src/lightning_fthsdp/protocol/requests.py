@@ -245,11 +245,15 @@ def parse_quorum(body: dict[str, object],
         raise BadBody(f"field 'timeout_ms' must be at most {MAX_QUORUM_TIMEOUT_MS} (one hour), got {timeout_ms}: a "
                       f"quorum request is bounded")
     members = replica_ids_field(body, "members", "a list of replica ids") if "members" in body else ()
-    held_following = replica_ids_field(body, "held_following", "a list of replica ids") \
+    # Sorted and once each: holders of one quorum compare it (``quorum.adopt``).
+    held_following = tuple(sorted(set(replica_ids_field(body, "held_following", "a list of replica ids")))) \
         if "held_following" in body else ()
     if not set(held_following) <= set(members):
         raise BadBody(f"field 'held_following' must name members of the quorum held (field 'members'), got "
                       f"{sorted(set(held_following) - set(members))} beyond them")
+    if held_following and len(held_following) == len(set(members)):
+        raise BadBody("field 'held_following' names every member of the quorum held: a quorum has a member that "
+                      "contributes (send the members following in it only)")
     digest = ""
     if "members_digest" in body:
         digest = require(body, "members_digest", str, 'a string: the members digest of the quorum held ("": none)')
