@@ -56,8 +56,12 @@ class Injector:
         return None
 
     def faulted(self, group: SoakGroup) -> bool:
-        """Whether a network fault that has not healed strikes ``group``."""
-        return any(f.ended is None and group.replica_id in f.who.split(",") for f in self.network_faults)
+        """Whether a network fault strikes ``group``: one that has not healed, or one that healed after the group's
+        last commit (its lease may have run out under the fault: it may be discarding the step its peers commit, and
+        be no holder at all)."""
+        last_commit = group.current.commits[-1][0] if group.incarnations and group.current.commits else -1.0
+        return any(group.replica_id in f.who.split(",") and (f.ended is None or last_commit < f.ended)
+                   for f in self.network_faults)
 
     def heal_due(self, now: float) -> None:
         """Heal the network faults whose time has come (a flap: when its cycles ended)."""
