@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shutil
 import subprocess
 
@@ -168,6 +169,25 @@ def test_a_gloo_group_bound_to_the_advertised_address_allreduces(host: str, monk
 
     for buf in run_ranks(rank_fn, timeout_s=30):
         assert torch.equal(buf, torch.full((4,), 3.0))  # type: ignore[arg-type]
+
+
+def test_a_failed_gloo_group_releases_its_device_while_its_error_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose peer never comes fails within its timeout. The device made for the advertised address (its
+    listening socket, its loop thread) goes with it, although the error lives on (a rendezvous keeps it): a loop left
+    running would retry the failed group's connects once the peer became reachable, on pairs that no longer exist."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+
+    def held() -> tuple[int, int]:
+        return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+    before = held()
+    with pytest.raises(Exception, match="timeout") as failed:
+        new_backend("gloo", dist.PrefixStore("alone", client), 0, 2, 1_000, torch.device("cpu"),
+                    advertise_host="127.0.0.1")
+    fds, threads = held()  # at most as many: a thread or socket of an earlier test may end meanwhile, none starts
+    assert failed.value.__traceback__ is not None and fds <= before[0] and threads <= before[1], (before, held())
 
 
 def test_crossgroupcomm_dials_a_wildcard_store_address_at_the_lighthouses_host(

@@ -41,7 +41,14 @@ def new_backend(
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=advertise_host)]
-        return dist.ProcessGroupGloo(store, rank, size, options)
+        try:
+            return dist.ProcessGroupGloo(store, rank, size, options)
+        except BaseException:
+            # The error keeps this frame, and so the device: its loop thread would live on, still retrying the
+            # connects of the pairs the failed constructor destroyed, and run them once the peer is reachable again
+            # (a healed cut) on freed memory. Released now, its loop ends first.
+            options._devices = []
+            raise
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
