@@ -130,7 +130,7 @@ def reference(
     have heartbeated yet). Either way one early group does not form a quorum alone and force a reconfiguration.
     """
     if previous is not None:
-        return previous.quorum_id, frozenset(previous.member_ids), alive | frozenset(awaited)
+        return previous.quorum_id, frozenset(previous.member_ids), alive | frozenset(awaited) if awaited else alive
     previous_id, previous_members = previous_from_requests(pending)
     return previous_id, previous_members, alive | previous_members
 
