@@ -113,8 +113,10 @@ class StepRecorder(CommittedStepCallback):
                   "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
         manager = getattr(trainer.strategy, "manager", None)  # None: another strategy (the benchmark's baseline)
         if manager is not None:
+            quorum = manager.quorum
             record |= {"ft_step": manager.step, "stream_step": manager.next_batch_index,
-                       "participants": list(manager.participants), "discarded": manager.discarded_steps,
+                       "quorum": list(quorum.member_ids) if quorum else [], "participants": list(manager.participants),
+                       "discarded": manager.discarded_steps,
                        "catch_up_log": manager.catch_up_log}
         return record
 

@@ -45,12 +45,14 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def continued_alone(commits: list[dict[str, Any]]) -> bool:
-    """Whether a committed a step without b after b's death: b died with its exchange, so a discarded that step, or
-    b's contribution had reached a before the kill (gloo sends it as the collective starts) and a committed the
-    step with both, then went on alone."""
-    with_b = [i for i, r in enumerate(commits) if "b" in r["participants"]]
-    discarded = any(r["discarded"] >= 1 and r["participants"] == ["a"] for r in commits)
-    return discarded or (bool(with_b) and any(r["participants"] == ["a"] for r in commits[with_b[0]:]))
+    """Whether a committed a step in a quorum of its own after b's death: b died with its exchange, so a discarded
+    that step, or b's share (its gradients, or zeros while it followed) had reached a before the kill (gloo sends it
+    as the collective starts) and a committed that step in the quorum with b, then went on alone. Counted by the
+    quorum, not the participants: b may die in a step it follows (its first after joining), in which it is no
+    participant."""
+    with_b = [i for i, r in enumerate(commits) if "b" in r["quorum"]]
+    discarded = any(r["discarded"] >= 1 and r["quorum"] == ["a"] for r in commits)
+    return discarded or (bool(with_b) and any(r["quorum"] == ["a"] for r in commits[with_b[0]:]))
 
 
 def kill_and_restart(job: Job, args: tuple[str, ...], *, script: Path = EXAMPLE, cwd: Path = ROOT,
