@@ -59,11 +59,11 @@ class Timeouts:
     Default 30 s. Must be below quorum_timeout_ms."""
 
     process_group_timeout_ms: int = 600_000
-    """Timeout of the replica group's own process group (FSDP collectives, the commit vote, the quorum broadcast
-    inside the group). Default 10 min. It is how long the other ranks of a group with a hung rank wait before the
-    group fails whole and is restarted; it must exceed the leader's longest wait for a quorum,
-    connect_timeout_ms + quorum_timeout_ms + 10 s, which the other ranks sit out in the quorum broadcast. Large
-    models whose first collectives build NCCL communicators at scale may need more."""
+    """Timeout of the replica group's own process group (FSDP collectives) and of its link (``manager.link``: the
+    commit vote, the quorum broadcast inside the group). Default 10 min. It is how long the other ranks of a group
+    with a hung rank wait before the group fails whole and is restarted; it must exceed the leader's longest wait for
+    a quorum, connect_timeout_ms + quorum_timeout_ms + 10 s, which the other ranks sit out in the quorum broadcast.
+    Large models whose first collectives build NCCL communicators at scale may need more."""
 
     max_failed_commits: int = 20
     """Consecutive failed commits (discarded steps, steps without a quorum, catch-ups whose transfer failed) after

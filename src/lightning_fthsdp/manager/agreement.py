@@ -1,5 +1,5 @@
-"""What the ranks of one replica group agree on over its own process group: every rank's state-server address, the
-leader's quorum answer, and the commit vote."""
+"""What the ranks of one replica group agree on: every rank's state-server address (over its own process group), the
+leader's quorum answer and the commit vote (over its ``GroupLink`` once open, every step)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from lightning_fthsdp.config import log
 from lightning_fthsdp.config.env import ENV_TOKEN
+from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.manager.link import GroupLink
 from lightning_fthsdp.manager.request import QuorumUnavailable
 from lightning_fthsdp.membership.client import Excluded
 from lightning_fthsdp.membership.connection import LighthouseRejected
@@ -38,6 +40,7 @@ class GroupAgreement:
         self.excluded = False
         """Whether the last ``quorum()`` returned None because the lighthouse keeps this group out for now (it lives;
         the steps it cannot take meanwhile are no failures)."""
+        self._link: GroupLink | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -47,6 +50,24 @@ class GroupAgreement:
         """A random id for this start of the group's processes, chosen by the leader and the same on every rank: the
         lighthouse lets only this incarnation speak for the group until it dies."""
         return str(self._broadcast_from_leader({"incarnation": secrets.token_hex(16)})["incarnation"])
+
+    def open_link(self, host: str, token: str | None, incarnation: str, timeouts: Timeouts) -> None:
+        """Carry the leader's words and the votes on a ``GroupLink`` from now on (every rank calls it at once; the
+        leader listens on ``host``); a one-rank group has nobody to tell."""
+        if self._process_group is not None and self.size > 1:
+            self._link = GroupLink.open(self.from_leader, rank=self.rank, size=self.size, host=host, token=token,
+                                        incarnation=incarnation, timeout_s=timeouts.process_group_timeout_ms / 1000,
+                                        hello_timeout_s=timeouts.heartbeat_timeout_ms / 1000)
+
+    def on_link_broken(self, report: Callable[[int, str, str], None]) -> None:
+        """The leader's report of a rank whose link broke (``GroupLink.on_broken``); nothing without a link."""
+        if self._link is not None:
+            self._link.on_broken = report
+
+    def close(self) -> None:
+        """Close the link (a rank still waiting on it learns this rank is gone)."""
+        if self._link is not None:
+            self._link.close()
 
     def from_leader(self, value: str) -> str:
         """The leader's ``value``, the same on every rank (the others pass anything)."""
@@ -94,6 +115,8 @@ class GroupAgreement:
         """Unanimity inside the group, flag by flag (commit? every rank's exchange succeeded? ...)."""
         if self._process_group is None:
             return flags
+        if self._link is not None:
+            return self._link.vote(flags)
         votes = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._process_group)
         return tuple(bool(v) for v in votes)
@@ -102,6 +125,9 @@ class GroupAgreement:
         if self._process_group is None:
             return message
         payload = json.dumps(message).encode() if self.is_leader else b""
+        if self._link is not None:
+            data = self._link.broadcast(payload)
+            return json.loads(data) if not self.is_leader else message
         size = torch.tensor([len(payload)], dtype=torch.int64)
         dist.broadcast(size, group_src=0, group=self._process_group)
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.is_leader else torch.empty(

@@ -158,6 +158,7 @@ class FTManager:
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token,
                                     advertise_host=self.advertise_host, lighthouse_host=lighthouse_host(url))
         self.incarnation = self._agreement.incarnation()
+        self._agreement.open_link(self.advertise_host, token, self.incarnation, self.timeouts)
         self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
         self._catchup.register("rng", rng_state, load_rng_state)
         self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
@@ -446,7 +447,8 @@ class FTManager:
         if self._closed:
             return
         self._closed = True
-        closers = [*self._group.closers(), ("the cross-group process groups", self._comm.close),
+        closers = [*self._group.closers(), ("the group's link", self._agreement.close),
+                   ("the cross-group process groups", self._comm.close),
                    ("catch-up", lambda: self._catchup.close(timeout_s=self.timeouts.collective_timeout_ms / 1000))]
         checkpoints = self._checkpoints
         if checkpoints is not None:

@@ -35,6 +35,8 @@ class Watchdog:
         rank, size = agreement.rank, agreement.size
         relay = GroupRelay(host, token, incarnation, timeouts) if agreement.is_leader and size > 1 else None
         leader = agreement.from_leader(relay.address if relay is not None else "")
+        if relay is not None:
+            agreement.on_link_broken(relay.lose)  # a crashed rank is a death to report, not a graceful leave
         self.heartbeat: Heartbeat | MemberHeartbeat
         if agreement.is_leader:
             self.heartbeat = Heartbeat(url, token, replica_id, incarnation, rank, size, timeouts, step=step,

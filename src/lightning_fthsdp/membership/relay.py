@@ -38,6 +38,16 @@ def encode(message: dict[str, object]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode() + b"\n"
 
 
+def authentic(hello: dict[str, object], token: bytes, incarnation: bytes) -> bool:
+    """Whether a rank's hello names this group's ``incarnation`` (its secret) and the job's ``token``."""
+    said_token, said_incarnation = hello.get("token"), hello.get("incarnation")
+    if not isinstance(said_token, str) or not isinstance(said_incarnation, str):
+        return False
+    # Both compared in full, in constant time: neither the group's secret nor the job's leaks by timing.
+    same_token = hmac.compare_digest(said_token.encode(), token)
+    return hmac.compare_digest(said_incarnation.encode(), incarnation) and same_token
+
+
 class LineReader:
     """Reads newline-delimited JSON objects from a socket; raises ConnectionError on EOF or an oversized line."""
 
@@ -158,7 +168,7 @@ class GroupRelay:
             silent = [m.rank for m in self._members.values()
                       if not m.left and m.rank not in self._lost and m.last_seen < cutoff]
         for rank in silent:
-            self._lose(rank, "hang", f"its rank {rank} sent its leader nothing for over "
+            self.lose(rank, "hang", f"its rank {rank} sent its leader nothing for over "
                                      f"{self._timeout_s * 1000:.0f} ms")
 
     def _serve(self, sock: socket.socket) -> None:
@@ -171,7 +181,7 @@ class GroupRelay:
             sock.close()
             return
         rank = hello.get("rank")
-        if not (isinstance(rank, int) and rank > 0 and self._authentic(hello)):
+        if not (isinstance(rank, int) and rank > 0 and authentic(hello, self._token, self._incarnation)):
             _qlog.warning("group relay refused a connection with a bad hello (rank %r): wrong token or incarnation, "
                           "or not a rank of this group", rank)
             sock.close()
@@ -208,7 +218,7 @@ class GroupRelay:
                 del self._members[rank]
         self._drop(member)
         if current and not member.left:
-            self._lose(rank, "crash", f"the connection of its rank {rank} to its leader closed")
+            self.lose(rank, "crash", f"the connection of its rank {rank} to its leader closed")
 
     def _write_loop(self, member: _Member) -> None:
         while True:
@@ -231,15 +241,9 @@ class GroupRelay:
             member.sock.shutdown(socket.SHUT_RDWR)
         member.sock.close()
 
-    def _authentic(self, hello: dict[str, object]) -> bool:
-        token, incarnation = hello.get("token"), hello.get("incarnation")
-        if not isinstance(token, str) or not isinstance(incarnation, str):
-            return False
-        # Both compared in full, in constant time: neither the group's secret nor the job's leaks by timing.
-        same_token = hmac.compare_digest(token.encode(), self._token)
-        return hmac.compare_digest(incarnation.encode(), self._incarnation) and same_token
-
-    def _lose(self, rank: int, cause: str, reason: str) -> None:
+    def lose(self, rank: int, cause: str, reason: str) -> None:
+        """``rank`` is lost (``crash`` or ``hang``): report it, once, on the caller's thread. The relay's own threads
+        call it, and so does the leader's ``GroupLink``, which may see a rank gone before the relay does."""
         with self._lock:
             if self._closing or rank in self._lost:
                 return
