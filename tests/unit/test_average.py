@@ -17,11 +17,14 @@ def comm_of_one() -> CrossGroupComm:
     return comm
 
 
-def test_each_dtype_is_divided_in_place() -> None:
+def test_each_dtype_is_divided_in_place_once_applied() -> None:
     comm = comm_of_one()
     try:
         a, b, c = torch.full((2, 2), 6.0), torch.full((3,), 3.0, dtype=torch.float64), torch.full((1,), 9.0)
-        BucketedSum(comm, contribute=True).finish([a, b, c], divisor=3)
+        exchange = BucketedSum(comm, contribute=True)
+        exchange.finish([a, b, c], divisor=3)
+        assert torch.equal(a, torch.full((2, 2), 6.0)), "voted down, the attempt leaves the tensors as computed"
+        exchange.apply()
         assert torch.equal(a, torch.full((2, 2), 2.0)) and torch.equal(c, torch.full((1,), 3.0))
         assert b.dtype == torch.float64 and torch.equal(b, torch.ones(3, dtype=torch.float64))
     finally:
@@ -32,7 +35,9 @@ def test_a_group_that_does_not_contribute_sends_zeros() -> None:
     comm = comm_of_one()
     try:
         grad = torch.full((4,), 5.0)
-        BucketedSum(comm, contribute=False).finish([grad], divisor=1)
+        exchange = BucketedSum(comm, contribute=False)
+        exchange.finish([grad], divisor=1)
+        exchange.apply()
         assert torch.equal(grad, torch.zeros(4))
     finally:
         comm.close()
@@ -47,9 +52,14 @@ def test_the_average_spans_the_members_and_weighs_by_the_divisor(store: dist.TCP
     def rank_fn(rank: int) -> tuple[list[float], list[float]]:
         comms[rank].configure(1, rank, 2, address)
         weighted = torch.full((3,), [4.0, 5.0][rank])
-        BucketedSum(comms[rank], contribute=True).finish([weighted], divisor=3)
+        exchange = BucketedSum(comms[rank], contribute=True)
+        exchange.finish([weighted], divisor=3)
+        assert weighted.tolist() == [[4.0, 5.0][rank]] * 3, "the average waits for apply"
+        exchange.apply()
         following = torch.full((3,), [2.0, 100.0][rank])
-        BucketedSum(comms[rank], contribute=rank == 0).finish([following], divisor=1)
+        exchange = BucketedSum(comms[rank], contribute=rank == 0)
+        exchange.finish([following], divisor=1)
+        exchange.apply()
         return weighted.tolist(), following.tolist()
 
     try:

@@ -16,8 +16,9 @@ from lightning_fthsdp.manager.step import HeldStep
 
 class Scripted:
     """Stands in for FTManager: each attempt's outcome comes from ``outcomes`` ("commit", "discard", "follow",
-    "load": a durable checkpoint loaded, the attempt discarded). The exchange overwrites every tensor with ``mean``
-    (another group's gradient averaged in) and sets the had-gradient flags to ``had``."""
+    "load": a durable checkpoint loaded, the attempt discarded). As FTManager's, the exchange's average replaces the
+    tensors only where the group goes on with it (a commit, a follow): every tensor becomes ``mean`` (another group's
+    gradient averaged in) and the had-gradient flags ``had``."""
 
     def __init__(self, outcomes: Sequence[str], *, mean: float = 0.5, had: Sequence[float] | None = None,
                  held: Sequence[HeldStep] = (), batches: int = 1) -> None:
@@ -28,6 +29,7 @@ class Scripted:
         self.replay_enabled = False
         self.batches = batches
         self.exchanged: list[list[list[float]]] = []  # what each attempt sent
+        self._tensors: Sequence[torch.Tensor] = ()
 
     def enable_replay(self) -> None:
         self.replay_enabled = True
@@ -37,15 +39,17 @@ class Scripted:
 
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
         self.exchanged.append([t.tolist() for t in tensors])
-        *grads, flags = tensors
-        for grad in grads:
-            grad.fill_(self.mean)
-        if self.had is not None:
-            flags.copy_(torch.tensor(self.had))
+        self._tensors = tensors
         return True
 
     def commit(self) -> bool:
         outcome = self.outcomes.pop(0)
+        if outcome in ("commit", "follow"):
+            *grads, flags = self._tensors
+            for grad in grads:
+                grad.fill_(self.mean)
+            if self.had is not None:
+                flags.copy_(torch.tensor(self.had))
         if outcome == "follow":
             self.step += 1
             self.following = True
@@ -82,7 +86,7 @@ def test_every_attempt_sends_the_gradients_as_computed_and_the_commit_leaves_the
     phases: list[str] = []
     kinds: list[str] = []
     result = driver(manager, phase=phases.append).until_committed(ps, on_uncommitted=kinds.append)
-    # Last parameter first (the order backward produces them), then the had-gradient flags; restored before each retry.
+    # Last parameter first (the order backward produces them), then the had-gradient flags; a discard leaves them.
     assert manager.exchanged == [[[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]]] * 3
     assert all(p.grad is not None and p.grad.tolist() == [0.5, 0.5] for p in ps)
     assert (result.discarded, result.followed, result.replayed, result.caught_up) == (2, 0, 0, False)
@@ -162,4 +166,4 @@ def test_extra_batches_are_trained_again_in_every_attempt() -> None:
 
     driver(manager).until_committed(ps, train_extra_batches=train_extra)
     assert trained == [2, 2]
-    assert [sent[0] for sent in manager.exchanged] == [[3.0, 3.0], [3.0, 3.0]]  # from the restored gradient
+    assert [sent[0] for sent in manager.exchanged] == [[3.0, 3.0], [3.0, 3.0]]  # the extra batches' undone first

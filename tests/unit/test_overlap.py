@@ -62,10 +62,10 @@ def exchanged(model: nn.Module, comm: CrossGroupComm, *, overlap: bool, rank: in
         sent_in_backward = exchange.sent
         gradients = ExchangedGradients(params, torch.device("cpu"))
         tensors = gradients.tensors()
-        if overlap:
-            exchange.finish(tensors, divisor=2)
-        else:
-            BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES).finish(tensors, divisor=2)
+        if not overlap:
+            exchange = BucketedSum(comm, contribute=True, bucket_bytes=BUCKET_BYTES)
+        exchange.finish(tensors, divisor=2)
+        exchange.apply()
         gradients.drop_missing()
     finally:
         hooks.remove()
@@ -173,6 +173,7 @@ def test_a_group_alone_sends_nothing_and_its_average_is_its_gradient_over_the_di
         expected = model.third.weight.grad.clone() / 2  # type: ignore[union-attr]
         assert exchange.sent == 0
         exchange.finish(ExchangedGradients(params, torch.device("cpu")).tensors(), divisor=2)
+        exchange.apply()
         assert torch.equal(model.third.weight.grad, expected)  # type: ignore[arg-type]
     finally:
         hooks.remove()

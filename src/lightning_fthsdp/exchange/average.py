@@ -50,6 +50,8 @@ class BucketedSum:
         self.finished = False
         self.failure: CollectiveAborted | None = None
         """Why a bucket started during backward could not start: ``finish`` raises it."""
+        self._averaged: tuple[Sequence[torch.Tensor], int, list[_Bucket]] | None = None
+        """What a finish that succeeded leaves to ``apply``: the tensors, the divisor, the summed buckets."""
 
     def start(self, tensors: Sequence[torch.Tensor], *, final: bool = False) -> None:
         """Start the buckets of ``tensors[sent:]``, the next of the step's tensors in order; without ``final`` the
@@ -70,10 +72,11 @@ class BucketedSum:
             bucket.op = self._comm.allreduce_start(flat)
 
     def finish(self, tensors: Sequence[torch.Tensor], *, divisor: int) -> None:
-        """Start what is left of ``tensors`` (all of the step's, in order), wait for every bucket, and replace the
-        tensors in place by their SUM divided by ``divisor``. Raises CollectiveAborted on any failure: the tensors
-        then hold garbage; RuntimeError when a tensor of a bucket started early changed in place after it started
-        (what went out is not the step's gradient)."""
+        """Start what is left of ``tensors`` (all of the step's, in order) and wait for every bucket: their SUM
+        divided by ``divisor`` replaces the tensors in place at ``apply``, once the group voted to commit, so an
+        attempt voted down leaves them as computed and nobody keeps a copy to restore. Raises CollectiveAborted on
+        any failure (the tensors are untouched); RuntimeError when a tensor of a bucket started early changed in
+        place after it started (what went out is not the step's gradient)."""
         self.finished = True
         try:
             if self.failure is not None:
@@ -86,23 +89,33 @@ class BucketedSum:
                     f"place after they were sent to the other replica groups during backward: change gradients "
                     f"before backward ends (or not at all), or turn the overlapped exchange off "
                     f"(overlap_exchange=False)")
-            if self._comm.alone:  # no staging: the sum is the tensors themselves
-                for t in tensors:
-                    if not self._contribute:
-                        t.detach().zero_()
-                    elif divisor != 1:
-                        t.detach().div_(divisor)
-                return
-            self.start(tensors, final=True)
-            for bucket in self._started:
-                self._comm.allreduce_wait(bucket.op)
-                bucket.flat.div_(divisor)
-                offset = 0
-                for t in tensors[bucket.start:bucket.stop]:
-                    t.detach().copy_(bucket.flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            if not self._comm.alone:
+                self.start(tensors, final=True)
+                for bucket in self._started:
+                    self._comm.allreduce_wait(bucket.op)
+            self._averaged = (tensors, divisor, self._started)
         finally:
-            self._started = []  # the staging buffers: a full copy of the gradients, not kept into the next step
+            self._started = []
+
+    def apply(self) -> None:
+        """Replace the tensors ``finish`` exchanged by their average (a group alone: its own tensors, scaled) and
+        let go of the staging buffers, a full copy of the gradients."""
+        assert self._averaged is not None, "apply() after a finish() that succeeded"
+        tensors, divisor, buckets = self._averaged
+        self._averaged = None
+        if self._comm.alone:  # no staging: the sum is the tensors themselves
+            for t in tensors:
+                if not self._contribute:
+                    t.detach().zero_()
+                elif divisor != 1:
+                    t.detach().div_(divisor)
+            return
+        for bucket in buckets:
+            bucket.flat.div_(divisor)
+            offset = 0
+            for t in tensors[bucket.start:bucket.stop]:
+                t.detach().copy_(bucket.flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def _bucket_end(self, tensors: Sequence[torch.Tensor], first: int, end: int) -> int:
         """One past the last tensor of the bucket that begins at ``first``; ``end`` when it reaches the last tensor

@@ -2,9 +2,11 @@
 
 The front end computes the step's gradients and calls ``until_committed``. The driver exchanges them across the
 replica groups and votes; a failed attempt (a group died during the exchange, this group's lease ran out, a
-membership change) is tried again inside the same optimizer step, on the same batch: the weights did not change, so
-the gradients are restored from a copy made before the first attempt. After ``Timeouts.max_failed_commits`` failed
-attempts in a row ``FTManager.commit`` raises ``CommitsFailed``.
+membership change) is tried again inside the same optimizer step, on the same batch: the weights did not change, and
+the gradients are as computed (the average replaces them only once the group votes to commit). What an attempt adds
+to them, the extra batches of a degraded step that keeps the global batch, is undone from a copy taken before the
+first of them. After ``Timeouts.max_failed_commits`` failed attempts in a row ``FTManager.commit`` raises
+``CommitsFailed``.
 
 A parameter no contributing group had a gradient for is skipped by the optimizer, as without fault tolerance
 (``manager.gradients``). When the commit loaded a catch-up state, the steps the group followed while the transfer
@@ -12,7 +14,7 @@ ran are applied first, each through the front end's ``apply`` with its averaged 
 own optimizer step then applies the committed one. What a front end adapts is only its optimizer step.
 
 A front end that calls ``before_backward`` ahead of the backward of a step's last micro-batch has the exchange start
-while that backward runs (``manager.overlap``); a retried attempt exchanges after its gradients are restored. Under
+while that backward runs (``manager.overlap``); a retried attempt exchanges them all after backward. Under
 FSDP2 the parameters to give are the sharded ones the module holds outside forward and backward (it holds others in
 between): take them between steps.
 """
@@ -114,18 +116,21 @@ class StepDriver:
                                f"step's backward, which started exchanging their gradients, and its exchange (a "
                                f"requires_grad changed inside the step?): change them between steps, or turn the "
                                f"overlapped exchange off (overlap_exchange=False)")
-        ours = self._copy(params)
+        ours: list[torch.Tensor | None] | None = None  # the step's own gradients, before any extra batches
         loads, catch_ups = manager.checkpoint_loads, len(manager.catch_up_log)
         result, started = Committed(), time.monotonic()
+        self._exchanged = ExchangedGradients(params, manager.device)
         while True:
             if train_extra_batches is not None:
-                train_extra_batches(manager.step_batches() - 1)
-            self._exchanged = ExchangedGradients(params, manager.device)
+                extra_batches = manager.step_batches() - 1
+                if extra_batches and ours is None:
+                    ours = self._copy(params)
+                train_extra_batches(extra_batches)
             tensors = [*self._exchanged.tensors(), *extra]
             self._phase("follow" if manager.following else "before")
             manager.sync_gradients(tensors)
             if self._overlap is not None:
-                self._overlap.disarm()  # a retried attempt exchanges after its gradients are restored
+                self._overlap.disarm()  # a retried attempt exchanges after backward
             if self._topology is not None and manager.quorum is not None:
                 self._topology.check_quorum(manager.quorum.member_ids, manager.replica_id)
             self._phase("commit")
@@ -145,8 +150,8 @@ class StepDriver:
                                        "again from the loaded state")
                 loads, result.resumed = manager.checkpoint_loads, True
                 retrain()
-                ours = self._copy(params)
-            else:
+                ours, self._exchanged = None, ExchangedGradients(params, manager.device)
+            elif ours is not None:
                 self._restore(params, ours)
         result.caught_up = len(manager.catch_up_log) > catch_ups
         held = manager.take_held()
@@ -172,7 +177,7 @@ class StepDriver:
 
     @staticmethod
     def _copy(params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        """This rank's gradient shards as computed, before any attempt (None: no gradient)."""
+        """This rank's gradient shards before an attempt's extra batches (None: no gradient)."""
         return [local(p.grad).clone() if p.grad is not None else None for p in params]
 
     @staticmethod

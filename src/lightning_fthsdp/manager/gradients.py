@@ -19,13 +19,17 @@ class ExchangedGradients:
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
         self._params, self._device = params, device
         self._sent: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._own: list[float] | None = None  # per parameter: whether this rank had a gradient, as the step began
         self._had = torch.zeros(0)  # per parameter: > 0 once exchanged if a contributing group had a gradient
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors to exchange: each parameter's gradient (this rank's shard; zeros put in where it has none), last
         parameter first (the order backward produces them: ``exchange.overlap``), then the flags. The same tensors
-        carry the averages back (and a replayed step's, see ``drop_missing``)."""
-        self._had = torch.tensor([float(p.grad is not None) for p in self._params], device=self._device)
+        carry the averages back (and a replayed step's, see ``drop_missing``). Every attempt of one step sends the
+        flags of the first: a retry finds the zeros put in."""
+        if self._own is None:
+            self._own = [float(p.grad is not None) for p in self._params]
+        self._had = torch.tensor(self._own, device=self._device)
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

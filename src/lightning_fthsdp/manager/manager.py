@@ -8,8 +8,8 @@ One attempt at a step (``manager.driver.StepDriver`` retries it until it commits
         loss = model(next_batch); loss.backward()  # gradients add up: the average weighs them
     manager.sync_gradients(grads)             # cross-group allreduce, divided by the batches that went into it;
                                               # never raises on a peer failure: it marks the step failed instead
-    if manager.commit():                      # vote inside the replica group
-        optimizer.step()                      # else: restore the gradients and try again
+    if manager.commit():                      # vote inside the replica group; the average is in grads once True
+        optimizer.step()                      # else: try again (grads are as computed)
 
 Failure semantics: a peer crash or hang, a lighthouse-announced membership change, or a timeout during the
 step makes ``commit()`` return False on every rank of this group; nothing hangs (every wait is bounded by
@@ -327,13 +327,13 @@ class FTManager:
         return state.exchange
 
     def sync_gradients(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Average ``tensors`` in place over the groups that contribute real gradients this step.
+        """Exchange ``tensors`` over the groups that contribute real gradients this step; their average replaces
+        them in place when ``commit()`` returns True (an attempt voted down leaves them as computed).
 
         ``tensors`` hold the sum of the gradients of this group's ``step_batches()`` batches (each a mean over its
         batch); the average is weighted by them. Every group passes the same tensors in the same order (the
         exchange's buckets follow from it); the buckets of an ``open_exchange`` started during backward are this
-        call's first tensors. Returns whether the exchange succeeded; on False the tensors hold garbage and
-        ``commit()`` will vote no.
+        call's first tensors. Returns whether the exchange succeeded; on False ``commit()`` will vote no.
         """
         state = self._agreed_step()
         state.exchanged = state.ready = False  # a repeated call's outcome replaces the last one's
@@ -368,7 +368,7 @@ class FTManager:
         except CollectiveAborted as exc:
             self._exchange_failed(state, quorum, exc, built=built)
             return False
-        state.exchanged = True
+        state.averaged, state.exchanged = exchange, True
         state.wait_s = time.monotonic() - exchange_from
         state.ready = not self._follower.active or self._follower.poll(can_replay=self._replays)
         return True
@@ -405,7 +405,8 @@ class FTManager:
             with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
                 self._held = self._follower.load()
         if ok:
-            assert state.quorum is not None, "a step commits only inside a quorum"
+            assert state.quorum is not None and state.averaged is not None, "a step commits only what it exchanged"
+            state.averaged.apply()
             self._contributions = {p: self.batches_committed.get(p, 0) for p in self._participants}
             self._progress.advance(self._shares)
             self._progress.committed_in = state.quorum.quorum_id
@@ -430,7 +431,8 @@ class FTManager:
                 self._log.warning("discarded the step (lease valid: %s); the batch is retrained", lease_ok)
                 self._failed_commits.count(failure or "the exchange failed on another rank of this group")
         elif self._follower.active:
-            assert state.quorum is not None, "a step is exchanged only inside a quorum"
+            assert state.quorum is not None and state.averaged is not None, "a step is held only once exchanged"
+            state.averaged.apply()
             self._follower.hold(state.tensors, self._shares, state.quorum.quorum_id)
             self._group.commit_failed = False
             self._failed_commits.reset()

@@ -66,7 +66,7 @@ class StepState:
     quorum: Quorum | None = None
     """The agreed quorum; None before the agreement, or when there is none this step (the commit votes no)."""
     tensors: Sequence[torch.Tensor] = ()
-    """What ``sync_gradients`` averaged: a following group holds them for replay."""
+    """What ``sync_gradients`` exchanged: a following group holds their average for replay."""
     exchanged: bool = False
     """This rank's exchange succeeded."""
     ready: bool = False
@@ -91,6 +91,8 @@ class StepState:
     """Why the step failed so far, for the commit that counts it (empty: it has not)."""
     exchange: BucketedSum | None = None
     """The exchange ``open_exchange`` started for backward, until ``sync_gradients`` finishes it."""
+    averaged: BucketedSum | None = None
+    """The exchange ``sync_gradients`` finished: ``commit`` applies its average where the group goes on with it."""
 
     def timing(self) -> StepTiming | None:
         """The step's times as the next quorum request reports them (``lighthouse.stragglers``); None: none."""
