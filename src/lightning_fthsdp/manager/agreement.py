@@ -53,7 +53,8 @@ class GroupAgreement:
 
     def open_link(self, host: str, token: str | None, incarnation: str, timeouts: Timeouts) -> None:
         """Carry the leader's words and the votes on a ``GroupLink`` from now on (every rank calls it at once; the
-        leader listens on ``host``); a one-rank group has nobody to tell."""
+        leader listens on ``host``); a one-rank group has nobody to tell. A rank says hello as it connects: the
+        leader gives it the heartbeat timeout, the group's bound for a rank that says nothing."""
         if self._process_group is not None and self.size > 1:
             self._link = GroupLink.open(self.from_leader, rank=self.rank, size=self.size, host=host, token=token,
                                         incarnation=incarnation, timeout_s=timeouts.process_group_timeout_ms / 1000,

@@ -243,7 +243,8 @@ class GroupRelay:
 
     def lose(self, rank: int, cause: str, reason: str) -> None:
         """``rank`` is lost (``crash`` or ``hang``): report it, once, on the caller's thread. The relay's own threads
-        call it, and so does the leader's ``GroupLink``, which may see a rank gone before the relay does."""
+        call it, and so does the leader's ``GroupLink``, which may see a rank gone before the relay does: also for a
+        rank that had said goodbye, since the group cannot take its step without it."""
         with self._lock:
             if self._closing or rank in self._lost:
                 return
