@@ -48,8 +48,12 @@ def after_restart(group: Group, since_step: int) -> list[dict]:
 
 
 def test_restarted_group_catches_up_bit_identical_and_data_is_trained_once(job: Job) -> None:
-    a, c, died_at = start_three_and_kill_b(job)
+    pace = job.workdir / "pace"
+    pace.touch()  # a and c must still train when b's restart comes back, however loaded the machine
+    a, c, died_at = start_three_and_kill_b(job, pace)
     b = restart(job, "b")
+    wait_for(lambda: after_restart(b, died_at), 90, "b to commit a step after its restart")
+    pace.unlink()
     for group in (a, b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
     rejoined = after_restart(b, died_at)
@@ -70,13 +74,17 @@ def test_restarted_group_catches_up_bit_identical_and_data_is_trained_once(job: 
 def test_source_killed_mid_transfer_recovering_group_gets_another(job: Job) -> None:
     """b recovers from a (the first up-to-date member); a dies as it starts streaming: b recovers from c."""
     job.start_lighthouse()
-    a = job.start_group("a", STEPS, fault=f"sigkill:step={KILL_STEP + 2}:phase=serve")
-    c = job.start_group("c", STEPS)
+    pace = job.workdir / "pace"
+    pace.touch()  # a must still train (and serve) when b's restart comes back, however loaded the machine
+    paced = {"step_time_ms": PACED_STEP_MS, "extra": ("--pace-file", str(pace))}
+    a = job.start_group("a", STEPS, fault=f"sigkill:step={KILL_STEP + 2}:phase=serve", **paced)
+    c = job.start_group("c", STEPS, **paced)
     job.start_group("b", STEPS, fault=f"sigkill:step={KILL_STEP}")
     kill_and_wait_degraded(job, "b", c)
     died_at = job.groups["b"].last_step()
     b = restart(job, "b")
     assert job.wait_exit(a, 120) == -9, "the source should have died serving"
+    pace.unlink()
     for group in (b, c):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
     rejoined = after_restart(b, died_at)
