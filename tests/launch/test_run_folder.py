@@ -56,7 +56,7 @@ def test_an_out_folder_with_files_the_launcher_did_not_write_is_refused(tmp_path
     assert not (project / "recipe.yaml").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)  # two launches, each bounded at 120 s
 def test_a_second_run_moves_the_first_runs_records_aside_and_keeps_the_checkpoints(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Both groups in every quorum: a short job's groups never train apart, whichever starts first.

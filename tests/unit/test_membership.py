@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+
+import pytest
 
 from lightning_fthsdp.config.timeouts import Timeouts
 from lightning_fthsdp.manager.watchdog import Watchdog
@@ -96,3 +99,32 @@ def test_a_restarted_lighthouse_counts_deaths_on_from_its_predecessors_total() -
     assert member.deaths == at_quorum == 1 and member.lease_valid(at_quorum)
     member.answered({**answer(NEW, 1, 6), "deaths": {"a": 1}}, sent=time.monotonic())
     assert member.deaths == 2 and not member.lease_valid(at_quorum)
+
+
+@pytest.mark.timeout(30)
+def test_a_late_acknowledgement_holds_the_commit_until_the_next_answer_tells() -> None:
+    """The heartbeat thread was starved past the lease (a loaded machine) while the lighthouse declared nobody dead:
+    the commit waits for the next answer, which renews the lease; an answer telling of a death ends it at once; and
+    without any answer the lease is lost after one more lease."""
+    member = membership([])
+    member.answered(answer(OLD, 1, 5), sent=time.monotonic() - 2.0)  # acknowledged, but sent two leases ago
+    at_quorum = member.deaths
+    renewal = threading.Timer(0.2, lambda: member.answered(answer(OLD, 2, 5), sent=time.monotonic()))
+    renewal.start()
+    try:
+        assert member.lease_valid(at_quorum)
+    finally:
+        renewal.join()
+
+    member.answered(answer(OLD, 3, 5), sent=time.monotonic() - 2.0)
+    assert not member.lease_valid(at_quorum)  # nothing more heard within a lease
+
+    long_lease = {"heartbeat_timeout_ms": 60_000}  # a wait that ran out would outlast the test's timeout (30 s)
+    member.answered({**answer(OLD, 4, 5), **long_lease}, sent=time.monotonic() - 120.0)
+    death = threading.Timer(0.2, lambda: member.answered({**answer(OLD, 5, 5), **long_lease, "deaths": {"a": 1}},
+                                                         sent=time.monotonic()))
+    death.start()
+    try:
+        assert not member.lease_valid(at_quorum)  # told at once by the answer, not after the lease
+    finally:
+        death.join()

@@ -69,6 +69,7 @@ class Membership:
         # committing); "away": nothing listens (the lighthouse is down and can declare nobody dead).
         self.state = "unverified"
         self._settled = threading.Event()  # set in "ok" and "away"
+        self._heard = threading.Condition()  # notified by every answer
 
     def lease_valid(self, deaths_before: int) -> bool:
         """Whether this group may commit a step it started when the lighthouse had declared it dead
@@ -76,13 +77,24 @@ class Membership:
         or could have been (no acknowledgement for a heartbeat timeout). After a broken connection it waits (a
         few heartbeat intervals at most) for the reconnect that tells. While nothing listens at the lighthouse's
         address, nobody can be declared dead and the lease holds (a lighthouse that declared us dead and then
-        died within one heartbeat interval is the residual risk)."""
+        died within one heartbeat interval is the residual risk).
+
+        An acknowledgement that is merely late (the heartbeat thread starved on a loaded machine, while the
+        lighthouse, which measures its own lag, declared nobody dead) is no reason to discard: it waits, one lease at
+        most, for an answer to a heartbeat sent within the lease, which renews it or tells of a death. Without that
+        wait a group could discard the one step every other group committed, and then wait alone, below
+        min_replicas, once the others finished."""
         if not self._settled.wait(3 * self._timeouts.heartbeat_interval_ms / 1000):
             return False
+        with self._heard:
+            self._heard.wait_for(lambda: self.state != "ok" or self.deaths != deaths_before or self._fresh(),
+                                 timeout=self.lease_ms / 1000)
         if self.state == "away":
             return True
-        fresh = time.monotonic() - self._acknowledged < self.lease_ms / 1000
-        return fresh and self.deaths == deaths_before
+        return self.state == "ok" and self._fresh() and self.deaths == deaths_before
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._acknowledged < self.lease_ms / 1000
 
     def answered(self, answer: Mapping[str, object], sent: float) -> None:
         """The lighthouse answered a heartbeat sent at ``sent`` (this process's monotonic clock) with ``answer``
@@ -99,8 +111,10 @@ class Membership:
         # time must see what the same answer says of them.
         self.deaths = self._deaths_before + heard.deaths
         self._adopt_lease(heard.heartbeat_timeout_ms)
-        self._acknowledged = sent
-        self.state = "ok"
+        with self._heard:
+            self._acknowledged = sent
+            self.state = "ok"
+            self._heard.notify_all()
         self._settled.set()
         self._heard_from(heard.quorum.store, heard.epoch)
         dead, as_of = heard.dead, heard.quorum.quorum_id
@@ -135,14 +149,17 @@ class Membership:
         if self.state == "ok" and not timed_out:  # refused or broken: the process (and store) is gone
             with self._quorum_lock:
                 self._tell_lost()
-        if refused:
-            self.state = "away"
-            self._settled.set()
-            return False
-        if self.state != "unverified":
-            self.state = "unverified"
-            self._settled.clear()
-            return True
+        with self._heard:
+            if refused:
+                self.state = "away"
+                self._settled.set()
+                self._heard.notify_all()
+                return False
+            if self.state != "unverified":
+                self.state = "unverified"
+                self._settled.clear()
+                self._heard.notify_all()
+                return True
         return False
 
     def _heard_from(self, store: str, epoch: int | None) -> None:
