@@ -60,3 +60,14 @@ def test_any_other_failure_raises_naming_the_group(agreement: GroupAgreement, ex
 def test_addresses_and_votes_are_this_ranks_own(agreement: GroupAgreement) -> None:
     assert agreement.gather_addresses("h:7") == ["h:7"]
     assert agreement.vote(True, False, True) == (True, False, True)
+
+
+def test_a_group_of_several_ranks_agrees_each_step_on_its_link_only() -> None:
+    """The per-step words of a multi-rank group never fall back to the process group: without the link they are
+    refused, naming the fix."""
+    agreement = GroupAgreement(None, "a", step=lambda: 0)
+    agreement.size = 2  # as rank 0 of a two-rank group that never opened its link
+    with pytest.raises(RuntimeError, match=r"group a\): vote\(\) before open_link\(\).*open it once"):
+        agreement.vote(True)
+    with pytest.raises(RuntimeError, match=r"group a\): quorum\(\) before open_link\(\)"):
+        agreement.quorum(lambda: (QUORUM, "store:9"))

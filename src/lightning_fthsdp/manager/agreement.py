@@ -55,7 +55,7 @@ class GroupAgreement:
         """Carry the leader's words and the votes on a ``GroupLink`` from now on (every rank calls it at once; the
         leader listens on ``host``); a one-rank group has nobody to tell. A rank says hello as it connects: the
         leader gives it the heartbeat timeout, the group's bound for a rank that says nothing."""
-        if self._process_group is not None and self.size > 1:
+        if self.size > 1:
             self._link = GroupLink.open(self.from_leader, rank=self.rank, size=self.size, host=host, token=token,
                                         incarnation=incarnation, timeout_s=timeouts.process_group_timeout_ms / 1000,
                                         hello_timeout_s=timeouts.heartbeat_timeout_ms / 1000)
@@ -76,7 +76,7 @@ class GroupAgreement:
 
     def gather_addresses(self, address: str) -> list[str]:
         """Every rank's state-server address (the leader advertises them all, shard rank order)."""
-        if self._process_group is None:
+        if self.size == 1:
             return [address]
         addresses: list[object] = [None] * self.size
         dist.all_gather_object(addresses, address, group=self._process_group)
@@ -86,6 +86,8 @@ class GroupAgreement:
         """The leader's quorum and store address (``answer`` waits for them; None on the other ranks), shared with
         every rank. None on every rank: no quorum this step (a 504 from the lighthouse: retry). Any other error
         raises RuntimeError on every rank."""
+        if self.size > 1:
+            self._opened_link("quorum")
         message: dict[str, object] = {}
         if answer is not None:
             try:
@@ -114,16 +116,19 @@ class GroupAgreement:
 
     def vote(self, *flags: bool) -> tuple[bool, ...]:
         """Unanimity inside the group, flag by flag (commit? every rank's exchange succeeded? ...)."""
-        if self._process_group is None:
+        if self.size == 1:
             return flags
-        if self._link is not None:
-            return self._link.vote(flags)
-        votes = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self._process_group)
-        return tuple(bool(v) for v in votes)
+        return self._opened_link("vote").vote(flags)
+
+    def _opened_link(self, call: str) -> GroupLink:
+        if self._link is None:
+            raise RuntimeError(f"GroupAgreement (group {self._replica_id}): {call}() before open_link(): the group's "
+                               f"per-step words go over its link only; open it once, after the incarnation")
+        return self._link
 
     def _broadcast_from_leader(self, message: dict[str, object]) -> dict[str, object]:
-        if self._process_group is None:
+        """Over the link once open; before it (the incarnation, the link's own address), over the process group."""
+        if self.size == 1:
             return message
         payload = json.dumps(message).encode() if self.is_leader else b""
         if self._link is not None:

@@ -23,7 +23,7 @@ that differ, a token the lighthouse refuses, a cross-group backend that cannot w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,26 +157,36 @@ class FTManager:
         self._comm = CrossGroupComm(backend, self.device, self.timeouts, shard_rank=self.rank,
                                     on_collective_started=on_phase and (lambda: on_phase("allreduce")), token=token,
                                     advertise_host=self.advertise_host, lighthouse_host=lighthouse_host(url))
-        self.incarnation = self._agreement.incarnation()
-        self._agreement.open_link(self.advertise_host, token, self.incarnation, self.timeouts)
-        self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
-        self._catchup.register("rng", rng_state, load_rng_state)
-        self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
-        self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
-                                  replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
-        self._checkpoints: DurableCheckpoints | None = None
-        if checkpoint_dir:
-            self._checkpoints = DurableCheckpoints(
-                checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
-                replica_id=self.replica_id, rank=self.rank, shard_count=self.shard_count,
-                capture=self._catchup.capture, rlog=self._rlog,
-                reporter=CheckpointReporter(url, token, self.timeouts, self.replica_id, self.incarnation)
-                if self.is_leader else None)
-        self._resumption = Resumption(self._checkpoints, self.replica_id, self._loaded_checkpoint,
-                                      self._follower.stop, self._rlog)
-        self._group = GroupQuorum(url, token, self.advertise_host, self.timeouts, self._agreement, self._comm,
-                                  self._catchup, replica_id=self.replica_id, incarnation=self.incarnation,
-                                  step=lambda: self.step)
+        # Bad input found this late (a checkpoint setting) must leave no socket or thread behind in a process that
+        # goes on, a notebook's: what was opened is closed, newest first.
+        opened: list[tuple[str, Callable[[], None]]] = [("the cross-group process groups", self._comm.close)]
+        try:
+            self.incarnation = self._agreement.incarnation()
+            self._agreement.open_link(self.advertise_host, token, self.incarnation, self.timeouts)
+            opened.append(("the group's link", self._agreement.close))
+            self._catchup = CatchUp(token, self.advertise_host, self._rlog, on_phase)
+            opened.append(("catch-up", self._close_catchup))
+            self._catchup.register("rng", rng_state, load_rng_state)
+            self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
+            self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
+                                      replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
+            self._checkpoints: DurableCheckpoints | None = None
+            if checkpoint_dir:
+                self._checkpoints = DurableCheckpoints(
+                    checkpoint_dir, every_n_steps=checkpoint_every_n_steps, keep=checkpoint_keep,
+                    replica_id=self.replica_id, rank=self.rank, shard_count=self.shard_count,
+                    capture=self._catchup.capture, rlog=self._rlog,
+                    reporter=CheckpointReporter(url, token, self.timeouts, self.replica_id, self.incarnation)
+                    if self.is_leader else None)
+                opened.append(("the checkpoint writer", self._close_checkpoints))
+            self._resumption = Resumption(self._checkpoints, self.replica_id, self._loaded_checkpoint,
+                                          self._follower.stop, self._rlog)
+            self._group = GroupQuorum(url, token, self.advertise_host, self.timeouts, self._agreement, self._comm,
+                                      self._catchup, replica_id=self.replica_id, incarnation=self.incarnation,
+                                      step=lambda: self.step)
+        except BaseException:
+            self._close(reversed(opened))
+            raise
 
     # ---------------------------------------------------------------------------------------------- state
 
@@ -450,17 +460,24 @@ class FTManager:
             return
         self._closed = True
         closers = [*self._group.closers(), ("the group's link", self._agreement.close),
-                   ("the cross-group process groups", self._comm.close),
-                   ("catch-up", lambda: self._catchup.close(timeout_s=self.timeouts.collective_timeout_ms / 1000))]
-        checkpoints = self._checkpoints
-        if checkpoints is not None:
-            closers.append(("the checkpoint writer",
-                            lambda: checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)))
+                   ("the cross-group process groups", self._comm.close), ("catch-up", self._close_catchup)]
+        if self._checkpoints is not None:
+            closers.append(("the checkpoint writer", self._close_checkpoints))
+        self._close(closers)
+
+    def _close(self, closers: Iterable[tuple[str, Callable[[], None]]]) -> None:
         for what, close in closers:
             try:
                 close()
             except Exception:
-                self._elog.exception("shutdown: closing %s failed", what)
+                self._elog.exception("closing %s failed", what)
+
+    def _close_catchup(self) -> None:
+        self._catchup.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)
+
+    def _close_checkpoints(self) -> None:
+        assert self._checkpoints is not None, "only a manager with durable checkpoints closes them"
+        self._checkpoints.close(timeout_s=self.timeouts.collective_timeout_ms / 1000)
 
     # ------------------------------------------------------------------------------------------- helpers
 
