@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import cast
 
 import pytest
@@ -17,6 +18,7 @@ from lightning_fthsdp.recovery.torch_state import StateTree
 
 QUORUM = Quorum(9, (Member("a", 10, "a0,a1"), Member("b", 3, "b0,b1")), 10, 2, catch_up_from={"b": "a"})
 TREE: StateTree = {"model": {"w": torch.ones(2)}}
+PROGRESS = "fthsdp"
 
 
 class Transfer:
@@ -46,9 +48,20 @@ class Transfer:
     def cancel_fetch(self) -> None:
         self.cancelled += 1
 
-    def load(self, tree: StateTree, *, keep_memory: bool) -> None:
-        """As the manager's own state loads with the rest: the step transferred (10) and a committed_in."""
+    def load(self, tree: StateTree, *, keep_memory: bool, skip: tuple[str, ...] = ()) -> None:
+        """As the manager's own state loads with the rest (unless skipped): the step transferred (10)."""
         self.loaded.append((tree, keep_memory))
+        if PROGRESS not in skip:
+            self.load_entry(tree, PROGRESS)
+
+    def load_in_background(self, tree: StateTree, *, keep_memory: bool, skip: tuple[str, ...]) -> Future[None]:
+        """The load runs when the test says so (``background.set_result``, after calling ``load``)."""
+        self.skipped = skip
+        self.background: Future[None] = Future()
+        return self.background
+
+    def load_entry(self, tree: StateTree, name: str) -> None:
+        assert name == PROGRESS
         self.progress.load({"step": 10, "batches_committed": {"a": 10, "b": 7}})
 
 
@@ -56,7 +69,7 @@ def follower(budget: int = 1 << 20) -> tuple[Follower, Transfer, Progress]:
     transfer, progress = Transfer(), Progress(step=3, committed_in=4)
     transfer.progress = progress
     rlog = log.ReplicaLogger(log.RECOVERY, "b", 1, lambda: progress.step)
-    return Follower(cast(CatchUp, transfer), progress, 1, Timeouts(), rlog, replay_budget=budget,
+    return Follower(cast(CatchUp, transfer), progress, PROGRESS, 1, Timeouts(), rlog, replay_budget=budget,
                     keep_memory=True), transfer, progress
 
 
@@ -143,3 +156,51 @@ def test_stopping_cancels_the_transfer_and_restores_our_own_step(held: int) -> N
     assert (progress.step, progress.committed_in) == (3, 4)
     follow.stop("again")  # nothing to stop
     assert transfer.cancelled == 1
+
+
+def test_a_load_in_the_background_is_followed_through_and_counts_every_step_held_from_the_loaded_one() -> None:
+    """The group agreed it holds the state: everything but its own progress loads on the catch-up thread while it
+    follows on; poll says ready once loaded, and the progress loads on the step's thread, then counts the steps held
+    before and during the load."""
+    follow, transfer, progress = follower()
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    assert follow.poll(can_replay=True)
+    follow.begin_load()
+    assert follow.loading and transfer.skipped == (PROGRESS,)
+    follow.hold([torch.ones(2)], {"a": 1}, 9)  # the step the load began in
+    assert not follow.poll(can_replay=True)
+    follow.hold([torch.ones(2)], {"a": 1}, 9)
+    transfer.load(TREE, keep_memory=True, skip=transfer.skipped)
+    assert progress.step == 12  # the follow's count: the load left it alone
+    transfer.background.set_result(None)
+    assert follow.poll(can_replay=True)
+    held = follow.load()
+    assert [h.step for h in held] == [11, 12]
+    assert (progress.step, progress.batches_committed) == (12, {"a": 12, "b": 7})
+
+
+def test_a_loaders_error_in_the_background_is_raised_on_the_steps_thread() -> None:
+    follow, transfer, _ = follower()
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    assert follow.poll(can_replay=True)
+    follow.begin_load()
+    transfer.background.set_exception(ValueError("shape mismatch in 'model'"))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        follow.poll(can_replay=True)
+
+
+def test_a_catch_up_dropped_after_its_load_began_holds_the_fetched_step_as_if_from_a_checkpoint() -> None:
+    """The live state is the fetched one once loaded: the group is at the fetched step, claiming no commit of its own
+    (the lighthouse holds such a claim to the job's committed step), not back at its own step."""
+    follow, transfer, progress = follower()
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    follow.poll(can_replay=True)
+    follow.begin_load()
+    follow.hold([torch.ones(2)], {"a": 1}, 9)
+    transfer.background.set_result(None)
+    follow.stop("the quorum names us behind again")
+    assert not follow.active
+    assert (progress.step, progress.committed_in, progress.batches_committed) == (10, -1, {"a": 10, "b": 7})

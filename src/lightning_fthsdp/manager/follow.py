@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,8 @@ class _Follow:
     """The source whose state arrived."""
     failed: bool = False
     """The transfer ended without the state: the group stops following at the commit vote."""
+    loading: Future[None] | None = None
+    """The load of ``tree`` on the catch-up thread, begun once every rank of the group held it (``begin_load``)."""
 
 
 class Follower:
@@ -50,6 +53,7 @@ class Follower:
         self,
         catchup: CatchUp,
         progress: Progress,
+        progress_entry: str,
         shard_rank: int,
         timeouts: Timeouts,
         rlog: log.ReplicaLogger,
@@ -59,6 +63,7 @@ class Follower:
     ) -> None:
         self._catchup = catchup
         self._progress = progress
+        self._progress_entry = progress_entry  # the registered state ``progress`` loads from: on the step's thread
         self._shard_rank = shard_rank
         self._timeout_s = timeouts.collective_timeout_ms / 1000
         self._rlog = rlog
@@ -72,6 +77,11 @@ class Follower:
     @property
     def active(self) -> bool:
         return self._follow is not None
+
+    @property
+    def loading(self) -> bool:
+        """Whether the fetched state is being (or has been) loaded on the catch-up thread."""
+        return self._follow is not None and self._follow.loading is not None
 
     @property
     def failed(self) -> bool:
@@ -100,6 +110,11 @@ class Follower:
         the healthy groups less than a retry would (a fresh snapshot, everything transferred again)."""
         follow = self._follow
         assert follow is not None, "poll() while following"
+        if follow.loading is not None:
+            if not follow.loading.done():
+                return False
+            follow.loading.result()  # a loader's error ends the group here, on the step's thread
+            return True
         budget = self._replay_budget if can_replay else 0
         if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= budget):
             if follow.updates and not self._catchup.fetch_done():
@@ -122,14 +137,28 @@ class Follower:
         self._progress.step = follow.base_step + len(follow.updates)  # the steps we will hold once the state is in
         self._progress.committed_in = quorum_id
 
+    def begin_load(self) -> None:
+        """Every rank of the group holds the fetched state (the commit vote): load it on the catch-up thread while the
+        group follows on, holding each step, rather than in this step, whose copy the healthy groups would wait for
+        in their next exchange. Its own progress stays put until ``load``: the follow moves it meanwhile."""
+        follow = self._follow
+        assert follow is not None and follow.tree is not None and follow.loading is None, "begin_load() once held"
+        follow.loading = self._catchup.load_in_background(follow.tree, keep_memory=self._keep_memory,
+                                                          skip=(self._progress_entry,))
+
     def load(self) -> list[HeldStep]:
-        """Load the fetched state and hand back the steps held since, numbered from the loaded step on: the caller
-        applies each (its averaged gradients) before the optimizer step of the step being committed."""
+        """Load the fetched state (if ``begin_load`` did not: the rest of it) and hand back the steps held since,
+        numbered from the loaded step on: the caller applies each (its averaged gradients) before the optimizer step
+        of the step being committed."""
         follow = self._follow
         assert follow is not None and follow.tree is not None, "load() once the state is held"
         self._follow = None
         nbytes = sum(t.numel() * t.element_size() for t in split_tree(follow.tree)[1])
-        self._catchup.load(follow.tree, keep_memory=self._keep_memory)
+        if follow.loading is None:
+            self._catchup.load(follow.tree, keep_memory=self._keep_memory)
+        else:
+            follow.loading.result()
+            self._catchup.load_entry(follow.tree, self._progress_entry)
         held = []
         for grads, shares in follow.updates:
             self._progress.advance(shares)
@@ -148,6 +177,16 @@ class Follower:
             return
         self._follow = None
         self._catchup.cancel_fetch()
+        if follow.loading is not None:
+            # The live state is the fetched one now (a load is never half undone): the group holds the fetched
+            # step, as if from a checkpoint (no commit of its own: the lighthouse holds it to the job's step).
+            assert follow.tree is not None, "a load begins once the state is held"
+            follow.loading.result(timeout=self._timeout_s)
+            self._catchup.load_entry(follow.tree, self._progress_entry)
+            self._progress.committed_in = -1
+            self._rlog.warning("%s: dropping the catch-up from %s (%d steps held) after loading its state, now at "
+                               "its step %d", reason, follow.source, len(follow.updates), self._progress.step)
+            return
         self._progress.step, self._progress.committed_in = follow.own_step, follow.own_committed_in
         self._rlog.warning("%s: dropping the catch-up from %s (%d steps held), back at our own step %d", reason,
                            follow.source, len(follow.updates), self._progress.step)

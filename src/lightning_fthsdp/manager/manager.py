@@ -168,7 +168,7 @@ class FTManager:
             opened.append(("catch-up", self._close_catchup))
             self._catchup.register("rng", rng_state, load_rng_state)
             self._catchup.register(_OWN_STATE, self._progress.state, self._progress.load)
-            self._follower = Follower(self._catchup, self._progress, self.rank, self.timeouts, self._rlog,
+            self._follower = Follower(self._catchup, self._progress, _OWN_STATE, self.rank, self.timeouts, self._rlog,
                                       replay_budget=replay_buffer_mib << 20, keep_memory=reserve_snapshot_memory)
             self._checkpoints: DurableCheckpoints | None = None
             if checkpoint_dir:
@@ -411,6 +411,9 @@ class FTManager:
             self._checkpoints.wait_copied(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
+        if ok and self._follower.active and self._replays and not self._follower.loading:
+            self._follower.begin_load()  # this step is followed and held: the copy is off the healthy groups' path
+            ok = False
         if ok and self._follower.active:
             with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
                 self._held = self._follower.load()

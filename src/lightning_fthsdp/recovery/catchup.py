@@ -7,15 +7,17 @@ optimizer step waits for the copy to finish, never for the digests or the transf
 Recovering side: the fetch runs in the background during the step, from the assigned source or, should that fail,
 from the next up-to-date members (chosen by :mod:`~lightning_fthsdp.manager.sources`), each fetched state checked
 against this rank's own structure (:mod:`~lightning_fthsdp.recovery.expected`) before anything is allocated for it;
-the catching-up group loads the state after the step's allreduce (to which it contributed zeros) and then applies
-the same averaged update.
+the catching-up group loads the state once every rank of it holds it: after the step's allreduce (to which it
+contributed zeros), then applying the same averaged update; or, when it follows the job (holding each step's averaged
+update, replayed once loaded), on a background thread while it follows.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,21 +103,30 @@ class CatchUp:
         """The live state of every registered entry (not a copy)."""
         return {name: get() for name, (get, _) in self._entries.items()}
 
-    def load(self, tree: StateTree, *, keep_memory: bool) -> None:
-        """Hand ``tree`` to every registered loader. ``keep_memory``: the fetched tensors no loader adopted as live
-        state become the memory of this rank's next snapshot (freeing it now and mapping as much again later would
-        cost the steps ahead CPU time)."""
+    def load(self, tree: StateTree, *, keep_memory: bool, skip: Collection[str] = ()) -> None:
+        """Hand ``tree`` to every registered loader but those named in ``skip`` (``load_entry`` loads them).
+        ``keep_memory``: the fetched tensors no loader adopted as live state become the memory of this rank's next
+        snapshot (freeing it now and mapping as much again later would cost the steps ahead CPU time)."""
         missing = set(self._entries) - set(tree)
         if missing:
             raise ValueError(f"fetched state lacks registered entries {sorted(missing)}: every group must register "
                              "the same state")
         for name, (_, load) in self._entries.items():
-            load(tree[name])
+            if name not in skip:
+                load(tree[name])
         if keep_memory:
             try:
                 self._keep_spare(unshared(tree, self.capture()))
             except Exception as exc:  # only an optimisation: the catch-up itself is done
                 self._log.warning("not keeping the fetched state's memory for the next snapshot: %r", exc)
+
+    def load_in_background(self, tree: StateTree, *, keep_memory: bool, skip: Collection[str]) -> Future[None]:
+        """``load`` on the catch-up thread: the group follows the job meanwhile, its model and optimizer unused."""
+        return self._submit(functools.partial(self.load, tree, keep_memory=keep_memory, skip=skip))
+
+    def load_entry(self, tree: StateTree, name: str) -> None:
+        """Hand ``tree[name]`` to the loader registered as ``name``."""
+        self._entries[name][1](tree[name])
 
     # ------------------------------------------------------------------------------------------------ source
 
