@@ -11,7 +11,7 @@ transfer runs, then replaying the steps it followed), trains 15 steps and is SIG
   was started (after the previous kill had settled). Target <= 1.10.
 - admit vs full: the same step over the healthy groups' median once b is back (steps 3 to 14 after b's first commit):
   what admitting costs beyond the quorum having one member more (a third process's collective on 2 shared cores).
-- worst ratio: the slowest healthy step from the admitting one to the step after b's first commit.
+- worst ratio: the slowest healthy step from the admitting one to the step after b's first commit. Target <= 1.5.
 - the restarted process's time to its first committed step, split into process start (interpreter and imports),
   model build (model, optimizer, manager), fetch (state transfer) and the rest of that first step.
 On a 2-core machine every process shares the same cores (a real job's recovering group has hosts of its own), so a
@@ -104,7 +104,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"state_mib": mib, "admissions": len(of), "admit_ratio_median": statistics.median(ratios),
                     "admit_ratio_max": max(ratios),
                     "admit_vs_full_median": statistics.median(r["admit_vs_full"] for r in of),
-                    "worst_ratio_median": statistics.median(r["worst_ratio"] for r in of)})
+                    "worst_ratio_median": statistics.median(r["worst_ratio"] for r in of),
+                    "worst_ratio_max": max(r["worst_ratio"] for r in of)})
     return out
 
 
@@ -133,7 +134,7 @@ def main() -> int:
     _print(rows)
     print()
     _print(summary)
-    print(f"target: admit_ratio <= 1.10; wrote {args.out}")
+    print(f"targets: admit_ratio <= 1.10; worst_ratio (every healthy step of an admission) <= 1.5; wrote {args.out}")
     return 0
 
 

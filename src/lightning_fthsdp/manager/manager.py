@@ -269,15 +269,17 @@ class FTManager:
         receives the same structure with plain CPU tensors. ``get`` should be cheap and return the live tensors (no
         copies). ``load`` copies them into the live state or adopts them as live state (``get()`` then returns
         them); it keeps no other reference: the rest of their memory takes this rank's next snapshot (with
-        ``reserve_snapshot_memory``). Every group must register the same names.
+        ``reserve_snapshot_memory``). Every group must register the same names. With ``enable_replay``, ``load``
+        runs on the catch-up thread while the group follows the job (its model and optimizer are not used then).
         """
         self._catchup.register(name, get, load)
 
     def enable_replay(self) -> None:
         """Never make the healthy groups wait for a catch-up: a catching-up group whose state transfer outlasts the
-        step follows the job (contributing zeros, holding each step's averaged gradients) and, once the state
-        arrives, loads it in the commit that finds it; ``take_held()`` then hands back the steps held, which the
-        caller applies before the committed step's own optimizer step (``manager.driver.StepDriver`` does). Without
+        step follows the job (contributing zeros, holding each step's averaged gradients) and, once every rank holds
+        the state, loads it on the catch-up thread while it follows on; the commit after the load hands back the steps
+        held (``take_held()``), which the caller applies before the committed step's own optimizer step
+        (``manager.driver.StepDriver`` does). Without
         it, the catching-up group finishes the transfer at the end of the step it joined, and the next quorum waits
         for it."""
         self._replays = True
