@@ -12,7 +12,8 @@ bench/results/convergence.json::
 
     .venv/bin/python bench/bench_convergence.py --seeds 0 1 2 --steps 600
 
-``--smoke``: the fault-free runs of 2 seeds, 20 steps each (tests/integration/test_bench_smoke.py runs it).
+``--smoke``: the fault-free runs of 2 seeds, 20 steps each, 2 groups of one rank (tests/integration/test_bench_smoke.py
+runs it: the bench's own path, not a figure).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ SCHEDULES = {  # name -> (--chaos, recipe overrides)
     "harsh": (HARSH, ()),
     "harsh+kgb": (HARSH, ("ft.keep_global_batch=true", "ft.lr_scaling=none")),
 }
+
+
+SMOKE_TOPOLOGY = ("launch.replicas=2", "launch.shard_count=1")
+"""The smoke's groups: a third of the recipe's processes (each one's start-up dominates a 20-step run)."""
 
 
 def run(seed: int, steps: int, chaos: str, overrides: tuple[str, ...], out: Path) -> dict[str, object]:
@@ -59,10 +64,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "convergence.json",
                         help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true",
-                        help="a short run for CI: the fault-free runs of 2 seeds, 20 steps each")
+                        help="a short run for CI: the fault-free runs of 2 seeds, 20 steps each, 2 one-rank groups")
     args = parser.parse_args()
+    topology: tuple[str, ...] = ()
     if args.smoke:
-        args.seeds, args.steps, args.schedules = [0, 1], 20, ["fault-free"]
+        args.seeds, args.steps, args.schedules, topology = [0, 1], 20, ["fault-free"], SMOKE_TOPOLOGY
     names = ["fault-free", *(n for n in args.schedules if n != "fault-free")]
     if len(args.seeds) < 2:
         parser.error(f"--seeds needs at least 2 seeds for a seed-to-seed spread, got {args.seeds}")
@@ -72,7 +78,7 @@ def main() -> None:
         for seed in args.seeds:
             for name in names:
                 chaos, overrides = SCHEDULES[name]
-                report = run(seed, args.steps, chaos, overrides, Path(tmp) / f"{name}-{seed}")
+                report = run(seed, args.steps, chaos, (*topology, *overrides), Path(tmp) / f"{name}-{seed}")
                 val = report["val_loss"]
                 assert isinstance(val, dict) and val["step"] == args.steps, f"no validation at the last step: {val}"
                 groups = report["groups"]

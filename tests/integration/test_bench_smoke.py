@@ -151,7 +151,7 @@ def test_bench_restart_smoke_splits_a_restart_into_its_phases(tmp_path: Path) ->
 @pytest.mark.timeout(420)
 def test_bench_convergence_smoke_validates_both_seeds(tmp_path: Path) -> None:
     out = tmp_path / "convergence.json"
-    printed = smoke("bench_convergence.py", out, timeout_s=400)  # two launches of six processes
+    printed = smoke("bench_convergence.py", out, timeout_s=400)  # two launches of two processes
     result = json.loads(out.read_text())
     runs = result["runs"]["fault-free"]
     assert set(runs) == {"0", "1"} and all(run["identical"] for run in runs.values()), runs
