@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import cast
 
@@ -166,13 +167,11 @@ def test_a_load_in_the_background_is_followed_through_and_counts_every_step_held
     follow.start(QUORUM, "a")
     transfer.done = True
     assert follow.poll(can_replay=True)
-    follow.begin_load()
-    assert follow.loading and transfer.skipped == (PROGRESS,)
+    assert follow.begin_load(can_replay=True)
+    assert follow.loading and transfer.skipped == (PROGRESS,)  # the progress is the follow's until load()
     follow.hold([torch.ones(2)], {"a": 1}, 9)  # the step the load began in
     assert not follow.poll(can_replay=True)
     follow.hold([torch.ones(2)], {"a": 1}, 9)
-    transfer.load(TREE, keep_memory=True, skip=transfer.skipped)
-    assert progress.step == 12  # the follow's count: the load left it alone
     transfer.background.set_result(None)
     assert follow.poll(can_replay=True)
     held = follow.load()
@@ -185,7 +184,7 @@ def test_a_loaders_error_in_the_background_is_raised_on_the_steps_thread() -> No
     follow.start(QUORUM, "a")
     transfer.done = True
     assert follow.poll(can_replay=True)
-    follow.begin_load()
+    assert follow.begin_load(can_replay=True)
     transfer.background.set_exception(ValueError("shape mismatch in 'model'"))
     with pytest.raises(ValueError, match="shape mismatch"):
         follow.poll(can_replay=True)
@@ -198,9 +197,43 @@ def test_a_catch_up_dropped_after_its_load_began_holds_the_fetched_step_as_if_fr
     follow.start(QUORUM, "a")
     transfer.done = True
     follow.poll(can_replay=True)
-    follow.begin_load()
+    assert follow.begin_load(can_replay=True)
     follow.hold([torch.ones(2)], {"a": 1}, 9)
-    transfer.background.set_result(None)
+    threading.Timer(0.2, transfer.background.set_result, (None,)).start()  # the load still runs when stop() comes
     follow.stop("the quorum names us behind again")
-    assert not follow.active
+    assert transfer.background.done() and not follow.active and transfer.cancelled == 1
     assert (progress.step, progress.committed_in, progress.batches_committed) == (10, -1, {"a": 10, "b": 7})
+
+
+def test_a_load_that_failed_is_raised_by_stop_too() -> None:
+    follow, transfer, _ = follower()
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    follow.poll(can_replay=True)
+    assert follow.begin_load(can_replay=True)
+    transfer.background.set_exception(ValueError("shape mismatch in 'model'"))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        follow.stop("the quorum resumes from a durable checkpoint")
+
+
+def test_a_full_replay_buffer_loads_in_the_commit_and_waits_for_a_load_under_way() -> None:
+    """No room for another held step: no load in the background (``load`` loads all at the commit), and a load
+    under way when the buffer fills is waited for."""
+    follow, transfer, _ = follower(budget=8)
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    follow.hold([torch.zeros(2)], {"a": 1}, 9)  # 8 bytes: full
+    assert follow.poll(can_replay=True)
+    assert not follow.begin_load(can_replay=True) and not follow.loading
+    assert not follow.begin_load(can_replay=False)  # nothing is held without replay
+    follow.load()
+    assert transfer.loaded == [(TREE, True)]
+
+    follow, transfer, _ = follower(budget=8)
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    follow.poll(can_replay=True)
+    assert follow.begin_load(can_replay=True)
+    follow.hold([torch.zeros(2)], {"a": 1}, 9)
+    threading.Timer(0.2, transfer.background.set_result, (None,)).start()
+    assert follow.poll(can_replay=True) and transfer.background.done()  # waited for, not another step held

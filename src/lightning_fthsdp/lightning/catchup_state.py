@@ -15,7 +15,8 @@ from lightning_fthsdp.recovery.torch_state import ModuleState, load_optimizer_st
 def register_catchup_state(manager: FTManager, model: nn.Module, optimizers: list[Optimizer],
                            trainer: pl.Trainer) -> ModuleState:
     """Register the model, the optimizers, the LR schedulers and Lightning's job-wide loop counters, all loaded
-    inside the step a group catches up in. Returns the model's state, whose buffers the strategy holds at each
+    inside the optimizer step a group catches up in (on the catch-up thread while it follows the job there, see
+    ``FTManager.enable_replay``). Returns the model's state, whose buffers the strategy holds at each
     commit."""
     module_state = ModuleState(model)
     manager.register_state("model", module_state.get, module_state.load)

@@ -110,12 +110,12 @@ class Follower:
         the healthy groups less than a retry would (a fresh snapshot, everything transferred again)."""
         follow = self._follow
         assert follow is not None, "poll() while following"
+        budget = self._replay_budget if can_replay else 0
         if follow.loading is not None:
-            if not follow.loading.done():
+            if not follow.loading.done() and follow.nbytes < budget:
                 return False
             follow.loading.result()  # a loader's error ends the group here, on the step's thread
             return True
-        budget = self._replay_budget if can_replay else 0
         if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= budget):
             if follow.updates and not self._catchup.fetch_done():
                 self._rlog.warning("replay buffer full (%d steps, %d MiB): waiting for the state of step %d",
@@ -137,14 +137,18 @@ class Follower:
         self._progress.step = follow.base_step + len(follow.updates)  # the steps we will hold once the state is in
         self._progress.committed_in = quorum_id
 
-    def begin_load(self) -> None:
+    def begin_load(self, can_replay: bool) -> bool:
         """Every rank of the group holds the fetched state (the commit vote): load it on the catch-up thread while the
         group follows on, holding each step, rather than in this step, whose copy the healthy groups would wait for
-        in their next exchange. Its own progress stays put until ``load``: the follow moves it meanwhile."""
+        in their next exchange. Its own progress stays put until ``load``: the follow moves it meanwhile. Returns
+        False, and begins nothing, when the replay buffer has no room for another step (``load`` loads it all now)."""
         follow = self._follow
         assert follow is not None and follow.tree is not None and follow.loading is None, "begin_load() once held"
+        if not can_replay or follow.nbytes >= self._replay_budget:
+            return False
         follow.loading = self._catchup.load_in_background(follow.tree, keep_memory=self._keep_memory,
                                                           skip=(self._progress_entry,))
+        return True
 
     def load(self) -> list[HeldStep]:
         """Load the fetched state (if ``begin_load`` did not: the rest of it) and hand back the steps held since,
@@ -181,7 +185,7 @@ class Follower:
             # The live state is the fetched one now (a load is never half undone): the group holds the fetched
             # step, as if from a checkpoint (no commit of its own: the lighthouse holds it to the job's step).
             assert follow.tree is not None, "a load begins once the state is held"
-            follow.loading.result(timeout=self._timeout_s)
+            follow.loading.result()  # local work, never abandoned half done: no timeout
             self._catchup.load_entry(follow.tree, self._progress_entry)
             self._progress.committed_in = -1
             self._rlog.warning("%s: dropping the catch-up from %s (%d steps held) after loading its state, now at "

@@ -416,9 +416,8 @@ class FTManager:
             self._checkpoints.wait_copied(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
-        if ok and self._follower.active and self._replays and not self._follower.loading:
-            self._follower.begin_load()  # this step is followed and held: the copy is off the healthy groups' path
-            ok = False
+        if ok and self._follower.active and not self._follower.loading and self._follower.begin_load(self._replays):
+            ok = False  # this step is followed and held: the copy is off the healthy groups' path
         if ok and self._follower.active:
             with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
                 self._held = self._follower.load()

@@ -84,11 +84,17 @@ class Membership:
         most, for an answer to a heartbeat sent within the lease, which renews it or tells of a death. Without that
         wait a group could discard the one step every other group committed, and then wait alone, below
         min_replicas, once the others finished."""
-        if not self._settled.wait(3 * self._timeouts.heartbeat_interval_ms / 1000):
+        reconnect_s = 3 * self._timeouts.heartbeat_interval_ms / 1000
+        if not self._settled.wait(reconnect_s):
             return False
-        with self._heard:
-            self._heard.wait_for(lambda: self.state != "ok" or self.deaths != deaths_before or self._fresh(),
-                                 timeout=self.lease_ms / 1000)
+        deadline = time.monotonic() + self.lease_ms / 1000
+        while True:
+            with self._heard:
+                self._heard.wait_for(lambda: self.state != "ok" or self.deaths != deaths_before or self._fresh(),
+                                     timeout=max(0.0, deadline - time.monotonic()))
+            # A heartbeat that timed out on the way: the reconnect tells, as above.
+            if self.state != "unverified" or time.monotonic() >= deadline or not self._settled.wait(reconnect_s):
+                break
         if self.state == "away":
             return True
         return self.state == "ok" and self._fresh() and self.deaths == deaths_before

@@ -14,7 +14,6 @@ update, replayed once loaded), on a background thread while it follows.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Collection, Sequence
@@ -22,6 +21,8 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
+
+import torch
 
 from lightning_fthsdp.config.ranges import FETCH, SNAPSHOT, span
 from lightning_fthsdp.recovery.client import StateFetchError, fetch_state
@@ -121,8 +122,16 @@ class CatchUp:
                 self._log.warning("not keeping the fetched state's memory for the next snapshot: %r", exc)
 
     def load_in_background(self, tree: StateTree, *, keep_memory: bool, skip: Collection[str]) -> Future[None]:
-        """``load`` on the catch-up thread: the group follows the job meanwhile, its model and optimizer unused."""
-        return self._submit(functools.partial(self.load, tree, keep_memory=keep_memory, skip=skip))
+        """``load`` on the catch-up thread: the group follows the job meanwhile, its model and optimizer unused. The
+        thread uses the caller's current GPU, as the loaders would on the caller's thread."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def load() -> None:
+            if device is not None:
+                torch.cuda.set_device(device)
+            self.load(tree, keep_memory=keep_memory, skip=skip)
+
+        return self._submit(load)
 
     def load_entry(self, tree: StateTree, name: str) -> None:
         """Hand ``tree[name]`` to the loader registered as ``name``."""
