@@ -66,11 +66,11 @@ class Transfer:
         self.progress.load({"step": 10, "batches_committed": {"a": 10, "b": 7}})
 
 
-def follower(budget: int = 1 << 20) -> tuple[Follower, Transfer, Progress]:
+def follower(budget: int = 1 << 20, timeouts: Timeouts | None = None) -> tuple[Follower, Transfer, Progress]:
     transfer, progress = Transfer(), Progress(step=3, committed_in=4)
     transfer.progress = progress
     rlog = log.ReplicaLogger(log.RECOVERY, "b", 1, lambda: progress.step)
-    return Follower(cast(CatchUp, transfer), progress, PROGRESS, 1, Timeouts(), rlog, replay_budget=budget,
+    return Follower(cast(CatchUp, transfer), progress, PROGRESS, 1, timeouts or Timeouts(), rlog, replay_budget=budget,
                     keep_memory=True), transfer, progress
 
 
@@ -237,3 +237,18 @@ def test_a_full_replay_buffer_loads_in_the_commit_and_waits_for_a_load_under_way
     follow.hold([torch.zeros(2)], {"a": 1}, 9)
     threading.Timer(0.2, transfer.background.set_result, (None,)).start()
     assert follow.poll(can_replay=True) and transfer.background.done()  # waited for, not another step held
+
+
+def test_a_stuck_load_ends_the_group_after_the_collective_timeout_naming_the_restart() -> None:
+    short = Timeouts(heartbeat_interval_ms=10, heartbeat_timeout_ms=100, collective_timeout_ms=300,
+                     quorum_timeout_ms=400, connect_timeout_ms=500, join_timeout_ms=200)
+    follow, transfer, _ = follower(budget=8, timeouts=short)
+    follow.start(QUORUM, "a")
+    transfer.done = True
+    follow.poll(can_replay=True)
+    assert follow.begin_load(can_replay=True)
+    follow.hold([torch.zeros(2)], {"a": 1}, 9)  # the buffer is full: the load is waited for, and never ends
+    with pytest.raises(RuntimeError, match=r"took over 0.3 s .*stuck.*must restart"):
+        follow.poll(can_replay=True)
+    with pytest.raises(RuntimeError, match="must restart"):
+        follow.stop("the quorum names us behind again")

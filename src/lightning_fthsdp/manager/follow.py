@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -114,7 +115,7 @@ class Follower:
         if follow.loading is not None:
             if not follow.loading.done() and follow.nbytes < budget:
                 return False
-            follow.loading.result()  # a loader's error ends the group here, on the step's thread
+            self._wait_loaded(follow)  # a loader's error ends the group here, on the step's thread
             return True
         if follow.tree is None and (self._catchup.fetch_done() or follow.nbytes >= budget):
             if follow.updates and not self._catchup.fetch_done():
@@ -161,8 +162,7 @@ class Follower:
         if follow.loading is None:
             self._catchup.load(follow.tree, keep_memory=self._keep_memory)
         else:
-            follow.loading.result()
-            self._catchup.load_entry(follow.tree, self._progress_entry)
+            self._finish_load(follow)
         held = []
         for grads, shares in follow.updates:
             self._progress.advance(shares)
@@ -174,6 +174,24 @@ class Follower:
                         follow.delivered_by, len(held))
         return held
 
+    def _finish_load(self, follow: _Follow) -> None:
+        """The background load done: the progress loads last, here on the step's thread (the follow moved it)."""
+        assert follow.tree is not None, "a load begins once the state is held"
+        self._wait_loaded(follow)
+        self._catchup.load_entry(follow.tree, self._progress_entry)
+
+    def _wait_loaded(self, follow: _Follow) -> None:
+        """Wait for the background load (raising a loader's error), up to the collective timeout: a load that takes
+        longer is stuck, and the live state is neither ours nor the fetched one, so the group must restart."""
+        assert follow.loading is not None, "a load began"
+        try:
+            follow.loading.result(timeout=self._timeout_s)
+        except futures.TimeoutError as exc:
+            raise RuntimeError(f"loading the fetched state of step {follow.base_step} took over {self._timeout_s:g} "
+                               f"s (collective_timeout_ms) on the catch-up thread: a registered load function is "
+                               f"stuck; the group's live state is torn, so it must restart (its launcher restarts "
+                               f"it)") from exc
+
     def stop(self, reason: str) -> None:
         """Drop the catch-up (if any): cancel the transfer, back at the group's own step."""
         follow = self._follow
@@ -184,9 +202,7 @@ class Follower:
         if follow.loading is not None:
             # The live state is the fetched one now (a load is never half undone): the group holds the fetched
             # step, as if from a checkpoint (no commit of its own: the lighthouse holds it to the job's step).
-            assert follow.tree is not None, "a load begins once the state is held"
-            follow.loading.result()  # local work, never abandoned half done: no timeout
-            self._catchup.load_entry(follow.tree, self._progress_entry)
+            self._finish_load(follow)
             self._progress.committed_in = -1
             self._rlog.warning("%s: dropping the catch-up from %s (%d steps held) after loading its state, now at "
                                "its step %d", reason, follow.source, len(follow.updates), self._progress.step)

@@ -279,9 +279,8 @@ class FTManager:
         step follows the job (contributing zeros, holding each step's averaged gradients) and, once every rank holds
         the state, loads it on the catch-up thread while it follows on; the commit after the load hands back the steps
         held (``take_held()``), which the caller applies before the committed step's own optimizer step
-        (``manager.driver.StepDriver`` does). Without
-        it, the catching-up group finishes the transfer at the end of the step it joined, and the next quorum waits
-        for it."""
+        (``manager.driver.StepDriver`` does). Without it, the catching-up group finishes the transfer at the end of
+        the step it joined, and the next quorum waits for it."""
         self._replays = True
 
     def take_held(self) -> list[HeldStep]:
@@ -416,11 +415,12 @@ class FTManager:
             self._checkpoints.wait_copied(timeout_s=self.timeouts.collective_timeout_ms / 1000)
         if not fetch_ok:
             self._follower.stop("the state transfer failed on a rank of this group")
-        if ok and self._follower.active and not self._follower.loading and self._follower.begin_load(self._replays):
-            ok = False  # this step is followed and held: the copy is off the healthy groups' path
         if ok and self._follower.active:
-            with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
-                self._held = self._follower.load()
+            if not self._follower.loading and self._follower.begin_load(self._replays):
+                ok = False  # this step is followed and held: the copy is off the healthy groups' path
+            else:
+                with span(REPLAY):  # loading the state; the driver's range covers applying the held steps
+                    self._held = self._follower.load()
         if ok:
             assert state.quorum is not None and state.averaged is not None, "a step commits only what it exchanged"
             state.averaged.apply()

@@ -169,7 +169,7 @@ class GroupRelay:
                       if not m.left and m.rank not in self._lost and m.last_seen < cutoff]
         for rank in silent:
             self.lose(rank, "hang", f"its rank {rank} sent its leader nothing for over "
-                                     f"{self._timeout_s * 1000:.0f} ms")
+                                    f"{self._timeout_s * 1000:.0f} ms")
 
     def _serve(self, sock: socket.socket) -> None:
         """One rank's connection: its hello, then its beats until it leaves or the connection closes."""
