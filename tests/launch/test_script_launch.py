@@ -128,7 +128,12 @@ request = urllib.request.Request(os.environ["FTHSDP_LIGHTHOUSE"] + "/status",
                                  headers={"Authorization": f"Bearer {token}"} if token else {})
 status = json.loads(urllib.request.urlopen(request, timeout=20).read())
 replica_id = os.environ["FTHSDP_REPLICA_ID"]
-(Path(sys.argv[1]) / f"{replica_id}.json").write_text(json.dumps({"min_replicas": status["min_replicas"]}))
+seen = Path(sys.argv[1])
+(seen / f"{replica_id}.json").write_text(json.dumps({"min_replicas": status["min_replicas"]}))
+# The job ends once a group reaches the target step: each waits (bounded) until both groups have seen the status.
+until = time.monotonic() + 60
+while len(list(seen.glob("*.json"))) < 2 and time.monotonic() < until:
+    time.sleep(0.05)
 with open(os.environ["FTHSDP_RECORD"], "a") as records:
     for record in ({"event": "start", "step": 0},
                    {"event": "commit", "step": 1, "participants": [replica_id], "loss": 1.0, "discarded": 0,

@@ -159,31 +159,46 @@ def test_stopping_cancels_the_transfer_and_restores_our_own_step(held: int) -> N
     assert transfer.cancelled == 1
 
 
+def transferred(budget: int = 1 << 20, timeouts: Timeouts | None = None) -> tuple[Follower, Transfer, Progress]:
+    """A follower whose state arrived once it held a step (4 bytes): the transfer outlasted the step it began in."""
+    follow, transfer, progress = follower(budget, timeouts)
+    follow.start(QUORUM, "a")
+    follow.hold([torch.zeros(1)], {"a": 1}, 9)
+    transfer.done = True
+    assert follow.poll(can_replay=True)
+    return follow, transfer, progress
+
+
 def test_a_load_in_the_background_is_followed_through_and_counts_every_step_held_from_the_loaded_one() -> None:
     """The group agreed it holds the state: everything but its own progress loads on the catch-up thread while it
     follows on; poll says ready once loaded, and the progress loads on the step's thread, then counts the steps held
     before and during the load."""
-    follow, transfer, progress = follower()
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    assert follow.poll(can_replay=True)
+    follow, transfer, progress = transferred()
     assert follow.begin_load(can_replay=True)
     assert follow.loading and transfer.skipped == (PROGRESS,)  # the progress is the follow's until load()
-    follow.hold([torch.ones(2)], {"a": 1}, 9)  # the step the load began in
+    follow.hold([torch.ones(1)], {"a": 1}, 9)  # the step the load began in
     assert not follow.poll(can_replay=True)
-    follow.hold([torch.ones(2)], {"a": 1}, 9)
+    follow.hold([torch.ones(1)], {"a": 1}, 9)
     transfer.background.set_result(None)
     assert follow.poll(can_replay=True)
     held = follow.load()
-    assert [h.step for h in held] == [11, 12]
-    assert (progress.step, progress.batches_committed) == (12, {"a": 12, "b": 7})
+    assert [h.step for h in held] == [11, 12, 13]
+    assert (progress.step, progress.batches_committed) == (13, {"a": 13, "b": 7})
 
 
-def test_a_loaders_error_in_the_background_is_raised_on_the_steps_thread() -> None:
+def test_a_state_that_arrived_in_the_step_that_asked_for_it_loads_in_that_commit() -> None:
+    """Nothing held yet: so short a transfer is of a state quick to load, and the group commits at once."""
     follow, transfer, _ = follower()
     follow.start(QUORUM, "a")
     transfer.done = True
     assert follow.poll(can_replay=True)
+    assert not follow.begin_load(can_replay=True) and not follow.loading
+    follow.load()
+    assert transfer.loaded == [(TREE, True)]
+
+
+def test_a_loaders_error_in_the_background_is_raised_on_the_steps_thread() -> None:
+    follow, transfer, _ = transferred()
     assert follow.begin_load(can_replay=True)
     transfer.background.set_exception(ValueError("shape mismatch in 'model'"))
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -193,12 +208,9 @@ def test_a_loaders_error_in_the_background_is_raised_on_the_steps_thread() -> No
 def test_a_catch_up_dropped_after_its_load_began_holds_the_fetched_step_as_if_from_a_checkpoint() -> None:
     """The live state is the fetched one once loaded: the group is at the fetched step, claiming no commit of its own
     (the lighthouse holds such a claim to the job's committed step), not back at its own step."""
-    follow, transfer, progress = follower()
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    follow.poll(can_replay=True)
+    follow, transfer, progress = transferred()
     assert follow.begin_load(can_replay=True)
-    follow.hold([torch.ones(2)], {"a": 1}, 9)
+    follow.hold([torch.ones(1)], {"a": 1}, 9)
     threading.Timer(0.2, transfer.background.set_result, (None,)).start()  # the load still runs when stop() comes
     follow.stop("the quorum names us behind again")
     assert transfer.background.done() and not follow.active and transfer.cancelled == 1
@@ -206,10 +218,7 @@ def test_a_catch_up_dropped_after_its_load_began_holds_the_fetched_step_as_if_fr
 
 
 def test_a_load_that_failed_is_raised_by_stop_too() -> None:
-    follow, transfer, _ = follower()
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    follow.poll(can_replay=True)
+    follow, transfer, _ = transferred()
     assert follow.begin_load(can_replay=True)
     transfer.background.set_exception(ValueError("shape mismatch in 'model'"))
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -219,22 +228,15 @@ def test_a_load_that_failed_is_raised_by_stop_too() -> None:
 def test_a_full_replay_buffer_loads_in_the_commit_and_waits_for_a_load_under_way() -> None:
     """No room for another held step: no load in the background (``load`` loads all at the commit), and a load
     under way when the buffer fills is waited for."""
-    follow, transfer, _ = follower(budget=8)
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    follow.hold([torch.zeros(2)], {"a": 1}, 9)  # 8 bytes: full
-    assert follow.poll(can_replay=True)
+    follow, transfer, _ = transferred(budget=4)  # the step held fills it
     assert not follow.begin_load(can_replay=True) and not follow.loading
     assert not follow.begin_load(can_replay=False)  # nothing is held without replay
     follow.load()
     assert transfer.loaded == [(TREE, True)]
 
-    follow, transfer, _ = follower(budget=8)
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    follow.poll(can_replay=True)
+    follow, transfer, _ = transferred(budget=8)
     assert follow.begin_load(can_replay=True)
-    follow.hold([torch.zeros(2)], {"a": 1}, 9)
+    follow.hold([torch.zeros(1)], {"a": 1}, 9)
     threading.Timer(0.2, transfer.background.set_result, (None,)).start()
     assert follow.poll(can_replay=True) and transfer.background.done()  # waited for, not another step held
 
@@ -242,12 +244,9 @@ def test_a_full_replay_buffer_loads_in_the_commit_and_waits_for_a_load_under_way
 def test_a_stuck_load_ends_the_group_after_the_collective_timeout_naming_the_restart() -> None:
     short = Timeouts(heartbeat_interval_ms=10, heartbeat_timeout_ms=100, collective_timeout_ms=300,
                      quorum_timeout_ms=400, connect_timeout_ms=500, join_timeout_ms=200)
-    follow, transfer, _ = follower(budget=8, timeouts=short)
-    follow.start(QUORUM, "a")
-    transfer.done = True
-    follow.poll(can_replay=True)
+    follow, _, _ = transferred(budget=8, timeouts=short)
     assert follow.begin_load(can_replay=True)
-    follow.hold([torch.zeros(2)], {"a": 1}, 9)  # the buffer is full: the load is waited for, and never ends
+    follow.hold([torch.zeros(1)], {"a": 1}, 9)  # the buffer is full: the load is waited for, and never ends
     with pytest.raises(RuntimeError, match=r"took over 0.3 s .*stuck.*must restart"):
         follow.poll(can_replay=True)
     with pytest.raises(RuntimeError, match="must restart"):

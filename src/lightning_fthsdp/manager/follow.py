@@ -142,10 +142,12 @@ class Follower:
         """Every rank of the group holds the fetched state (the commit vote): load it on the catch-up thread while the
         group follows on, holding each step, rather than in this step, whose copy the healthy groups would wait for
         in their next exchange. Its own progress stays put until ``load``: the follow moves it meanwhile. Returns
-        False, and begins nothing, when the replay buffer has no room for another step (``load`` loads it all now)."""
+        False, and begins nothing (``load`` loads it all now), when the replay buffer has no room for another step,
+        or when the state arrived in the step that asked for it: a transfer that short is of a state quick to load,
+        and the group commits at once (a restart near the job's end finishes with it)."""
         follow = self._follow
         assert follow is not None and follow.tree is not None and follow.loading is None, "begin_load() once held"
-        if not can_replay or follow.nbytes >= self._replay_budget:
+        if not can_replay or not follow.updates or follow.nbytes >= self._replay_budget:
             return False
         follow.loading = self._catchup.load_in_background(follow.tree, keep_memory=self._keep_memory,
                                                           skip=(self._progress_entry,))

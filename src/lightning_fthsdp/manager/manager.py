@@ -361,6 +361,9 @@ class FTManager:
             state.resumed = True
             return False  # every member trains the step again once loaded
         state.tensors = tensors
+        source = quorum.catch_up_from.get(self.replica_id)
+        if source is not None:
+            self._follower.start(quorum, source)
         built = opened is not None  # by open_exchange: never again (a bucket's failure retired it)
         try:
             if not built:
@@ -368,8 +371,7 @@ class FTManager:
                     self._comm.configure(quorum.quorum_id, quorum.rank_of(self.replica_id), len(quorum.members),
                                          self._group.store_address)
                 built = True
-            # Never real gradients while catching up: our weights are not the job's until the state is loaded. A
-            # group the quorum names behind is no participant, so it contributes nothing in the step it learns so.
+            # Never real gradients while catching up: our weights are not the job's until the state is loaded.
             exchange = opened or BucketedSum(self._comm, bucket_bytes=self.bucket_bytes,
                                              contribute=self.replica_id in self._shares and not self._follower.active)
             with span(ALLREDUCE):
@@ -377,11 +379,6 @@ class FTManager:
         except CollectiveAborted as exc:
             self._exchange_failed(state, quorum, exc, built=built)
             return False
-        source = quorum.catch_up_from.get(self.replica_id)
-        if source is not None:
-            # After the exchange: the healthy groups wait for this group's zeros, not for the fetch's start (reading
-            # our own state's structure); the state is unchanged until the commit either way.
-            self._follower.start(quorum, source)
         state.averaged, state.exchanged = exchange, True
         state.wait_s = time.monotonic() - exchange_from
         state.ready = not self._follower.active or self._follower.poll(can_replay=self._replays)
