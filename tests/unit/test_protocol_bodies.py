@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_fthsdp.lighthouse.messages import HttpError, Request
+from lightning_fthsdp.lighthouse.http import Connection
+from lightning_fthsdp.lighthouse.messages import HttpError, Request, Response
 from lightning_fthsdp.protocol.answers import (
     ProbeAnswer,
     QuorumNews,
@@ -162,7 +163,8 @@ def test_a_parser_refuses_a_bad_field_naming_it(parse: Callable[[dict[str, objec
 
 
 def test_the_lighthouse_answers_a_refused_body_400_with_the_parsers_message() -> None:
-    request = Request("POST", "/v1/heartbeat", {}, {}, json.dumps(heartbeat(lost=[4])).encode(), connection=None)  # type: ignore[arg-type]
+    connection = Connection(lambda request: Response(200, b"{}"), lambda conn: None)
+    request = Request("POST", "/v1/heartbeat", {}, {}, json.dumps(heartbeat(lost=[4])).encode(), connection)
     with pytest.raises(HttpError) as refused:
         request.parsed(parse_heartbeat)
     assert refused.value.status == 400

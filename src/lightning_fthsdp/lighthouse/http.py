@@ -90,6 +90,9 @@ class Connection(asyncio.Protocol):
         self._in_flight: set[Pending] = set()  # the answers still to come
         self._ordered = False  # the one in flight is a plain request: nothing starts beside it
         self._parsed: tuple[int, _Head] | None = None  # see _head
+        self._last_head: tuple[bytes, _Head] | None = None  # see _head
+        self.last_parsed: tuple[Callable[[dict[str, object]], object], bytes, object] | None = None
+        """The last body a handler parsed, with its parser and value (see ``Request.parsed``)."""
         self._yielded = False  # MAX_PER_TURN requests started this turn: the rest wait for the next
         self._write_paused = False  # the client does not read its answers: start nothing more
         self._close_when_made = False  # closed (evicted) before the transport was made
@@ -257,10 +260,20 @@ class Connection(asyncio.Protocol):
         gate: parsed and checked once, though a request is looked at again when the rest of its body arrives, or when
         the request ahead of it is answered."""
         if self._parsed is None or self._parsed[0] != head_end:
-            head = _parse_head(bytes(self._buffer[:head_end]))
-            if self._gate is not None:
-                method, path, query, keep_alive, headers, _ = head
-                self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
+            raw = bytes(self._buffer[:head_end])
+            rest, _, last = raw.rpartition(b"\r\n")
+            id_line = _REQUEST_ID_LINE.fullmatch(last)
+            if id_line is not None and self._last_head is not None and self._last_head[0] == rest:
+                # This connection's last head but for the request id its client puts last (a group's next
+                # heartbeat): parsed, checked and let through the gate as that one was.
+                method, path, query, keep_alive, headers, length = self._last_head[1]
+                head = (method, path, query, keep_alive, {**headers, REQUEST_ID: id_line.group(1).decode()}, length)
+            else:
+                head = _parse_head(raw)
+                if self._gate is not None:
+                    method, path, query, keep_alive, headers, _ = head
+                    self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
+                self._last_head = (rest, head) if id_line is not None else None
             if not self.authenticated:
                 self.authenticated = True
                 if self._on_authenticated is not None:
@@ -276,9 +289,12 @@ class Connection(asyncio.Protocol):
         except Exception:
             log.exception("lighthouse: handler for %s %s failed", request.method, request.path)
             answer = error_response(500, "internal error in the lighthouse; see its log")
-        if isinstance(answer, Response) and request.pending is not None:  # deferred, then failed: this answers it
-            request.pending.done = True
-            self._in_flight.discard(request.pending)
+        # The request and its Pending refer to each other: the link is cut here, so both go when answered, by
+        # reference counting, and no held request leaves a cycle for the garbage collector.
+        pending, request.pending = request.pending, None
+        if isinstance(answer, Response) and pending is not None:  # deferred, then failed: this answers it
+            pending.done = True
+            self._in_flight.discard(pending)
             self._ordered = False
         return answer
 
@@ -361,6 +377,8 @@ def _status_line(status: int) -> str:
 
 
 _REQUEST_ID = re.compile(r"[0-9]{1,20}")
+_REQUEST_ID_LINE = re.compile(rb"X-Request-Id: ([0-9]{1,20})")
+"""A request id as ``membership.connection`` sends it, the head's last line."""
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A header name (RFC 9110 ``token``): no whitespace, so none between a name and its colon (RFC 9112 5.1)."""
 _DIGITS = re.compile(r"[0-9]{1,18}")

@@ -1,0 +1,187 @@
+"""What the lighthouse does for each of the 12,500 requests a second it serves at 100,000 ranks (issue 30): a held and
+answered request leaves no reference cycle behind (the garbage collector's passes over every live object were a large
+share of its time), and a head or a body a connection repeats (a group's next heartbeat) is not parsed again, while
+whatever differs in it still is: the token above all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import socket
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lightning_fthsdp.lighthouse import http
+from lightning_fthsdp.lighthouse.http import Connection
+from lightning_fthsdp.lighthouse.messages import Pending, Request, Response, json_response
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from lightning_fthsdp.protocol.fields import BadBody
+from tests.lighthouse_thread import LighthouseThread
+
+TOKEN = "hot-path-t0ken"
+
+
+class Transport(asyncio.Transport):
+    """Collects what a connection writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        pass
+
+
+def post(path: str, body: bytes, request_id: int, token: str = TOKEN) -> bytes:
+    """A request as ``membership.connection`` writes it: its id on the head's last line."""
+    return (f"POST {path} HTTP/1.1\r\nHost: lighthouse\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+            f"{token}\r\nContent-Length: {len(body)}\r\nX-Request-Id: {request_id}\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+def gc_off() -> Iterator[None]:
+    """Only reference counting frees objects during the test: what a cycle holds stays."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_request_held_then_answered_is_freed_without_the_garbage_collector(gc_off: None) -> None:
+    """A deferred request and its ``Pending`` referred to each other: every held heartbeat left a cycle that only a
+    garbage collection pass over every live object could free."""
+    async def run() -> tuple[weakref.ref[Request], bytes]:
+        held: list[Pending] = []
+
+        def handler(request: Request) -> Response | Pending:
+            held.append(request.defer())
+            return held[-1]
+
+        transport = Transport()
+        connection = Connection(handler, lambda conn: None)
+        connection.connection_made(transport)
+        connection.data_received(post("/v1/heartbeat", b"{}", 1))
+        request = weakref.ref(held[0].request)
+        held.pop().answer(json_response({"epoch": 0}))
+        await asyncio.sleep(0)
+        return request, bytes(transport.written)
+
+    request, written = asyncio.run(run())
+    assert written.startswith(b"HTTP/1.1 200") and b"X-Request-Id: 1\r\n" in written, written
+    assert request() is None, gc.get_referrers(request())
+
+
+def test_a_repeated_body_is_parsed_once_and_a_changed_or_bad_one_again() -> None:
+    """``Request.parsed`` keeps the connection's last parse: the same bytes to the same parser give the same value
+    without a parse; other bytes, or another parser, are parsed; a refused body is never kept."""
+    parses: list[dict[str, object]] = []
+
+    def parse(body: dict[str, object]) -> tuple[object, ...]:
+        parses.append(body)
+        if body.get("bad"):
+            raise BadBody("field 'bad' must be false")
+        return tuple(sorted(body.items()))
+
+    def other(body: dict[str, object]) -> str:
+        parses.append(body)
+        return "other"
+
+    async def run() -> bytes:
+        def handler(request: Request) -> Response:
+            value = (other if request.path == "/other" else parse)
+            return json_response({"value": request.parsed(value)})
+
+        transport = Transport()
+        connection = Connection(handler, lambda conn: None)
+        connection.connection_made(transport)
+        for number, (path, body) in enumerate((("/p", b'{"step": 1}'), ("/p", b'{"step": 1}'), ("/p", b'{"step": 2}'),
+                                               ("/other", b'{"step": 2}'), ("/p", b'{"bad": true}'),
+                                               ("/p", b'{"bad": true}'), ("/p", b'{"step": 2}')), 1):
+            connection.data_received(post(path, body, number))
+            await asyncio.sleep(0)
+        return bytes(transport.written)
+
+    written = asyncio.run(run())
+    assert [p.get("step", "bad") for p in parses] == [1, 2, 2, "bad", "bad", 2]
+    assert written.count(b"HTTP/1.1 200") == 5 and written.count(b"HTTP/1.1 400") == 2, written
+    assert written.count(b'{"value":[["step",1]]}') == 2 and written.count(b'{"value":"other"}') == 1, written
+
+
+@pytest.fixture
+def url() -> Iterator[str]:
+    with LighthouseThread(rules=QuorumRules(min_replicas=1), startup_grace_ms=0, token=TOKEN) as started:
+        yield started
+
+
+def answers(url: str, requests: list[bytes]) -> list[tuple[int, dict[str, Any], str | None]]:
+    """Each request written on one connection once the one before it was answered: (status, body, request id)."""
+    host, port = url.removeprefix("http://").split(":")
+    got = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock, sock.makefile("rb") as reader:
+        for request in requests:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(request)
+            status_line = reader.readline()
+            if not status_line:
+                break
+            headers = {}
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.lower()] = value.strip()
+            body = json.loads(reader.read(int(headers["content-length"])))
+            got.append((int(status_line.split()[1]), body, headers.get("x-request-id")))
+    return got
+
+
+def status(request_id: int | str, token: str = TOKEN) -> bytes:
+    return (f"GET /status HTTP/1.1\r\nHost: lighthouse\r\nAuthorization: Bearer {token}\r\n"
+            f"X-Request-Id: {request_id}\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize(("second", "code", "needle"), [
+    (status(2), 200, None),
+    (status(2, token="forged-t0ken"), 401, "token"),
+    (status("2\x01"), 400, "control character"),
+    (status(2).replace(b"GET /status", b"GET /nowhere"), 404, "unknown path"),
+], ids=["the next id", "another token", "a control character after the id", "another path"])
+def test_a_head_repeated_but_for_its_request_id_is_answered_as_if_parsed_anew(
+        url: str, second: bytes, code: int, needle: str | None) -> None:
+    """The connection keeps its last head without the id line its client puts last: a head equal to it but for the id
+    is answered with the new id, and any other difference (a forged token first) is parsed and checked in full."""
+    got = answers(url, [status(1), second])
+    assert got[0][0] == 200 and got[0][2] == "1", got
+    assert got[1][0] == code, got
+    if needle is None:
+        assert got[1][2] == "2" and got[1][1].keys() == got[0][1].keys(), got
+    else:
+        assert needle in got[1][1]["error"], got
+
+
+def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_request_ids(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many requests on one connection, each the same head but for its id: the head is parsed once, and each answer
+    carries its own id."""
+    heads: list[bytes] = []
+
+    def parse_head(head: bytes) -> object:
+        heads.append(head)
+        return parse(head)
+
+    parse = http._parse_head
+    monkeypatch.setattr(http, "_parse_head", parse_head)
+    ids = [str(n) for n in range(1, 21)]
+    got = answers(url, [status(n) for n in ids])
+    assert [(code, request_id) for code, _, request_id in got] == [(200, n) for n in ids]
+    assert heads == [status(1).removesuffix(b"\r\n\r\n")]
+
