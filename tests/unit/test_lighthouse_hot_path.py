@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from lightning_fthsdp.lighthouse import http
+from lightning_fthsdp.lighthouse.deadlines import Deadlines
 from lightning_fthsdp.lighthouse.http import Connection
 from lightning_fthsdp.lighthouse.messages import Pending, Request, Response, json_response
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
@@ -185,3 +186,39 @@ def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_r
     assert [(code, request_id) for code, _, request_id in got] == [(200, n) for n in ids]
     assert heads == [status(1).removesuffix(b"\r\n\r\n")]
 
+
+
+def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(gc_off: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``asyncio.get_running_loop`` checks the process id with a system call on every call: a connection keeps its
+    loop from ``connection_made``, the deadlines theirs from the first ``add``, whatever number of requests follow."""
+    calls = []
+    running = asyncio.get_running_loop
+
+    def counted() -> asyncio.AbstractEventLoop:
+        calls.append(1)
+        return running()
+
+    async def run() -> bytes:
+        deadlines = Deadlines(resolution_s=0.001)
+        fired: list[int] = []
+
+        def handler(request: Request) -> Response | Pending:
+            pending = request.defer()
+            deadlines.add(0.001, lambda: (fired.append(1), pending.answer(json_response({"n": len(fired)}))))
+            return pending
+
+        transport = Transport()
+        connection = Connection(handler, lambda conn: None)
+        monkeypatch.setattr(asyncio, "get_running_loop", counted)
+        connection.connection_made(transport)
+        for number in range(1, 21):
+            connection.data_received(post("/v1/heartbeat", b"{}", number))
+            while len(fired) < number:
+                await asyncio.sleep(0.001)
+        monkeypatch.setattr(asyncio, "get_running_loop", running)
+        return bytes(transport.written)
+
+    written = asyncio.run(run())
+    assert written.count(b"HTTP/1.1 200") == 20, written
+    assert len(calls) == 2, f"{len(calls)} calls for 20 requests held and answered"

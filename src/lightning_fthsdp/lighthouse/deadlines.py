@@ -30,10 +30,14 @@ class Deadlines:
         self._due: dict[int, dict[int, Callable[[], None]]] = {}
         self._keys = itertools.count()
         self._timers: dict[int, asyncio.TimerHandle] = {}
+        # Kept from the first add: asyncio.get_running_loop() checks the process id with a system call each time.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, delay_s: float, callback: Callable[[], None]) -> Deadline:
         """Run ``callback`` once ``delay_s`` seconds have passed (and at most ``resolution_s`` later)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         slot = math.ceil((loop.time() + delay_s) / self._resolution_s)
         callbacks = self._due.get(slot)
         if callbacks is None:
@@ -59,15 +63,17 @@ class Deadlines:
         self._due.clear()
 
     def _fire(self, slot: int) -> None:
+        loop = self._loop
+        assert loop is not None  # a grid point fires only after an add
         del self._timers[slot]
         if self._ran is not None:
-            self._ran(slot * self._resolution_s, asyncio.get_running_loop().time())
+            self._ran(slot * self._resolution_s, loop.time())
         callbacks = self._due[slot]
         while callbacks:  # taken one at a time: a callback may cancel another of this grid point
             _, callback = callbacks.popitem()
             try:
                 callback()
             except Exception as e:  # as the event loop does for its own callbacks: the others of this point still run
-                asyncio.get_running_loop().call_exception_handler(
+                loop.call_exception_handler(
                     {"message": f"deadline callback {callback!r} failed", "exception": e})
         self._due.pop(slot, None)  # (a callback may have closed them all)

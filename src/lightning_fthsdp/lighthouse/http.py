@@ -85,6 +85,9 @@ class Connection(asyncio.Protocol):
         """Whether a request of this connection passed the gate: until then it is an outsider's."""
         self._request_timeout_s, self._idle_timeout_s = request_timeout_s, idle_timeout_s
         self._transport: asyncio.Transport | None = None
+        # Its event loop, kept from connection_made: asyncio.get_running_loop() checks the process id with a system
+        # call each time, and the lighthouse would make several per request.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._buffer = bytearray()
         self._discard = 0  # bytes of an oversized body still to drop
         self._in_flight: set[Pending] = set()  # the answers still to come
@@ -105,6 +108,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()
         if self._close_when_made:
             transport.close()
             return
@@ -174,6 +178,11 @@ class Connection(asyncio.Protocol):
             self._reading(True)
             self._pump()
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:  # only before connection_made
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
     def _pump(self) -> None:
         """Start the complete requests that may start now, at most ``MAX_PER_TURN`` (the rest on the next turn); keep
         the timer that fits what is left waiting."""
@@ -185,7 +194,7 @@ class Connection(asyncio.Protocol):
         if started == MAX_PER_TURN and self._buffer and not self.closed:
             self._yielded = True
             self._reading(False)
-            asyncio.get_running_loop().call_soon(self._next_turn)
+            self._running_loop().call_soon(self._next_turn)
         self._arm()
 
     def _next_turn(self) -> None:
@@ -251,7 +260,7 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         if self._answer(pending.request, response) and self._buffer:
-            asyncio.get_running_loop().call_soon(self._pump)
+            self._running_loop().call_soon(self._pump)
         else:
             self._arm()
 
@@ -314,7 +323,7 @@ class Connection(asyncio.Protocol):
         kind = "" if self.closed or self._in_flight else "request" if self._buffer or self._discard else "idle"
         if kind == self._timer_kind:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         self._timer_kind, self._since = kind, loop.time()
         if not kind:
             return
@@ -335,7 +344,7 @@ class Connection(asyncio.Protocol):
         self._timer, kind = None, self._timer_kind
         if self.closed or not kind:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         due = self._since + (self._request_timeout_s if kind == "request" else self._idle_timeout_s)
         if loop.time() < due:
             self._timer = loop.call_at(due, self._expire)
