@@ -141,8 +141,12 @@ class Registry:
     def past_grace(self, now: float, committed_step: int) -> list[str]:
         """The live groups that only heartbeat and stopped counting since their grace ended or the job moved past
         their step (see ``counts``)."""
+        if self.declared is not None:
+            return []  # every live declared group counts
+        # A member always counts (see counts): asked of every group a few times per heartbeat timeout, so it is
+        # checked before the call.
         return [rid for rid, r in self._records.items()
-                if not r.dead and not self.counts(rid, False, now, committed_step)]
+                if not r.dead and not r.member and not self.counts(rid, False, now, committed_step)]
 
     def highest_step(self, replica_ids: Iterable[str]) -> int:
         """The highest step the groups ``replica_ids`` last said they hold (-1: none of them is known)."""
