@@ -87,3 +87,36 @@ def test_the_event_log_is_bounded_and_pages_by_sequence_number() -> None:
     assert [e.seq for e in log.after(4)] == [5] and log.after(5) == []
     with pytest.raises(ValueError, match="EventLog capacity must be an integer >= 1, got 0"):
         EventLog(capacity=0)
+
+
+def test_a_failure_at_scale_is_one_discard_event_and_the_death_that_caused_it_stays_in_the_log() -> None:
+    """Every survivor of a failure discards its step: at 12,500 groups, one event each pushed the death (and every
+    other event) out of the 500 the log keeps. The discards of one step since the last event are one event, logged in
+    its place in the order of events; a lone group's discard still names it as the event's group."""
+    clock = Clock()
+    metrics = LighthouseMetrics(lambda: EMPTY_STATUS)
+    watch = Watch(metrics, clock=clock, wall=clock)
+    survivors = [f"g{n}" for n in range(12_500)]
+    watch.decided(quorum(0, 6, "dead", *survivors))
+    watch.died("dead", "crash", "closed", 6, since=100.0, member=True, ever_member=True, committed_step=6)
+    clock.now = 101.0
+    for replica_id in survivors:
+        watch.discarded(replica_id, 6)
+        watch.discarded(replica_id, 6)  # asked again: the same failure
+    clock.now = 102.0
+    watch.decided(quorum(1, 6, *survivors))
+    clock.now = 103.0
+    watch.discarded("g7", 8)
+    doc = watch.to_json()
+    events = [(e["kind"], e["replica_id"], e["t"]) for e in doc["events"]]
+    assert events == [("quorum", "", 100.0), ("death", "dead", 100.0), ("discard", "", 101.0), ("quorum", "", 102.0),
+                      ("discard", "g7", 103.0)], events
+    many, one = (e for e in doc["events"] if e["kind"] == "discard")
+    assert (many["step"], many["groups"], many["replica_ids"]) == (7, 12_500, survivors[:10]), many
+    assert many["text"] == f"12500 groups discarded their attempt at step 7: {', '.join(survivors[:10])} and 12490 more"
+    assert (one["step"], one["groups"], one["replica_ids"], one["text"]) == (
+        9, 1, ["g7"], "g7 discarded its attempt at step 9"), one
+    assert watch.to_json(after=doc["last_seq"])["events"] == []  # each logged once
+    family = next(f for f in text_string_to_metric_families(metrics.render().decode())
+                  if f.name == "fthsdp_discarded_steps")
+    assert next(s.value for s in family.samples if s.name == "fthsdp_discarded_steps_total") == 12_501

@@ -38,6 +38,8 @@ MAX_DURATIONS = 200
 """Stalls, recoveries and catch-ups kept (each kind) for the page's figures."""
 RATE_WINDOW_S = 60.0
 """The step rate is measured over this much of the recent past."""
+NAMED_DISCARDS = 10
+"""Groups a discard event names; the others are counted (``groups``)."""
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Watch:
         self._recoveries: dict[str, float] = {}  # dead group -> its death, until it contributes again
         self._catch_ups: dict[str, _CatchUp] = {}  # member behind -> since when, until it contributes
         self._discarded: dict[str, int] = {}  # group -> the step it last reported discarded (reported once)
+        # Step -> when its first discard came and the groups that discarded their attempt at it since the last event
+        # (see _log_discards).
+        self._discards: dict[int, tuple[float, list[str]]] = {}
         self._fetched: dict[str, int] = {}  # group -> the step of its last catch-up report (reported once)
         self._rate: deque[tuple[float, int]] = deque()
         self._members: tuple[str, ...] = ()
@@ -130,7 +135,7 @@ class Watch:
         if self._discarded.get(replica_id) == step:
             return  # the same failure, asked again (a retried quorum request)
         self._discarded[replica_id] = step
-        self._add("discard", replica_id, f"{replica_id} discarded its attempt at step {step + 1}", step=step + 1)
+        self._discards.setdefault(step + 1, (self._wall(), []))[1].append(replica_id)
         if self.metrics is not None:
             self.metrics.discarded.inc()
 
@@ -180,6 +185,7 @@ class Watch:
 
     def to_json(self, after: int = 0) -> dict[str, object]:
         """The ``GET /events`` document: the events after ``after``, the membership history and the durations."""
+        self._log_discards()
         return {
             "log_id": self.log_id,
             "last_seq": self.events.last_seq,
@@ -194,7 +200,24 @@ class Watch:
     # ---- private ----
 
     def _add(self, kind: str, replica_id: str, text: str, **data: object) -> None:
+        self._log_discards()
         self.events.add(self._wall(), kind, replica_id, text, **data)
+
+    def _log_discards(self) -> None:
+        """One ``discard`` event per step for the groups that discarded their attempt at it since the last event: a
+        failure makes every survivor discard its step, and at 12,500 groups one event each would push every other
+        event (the death that caused them first) out of the log. Logged before any other event, so the log keeps the
+        order things happened in; a single group's is its own (``replica_id``), several have ""."""
+        for step, (t, replica_ids) in self._discards.items():
+            named = replica_ids[:NAMED_DISCARDS]
+            if len(replica_ids) == 1:
+                replica_id, text = named[0], f"{named[0]} discarded its attempt at step {step}"
+            else:
+                more = len(replica_ids) - len(named)
+                replica_id, text = "", (f"{len(replica_ids)} groups discarded their attempt at step {step}: "
+                                        f"{', '.join(named)}{f' and {more} more' if more else ''}")
+            self.events.add(t, "discard", replica_id, text, step=step, groups=len(replica_ids), replica_ids=named)
+        self._discards.clear()
 
     def _measure(self, kind: str, replica_id: str, seconds: float) -> None:
         self._durations[kind].append({"t": round(self._wall(), 3), "replica_id": replica_id,
