@@ -37,6 +37,12 @@ class Transport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
 
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -187,11 +193,9 @@ def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_r
     assert heads == [status(1).removesuffix(b"\r\n\r\n")]
 
 
-
-def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(gc_off: None,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``asyncio.get_running_loop`` checks the process id with a system call on every call: a connection keeps its
-    loop from ``connection_made``, the deadlines theirs from the first ``add``, whatever number of requests follow."""
+    loop from ``connection_made``, the deadlines theirs while any is pending, whatever number of requests come."""
     calls = []
     running = asyncio.get_running_loop
 
@@ -212,13 +216,44 @@ def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(gc_off: No
         connection = Connection(handler, lambda conn: None)
         monkeypatch.setattr(asyncio, "get_running_loop", counted)
         connection.connection_made(transport)
-        for number in range(1, 21):
+        for number in range(1, http.MAX_IN_FLIGHT + 1):  # all held at once, as a lighthouse's are
             connection.data_received(post("/v1/heartbeat", b"{}", number))
-            while len(fired) < number:
-                await asyncio.sleep(0.001)
+        while len(fired) < http.MAX_IN_FLIGHT:
+            await asyncio.sleep(0.001)
         monkeypatch.setattr(asyncio, "get_running_loop", running)
         return bytes(transport.written)
 
     written = asyncio.run(run())
-    assert written.count(b"HTTP/1.1 200") == 20, written
-    assert len(calls) == 2, f"{len(calls)} calls for 20 requests held and answered"
+    assert written.count(b"HTTP/1.1 200") == http.MAX_IN_FLIGHT, written
+    assert len(calls) == 2, f"{len(calls)} calls for {http.MAX_IN_FLIGHT} requests held and answered"
+
+
+def test_the_deadlines_run_on_the_loop_of_the_add_that_found_none_pending() -> None:
+    """Kept while timers are pending, taken again after: one ``Deadlines`` serves one ``asyncio.run`` after another."""
+    deadlines = Deadlines(resolution_s=0.001)
+
+    async def once() -> list[int]:
+        fired: list[int] = []
+        deadlines.add(0.001, lambda: fired.append(1))
+        while not fired:
+            await asyncio.sleep(0.001)
+        return fired
+
+    assert asyncio.run(once()) == [1]
+    assert asyncio.run(once()) == [1]
+
+
+def test_a_large_head_or_body_is_not_kept_by_its_connection() -> None:
+    """A connection keeps its last head and body for a group's next heartbeat, a few hundred bytes; not a client's
+    64 KiB head or 1 MiB body for as long as the connection lives."""
+    async def run() -> Connection:
+        connection = Connection(lambda request: json_response({"n": len(request.parsed(lambda body: body))}),
+                                lambda conn: None)
+        connection.connection_made(Transport())
+        connection.data_received(post("/v1/heartbeat", b'{"pad": "' + b"x" * (http.MAX_KEPT) + b'"}', 1)
+                                 .replace(b"Host: lighthouse", b"Host: " + b"h" * http.MAX_KEPT))
+        await asyncio.sleep(0)
+        return connection
+
+    connection = asyncio.run(run())
+    assert connection.last_parsed is None and connection._last_head is None

@@ -18,8 +18,8 @@ Deadline = tuple[int, int]
 
 
 class Deadlines:
-    """Callbacks due after a delay, run on the event loop of the first ``add``, in no particular order within one grid
-    point."""
+    """Callbacks due after a delay, run on the event loop of the ``add`` that found none pending, in no particular
+    order within one grid point."""
 
     def __init__(self, resolution_s: float = 0.01, ran: Callable[[float, float], None] | None = None) -> None:
         """``ran(planned, now)``: told when each grid point fires, how late it runs (``lighthouse.lag``)."""
@@ -30,13 +30,14 @@ class Deadlines:
         self._due: dict[int, dict[int, Callable[[], None]]] = {}
         self._keys = itertools.count()
         self._timers: dict[int, asyncio.TimerHandle] = {}
-        # Kept from the first add: asyncio.get_running_loop() checks the process id with a system call each time.
+        # Kept while timers are pending: asyncio.get_running_loop() checks the process id with a system call each
+        # time.
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, delay_s: float, callback: Callable[[], None]) -> Deadline:
         """Run ``callback`` once ``delay_s`` seconds have passed (and at most ``resolution_s`` later)."""
         loop = self._loop
-        if loop is None:
+        if loop is None or not self._timers:  # none pending: this may be another loop (a test's next asyncio.run)
             loop = self._loop = asyncio.get_running_loop()
         slot = math.ceil((loop.time() + delay_s) / self._resolution_s)
         callbacks = self._due.get(slot)

@@ -39,7 +39,16 @@ from collections.abc import Callable
 from http import HTTPStatus
 from urllib.parse import parse_qsl, urlsplit
 
-from lightning_fthsdp.lighthouse.messages import Gate, Handler, HttpError, Pending, Request, Response, error_response
+from lightning_fthsdp.lighthouse.messages import (
+    MAX_KEPT,
+    Gate,
+    Handler,
+    HttpError,
+    Pending,
+    Request,
+    Response,
+    error_response,
+)
 
 MAX_BODY = 1 << 20
 MAX_HEAD = 64 << 10
@@ -282,7 +291,10 @@ class Connection(asyncio.Protocol):
                 if self._gate is not None:
                     method, path, query, keep_alive, headers, _ = head
                     self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
-                self._last_head = (rest, head) if id_line is not None else None
+                # Kept apart from this request's own dicts; a head far larger than a group's is not kept.
+                method, path, query, keep_alive, headers, length = head
+                self._last_head = ((rest, (method, path, dict(query), keep_alive, dict(headers), length))
+                                   if id_line is not None and head_end <= MAX_KEPT else None)
             if not self.authenticated:
                 self.authenticated = True
                 if self._on_authenticated is not None:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+MAX_KEPT = 4 << 10
+"""A connection keeps its last head and body (see ``Connection._head``, ``Request.parsed``) up to this size: a group's
+heartbeat is a few hundred bytes."""
+
 
 class HttpError(Exception):
     """Raised by a handler (or the parser) to answer ``status`` with ``{"error": message}``."""
@@ -91,7 +95,8 @@ class Request:
             value = parse(body)
         except BadBody as e:
             raise HttpError(400, str(e)) from None
-        self.connection.last_parsed = (parse, self.body, value)
+        if len(self.body) <= MAX_KEPT:
+            self.connection.last_parsed = (parse, self.body, value)
         return value
 
 
