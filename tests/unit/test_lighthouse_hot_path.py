@@ -23,28 +23,9 @@ from lightning_fthsdp.lighthouse.messages import Pending, Request, Response, jso
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.protocol.fields import BadBody
 from tests.lighthouse_thread import LighthouseThread
+from tests.unit.test_lighthouse_multiplexing import Transport
 
 TOKEN = "hot-path-t0ken"
-
-
-class Transport(asyncio.Transport):
-    """Collects what a connection writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def post(path: str, body: bytes, request_id: int, token: str = TOKEN) -> bytes:

@@ -384,6 +384,12 @@ class Transport(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
 
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
