@@ -188,8 +188,7 @@ class Connection(asyncio.Protocol):
             self._pump()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:  # only before connection_made
-            self._loop = asyncio.get_running_loop()
+        assert self._loop is not None, "a connection reads, answers and times out only once made"
         return self._loop
 
     def _pump(self) -> None:
@@ -288,11 +287,10 @@ class Connection(asyncio.Protocol):
                 head = (method, path, query, keep_alive, {**headers, REQUEST_ID: id_line.group(1).decode()}, length)
             else:
                 head = _parse_head(raw)
+                method, path, query, keep_alive, headers, length = head
                 if self._gate is not None:
-                    method, path, query, keep_alive, headers, _ = head
                     self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
                 # Kept apart from this request's own dicts; a head far larger than a group's is not kept.
-                method, path, query, keep_alive, headers, length = head
                 self._last_head = ((rest, (method, path, dict(query), keep_alive, dict(headers), length))
                                    if id_line is not None and head_end <= MAX_KEPT else None)
             if not self.authenticated:
