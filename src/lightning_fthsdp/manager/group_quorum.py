@@ -48,12 +48,17 @@ class GroupQuorum:
         self._watchdog = Watchdog(agreement, comm, url, token, host, replica_id, incarnation, timeouts, step,
                                   lighthouse)
         heartbeat = self._watchdog.heartbeat
-        addresses = agreement.gather_addresses(catchup.address)
         self._requester: QuorumRequester | None = None
-        if isinstance(heartbeat, Heartbeat):  # the leader's
-            client = QuorumClient(url, token, timeouts, incarnation, lighthouse)
-            self._requester = QuorumRequester(client, replica_id, agreement.size, addresses, timeouts, self._qlog,
-                                              step=step, serve=catchup.serve, announce=heartbeat.quorum_answered)
+        try:
+            addresses = agreement.gather_addresses(catchup.address)
+            if isinstance(heartbeat, Heartbeat):  # the leader's
+                client = QuorumClient(url, token, timeouts, incarnation, lighthouse)
+                self._requester = QuorumRequester(client, replica_id, agreement.size, addresses, timeouts,
+                                                  self._qlog, step=step, serve=catchup.serve,
+                                                  announce=heartbeat.quorum_answered)
+        except BaseException:
+            self._watchdog.discard()  # its relay listens already; nothing else here holds a socket yet
+            raise
 
     @property
     def started(self) -> bool:

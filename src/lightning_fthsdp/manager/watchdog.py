@@ -33,19 +33,30 @@ class Watchdog:
         self._quorum: Quorum | None = None
         self._deaths_at_quorum = 0
         rank, size = agreement.rank, agreement.size
-        relay = GroupRelay(host, token, incarnation, timeouts) if agreement.is_leader and size > 1 else None
-        leader = agreement.from_leader(relay.address if relay is not None else "")
-        if relay is not None:
-            agreement.on_link_broken(relay.lose)  # a crashed rank is a death to report, not a graceful leave
+        self._relay = GroupRelay(host, token, incarnation, timeouts) if agreement.is_leader and size > 1 else None
+        relay = self._relay
         self.heartbeat: Heartbeat | MemberHeartbeat
-        if agreement.is_leader:
-            self.heartbeat = Heartbeat(url, token, replica_id, incarnation, rank, size, timeouts, step=step,
-                                       on_dead=self._on_dead, on_quorum=comm.prepare, on_lost=self._lighthouse_lost,
-                                       relay=relay, connection=connection)
-        else:
-            self.heartbeat = MemberHeartbeat(leader, token, replica_id, incarnation, rank, timeouts,
-                                             on_dead=self._on_dead, on_quorum=comm.prepare,
-                                             on_lost=self._lighthouse_lost)
+        try:
+            leader = agreement.from_leader(relay.address if relay is not None else "")
+            if relay is not None:
+                agreement.on_link_broken(relay.lose)  # a crashed rank is a death to report, not a graceful leave
+            if agreement.is_leader:
+                self.heartbeat = Heartbeat(url, token, replica_id, incarnation, rank, size, timeouts, step=step,
+                                           on_dead=self._on_dead, on_quorum=comm.prepare,
+                                           on_lost=self._lighthouse_lost, relay=relay, connection=connection)
+            else:
+                self.heartbeat = MemberHeartbeat(leader, token, replica_id, incarnation, rank, timeouts,
+                                                 on_dead=self._on_dead, on_quorum=comm.prepare,
+                                                 on_lost=self._lighthouse_lost)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close what this watchdog opened (the leader's relay), for one whose heartbeat never started: its own or its
+        owner's construction failed."""
+        if self._relay is not None:
+            self._relay.close()
 
     def adopted(self, quorum: Quorum) -> None:
         """``quorum`` is the current one: this group's lease holds from here while the lighthouse declares it dead no
