@@ -53,6 +53,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import zlib
@@ -452,9 +453,9 @@ class Fleet:
                 if fail else max(r["last_answer"] for r in results) - max(r["last_sent"] for r in results),
                 **({"known_after_s": round(min(r["last_sent"] for r in results) - failed_at, 3)} if fail else {})}
 
-    def status(self) -> dict[str, Any]:
+    def status(self, timeout_s: float = 60) -> dict[str, Any]:
         request = urllib.request.Request(f"{self.url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
 
     def close(self) -> None:
@@ -529,6 +530,10 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
+STATUS_TIMEOUT_S = 300.0
+"""How long the overload run waits for ``/status`` (a starved lighthouse at tens of thousands of groups is slow)."""
+
+
 def busy_loop() -> None:
     """A process that wants a whole core."""
     while True:
@@ -547,14 +552,27 @@ def renice(pid: int, nice: int) -> None:
 def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: float) -> dict[str, Any]:
     """Drive the lighthouse past its capacity twice, then let it recover: it is stopped (SIGSTOP) for ``stall_s``,
     then for ``starve_s`` it shares one core, at the lowest priority (nice 19), with a busy loop (the generators on
-    the other cores). Nobody may be declared dead; ``/status`` is asked for under the load; then steady quorum rounds
-    run until one takes no longer than the ``bound`` from the rounds before the load (three times the slowest, at
-    least 0.5 s more than it), for at most ``recover_within_s``."""
+    the other cores). Nobody may be declared dead; ``/status`` is asked for during the stall (timed from the moment
+    the lighthouse runs again: the groups' backlog is read at the same time) and under the starving (timed from the
+    asking); then steady quorum rounds run until one takes no longer than the ``bound`` from the rounds before the
+    load (three times the slowest, at least 0.5 s more than it), for at most ``recover_within_s``."""
     before = [fleet.quorum_round(n)["latency_s"] for n in range(3)]  # a fresh round, then two steady ones
     bound = max(3 * max(before[1:]), max(before[1:]) + 0.5)
     fleet.proc.send_signal(signal.SIGSTOP)
+    answered: list[float] = []
+
+    def ask() -> None:
+        fleet.status(STATUS_TIMEOUT_S)
+        answered.append(time.monotonic())
+
+    asker = threading.Thread(target=ask, name="status-during-the-stall")
+    asker.start()
     time.sleep(stall_s)
+    resumed = time.monotonic()
     fleet.proc.send_signal(signal.SIGCONT)
+    asker.join()
+    assert answered, "/status asked during the stall got no answer"  # (the thread's error is printed)
+    status_after_stall_s = answered[0] - resumed
     cpus = sorted(os.sched_getaffinity(0))
     others = set(cpus[1:]) or set(cpus)
     for worker in fleet.workers:
@@ -567,7 +585,7 @@ def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: fl
         renice(fleet.proc.pid, 19)
         time.sleep(starve_s)
         asked_at = time.monotonic()
-        status = fleet.status()  # answerable while starved, however slowly
+        status = fleet.status(STATUS_TIMEOUT_S)  # answerable while starved, however slowly
         status_s = time.monotonic() - asked_at
     finally:
         busy.kill()
@@ -587,15 +605,17 @@ def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: fl
             "rounds_before_s": [round(t, 3) for t in before], "bound_s": round(bound, 3),
             "rounds_after_s": [round(t, 3) for t in after], "recovered": after[-1] <= bound,
             "recovered_after_s": round(time.monotonic() - load_ended, 3),
-            "status_under_load_s": round(status_s, 3), "lag_under_load": status["lighthouse_lag"],
+            "status_after_stall_s": round(status_after_stall_s, 3), "status_under_load_s": round(status_s, 3),
+            "lag_under_load": status["lighthouse_lag"],
             "deaths": sum(g["deaths"] for g in groups), "dead": sum(1 for g in groups if g["dead"])}
 
 
 def print_overload(row: dict[str, Any]) -> None:
-    print(f"{'groups':>6} {'hb ms':>11} {'stall s':>7} {'starve s':>8} {'deaths':>6} {'/status s':>9} "
+    print(f"{'groups':>6} {'hb ms':>11} {'stall s':>7} {'starve s':>8} {'deaths':>6} {'/status s (stall/starved)':>26} "
           f"{'rounds before s':>18} {'bound s':>7} {'rounds after s':>24} {'recovered in s':>14}")
     print(f"{row['groups']:>6} {row['heartbeat_interval_ms']:>5}/{row['heartbeat_timeout_ms']:<5} "
-          f"{row['stall_s']:>7.1f} {row['starve_s']:>8.1f} {row['deaths']:>6} {row['status_under_load_s']:>9.2f} "
+          f"{row['stall_s']:>7.1f} {row['starve_s']:>8.1f} {row['deaths']:>6} "
+          f"{row['status_after_stall_s']:>19.2f}/{row['status_under_load_s']:<6.2f} "
           f"{' '.join(f'{t:.2f}' for t in row['rounds_before_s']):>18} {row['bound_s']:>7.2f} "
           f"{' '.join(f'{t:.2f}' for t in row['rounds_after_s'][-4:]):>24} {row['recovered_after_s']:>14.2f}")
 
