@@ -6,7 +6,8 @@ request overlapped with compute, the copy kept for a retry) and as many again un
 milliseconds per step of each of the helper's ranges, ``config.ranges``, inclusive: the vote is inside the commit), then
 the plain loop again (plain = the mean of both plain blocks, so drift over the run cancels). A step is ``--accumulate``
 micro-batches, backward, clipping and the optimizer step; its time is rank 0's mean after ``--warmup`` steps of each
-block. On a machine without CUDA, Accelerate's FSDP2 path is enabled on CPU by the tests' fixture
+block, and so is each of its phases (``PHASES``, timed alike in both loops): the table shows where the helper's extra
+milliseconds go. On a machine without CUDA, Accelerate's FSDP2 path is enabled on CPU by the tests' fixture
 (``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU speed: compare the ratio only. Prints a table, writes
 bench/results/accelerate.json::
 
@@ -64,39 +65,46 @@ def worker(args: argparse.Namespace) -> None:
         data, num_replicas=accelerator.num_processes, rank=accelerator.process_index, shuffle=True, seed=0))
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    def plain() -> list[float]:
-        times, started = [], time.perf_counter()
+    def plain() -> dict[str, list[float]]:
+        phases, clock = Phases(), time.perf_counter()
         for batch in forever(loader):
             x, y = send_to_device(batch, accelerator.device)
+            clock = phases.add("batches", clock)
             with accelerator.accumulate(model):
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
+                clock = phases.add("forward_backward", clock)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                clock = phases.add("gradients", clock)
                 optimizer.step()
                 optimizer.zero_grad()
                 if accelerator.sync_gradients:
                     scheduler.step()
-                    times.append(time.perf_counter() - started)
-                    started = time.perf_counter()
-            if len(times) == args.steps:
-                return times
-        return times
+                clock = phases.add("optimizer", clock)
+                if accelerator.sync_gradients:
+                    phases.step_ended()
+            if phases.steps == args.steps:
+                break
+        return phases.per_step
 
-    def fault_tolerant(ft: FaultTolerantHSDP, batches: Iterator[Any]) -> list[float]:
-        times, started = [], time.perf_counter()
+    def fault_tolerant(ft: FaultTolerantHSDP, batches: Iterator[Any]) -> dict[str, list[float]]:
+        phases, clock = Phases(), time.perf_counter()
         for x, y in batches:
+            clock = phases.add("batches", clock)
             with accelerator.accumulate(model):
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
+                clock = phases.add("forward_backward", clock)
                 if accelerator.sync_gradients:
                     ft.sync_gradients()
+                clock = phases.add("gradients", clock)
                 optimizer.step()
                 optimizer.zero_grad()
+                clock = phases.add("optimizer", clock)
                 if accelerator.sync_gradients:
-                    times.append(time.perf_counter() - started)
-                    started = time.perf_counter()
-            if len(times) == args.steps:
+                    phases.step_ended()
+            if phases.steps == args.steps:
                 break
-        return times
+        return phases.per_step
 
     blocks: dict[str, Any] = {"plain_before": plain()}
     ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data, batch_size=BATCH,
@@ -107,13 +115,46 @@ def worker(args: argparse.Namespace) -> None:
         # The same steps again under the profiler, apart from the timed ones (it records every op, which slows the
         # step): how much of a step each of the fault-tolerant path's ranges takes (config.ranges).
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            profiled = fault_tolerant(ft, batches)
-    blocks["ranges_ms"] = {event.key: event.cpu_time_total / 1000 / len(profiled) for event in prof.key_averages()
+            profiled = len(fault_tolerant(ft, batches)["step"])
+    blocks["ranges_ms"] = {event.key: event.cpu_time_total / 1000 / profiled for event in prof.key_averages()
                            if event.key in RANGES}
     blocks["plain_after"] = plain()
     if accelerator.is_main_process:
         Path(args.result).write_text(json.dumps(blocks))
     accelerator.end_training()
+
+
+PHASES = {"batches": "batches (helper: its stream, the quorum request sent)",
+          "forward_backward": "forward, backward (helper: quorum agreed, exchange)",
+          "gradients": "gradients (helper: exchange's end, vote; clipping)",
+          "optimizer": "optimizer step"}
+"""The parts of a step both loops time alike (their sum is the step), with what the helper does in each: it sends the
+step's quorum request as the first micro-batch is drawn, agrees on the quorum as backward starts and starts the
+exchange during it, and in ``sync_gradients`` waits for the exchange, votes on the commit and clips."""
+
+
+class Phases:
+    """Wall time per phase of each step (``PHASES``), and of the whole step (``step``)."""
+
+    def __init__(self) -> None:
+        self.per_step: dict[str, list[float]] = {name: [] for name in (*PHASES, "step")}
+        self._current = dict.fromkeys(PHASES, 0.0)
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step["step"])
+
+    def add(self, phase: str, since: float) -> float:
+        """The time from ``since`` to now was ``phase``'s; returns now."""
+        now = time.perf_counter()
+        self._current[phase] += now - since
+        return now
+
+    def step_ended(self) -> None:
+        for name, seconds in self._current.items():
+            self.per_step[name].append(seconds)
+        self.per_step["step"].append(sum(self._current.values()))
+        self._current = dict.fromkeys(PHASES, 0.0)
 
 
 def forever(loader: Any) -> Iterator[Any]:
@@ -169,14 +210,18 @@ def main() -> None:
         finally:
             job.close()
         blocks = json.loads(result.read_text())
-    before, after = mean_after(blocks["plain_before"], args.warmup), mean_after(blocks["plain_after"], args.warmup)
+    before = mean_after(blocks["plain_before"]["step"], args.warmup)
+    after = mean_after(blocks["plain_after"]["step"], args.warmup)
     plain = (before + after) / 2
-    fthsdp = mean_after(blocks["fthsdp"], args.warmup)
+    fthsdp = mean_after(blocks["fthsdp"]["step"], args.warmup)
+    phases_ms = {name: {"plain": 500 * (mean_after(blocks["plain_before"][name], args.warmup)
+                                        + mean_after(blocks["plain_after"][name], args.warmup)),
+                        "fthsdp": 1000 * mean_after(blocks["fthsdp"][name], args.warmup)} for name in PHASES}
     report = {"shard_count": args.shard_count, "accumulate": args.accumulate,
               "model": {"width": args.width, "blocks": BLOCKS, "batch_per_rank": BATCH}, "steps": args.steps,
               "warmup": args.warmup, "plain_before_step_s": before, "plain_after_step_s": after,
               "plain_step_s": plain, "fthsdp_step_s": fthsdp, "ratio": fthsdp / plain,
-              "ranges_ms_per_step": blocks["ranges_ms"],
+              "phases_ms_per_step": phases_ms, "ranges_ms_per_step": blocks["ranges_ms"],
               "target": 1.05, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{'Accelerate FSDP2 loop, 1 group x ' + str(args.shard_count) + ' ranks':<44} {'step (ms)':>10}")
     print(f"{'without the helper, first block':<44} {before * 1000:>10.1f}")
@@ -184,7 +229,11 @@ def main() -> None:
     print(f"{'without the helper (mean of both blocks)':<44} {plain * 1000:>10.1f}")
     print(f"{'with FaultTolerantHSDP':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / plain:>10.3f}")
-    print(f"\n{'where a step goes (a profiled block; inclusive)':<44} {'ms/step':>10}")
+    print(f"\n{'where a step goes, timed alike in both loops':<54} {'plain':>8} {'helper':>8} {'extra':>8}")
+    for name, label in PHASES.items():
+        times = phases_ms[name]
+        print(f"{label:<54} {times['plain']:>8.2f} {times['fthsdp']:>8.2f} {times['fthsdp'] - times['plain']:>+8.2f}")
+    print(f"\n{'the helper ranges (a profiled block; inclusive)':<44} {'ms/step':>10}")
     for name, ms in sorted(blocks["ranges_ms"].items(), key=lambda item: -item[1]):
         print(f"{name:<44} {ms:>10.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the repository

@@ -119,6 +119,11 @@ def test_bench_accelerate_smoke_runs_the_loop_with_and_without_the_helper(tmp_pa
     report = json.loads(out.read_text())
     assert report["steps"] == 6 and report["model"]["width"] == 64, report
     assert report["plain_step_s"] > 0 and report["fthsdp_step_s"] > 0, report
+    phases = report["phases_ms_per_step"]
+    assert set(phases) == {"batches", "forward_backward", "gradients", "optimizer"}, phases
+    for loop, step_s in (("plain", report["plain_step_s"]), ("fthsdp", report["fthsdp_step_s"])):
+        # The phases are the whole step, timed the same way.
+        assert sum(times[loop] for times in phases.values()) == pytest.approx(step_s * 1000, rel=1e-6), (loop, phases)
     ranges = report["ranges_ms_per_step"]
     assert {"fthsdp::manager::quorum", "fthsdp::exchange::allreduce", "fthsdp::manager::commit",
             "fthsdp::manager::vote"} <= set(ranges), ranges
