@@ -23,7 +23,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,29 +65,10 @@ def worker(args: argparse.Namespace) -> None:
         data, num_replicas=accelerator.num_processes, rank=accelerator.process_index, shuffle=True, seed=0))
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    def plain() -> dict[str, list[float]]:
-        phases, clock = Phases(), time.perf_counter()
-        for batch in forever(loader):
-            x, y = send_to_device(batch, accelerator.device)
-            clock = phases.add("batches", clock)
-            with accelerator.accumulate(model):
-                accelerator.backward(nn.functional.mse_loss(model(x), y))
-                clock = phases.add("forward_backward", clock)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                clock = phases.add("gradients", clock)
-                optimizer.step()
-                optimizer.zero_grad()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                clock = phases.add("optimizer", clock)
-                if accelerator.sync_gradients:
-                    phases.step_ended()
-            if phases.steps == args.steps:
-                break
-        return phases.per_step
-
-    def fault_tolerant(ft: FaultTolerantHSDP, batches: Iterator[Any]) -> dict[str, list[float]]:
+    def timed(batches: Iterator[Any], gradients: Callable[[], object], stepped: Callable[[], object]
+              ) -> dict[str, list[float]]:
+        """``args.steps`` steps of the loop, each phase timed; ``gradients()`` runs where the step's gradients are
+        ready, ``stepped()`` after its optimizer step."""
         phases, clock = Phases(), time.perf_counter()
         for x, y in batches:
             clock = phases.add("batches", clock)
@@ -95,16 +76,25 @@ def worker(args: argparse.Namespace) -> None:
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
                 clock = phases.add("forward_backward", clock)
                 if accelerator.sync_gradients:
-                    ft.sync_gradients()
+                    gradients()
                 clock = phases.add("gradients", clock)
                 optimizer.step()
                 optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    stepped()
                 clock = phases.add("optimizer", clock)
                 if accelerator.sync_gradients:
                     phases.step_ended()
             if phases.steps == args.steps:
                 break
         return phases.per_step
+
+    def plain() -> dict[str, list[float]]:
+        return timed((send_to_device(batch, accelerator.device) for batch in forever(loader)),
+                     lambda: accelerator.clip_grad_norm_(model.parameters(), 1.0), scheduler.step)
+
+    def fault_tolerant(ft: FaultTolerantHSDP, batches: Iterator[Any]) -> dict[str, list[float]]:
+        return timed(batches, ft.sync_gradients, lambda: None)  # the helper steps the scheduler itself
 
     blocks: dict[str, Any] = {"plain_before": plain()}
     ft = FaultTolerantHSDP(accelerator, model, optimizer, scheduler=scheduler, dataset=data, batch_size=BATCH,
