@@ -60,8 +60,10 @@ def test_a_group_quorum_whose_construction_fails_closes_the_relay_it_opened(fail
     listening, threads = _listening(), set(threading.enumerate())
     comm = SimpleNamespace(prepare=lambda *args: None)
     catchup = SimpleNamespace(address="http://127.0.0.1:9", serve=lambda step: None)
-    with pytest.raises(RuntimeError, match="the group's link broke"):
+    with pytest.raises(RuntimeError, match="the group's link broke") as raised:
         GroupQuorum("http://127.0.0.1:9", None, "127.0.0.1", Timeouts(), Agreement(fails_at), comm, catchup,  # type: ignore[arg-type]
                     replica_id="a", incarnation="i", step=lambda: 0)
-    assert _listening() == listening
+    # Checked while the error (and the frames it holds) lives, as a caller handling it would: the socket must be
+    # closed, not merely left for the garbage collector.
+    assert raised.value is not None and _listening() == listening
     assert [t for t in threading.enumerate() if t not in threads and t.is_alive()] == []
