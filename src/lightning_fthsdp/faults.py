@@ -121,13 +121,21 @@ class Fault:
 class FaultFile:
     """A fault a harness arms and disarms while the process runs: ``path`` holds one fault spec or nothing.
 
-    ``poll()`` is one ``stat`` when nothing changed (cheap enough for every step). Writers should replace the file
-    atomically (write a temporary file, then rename it over ``path``) so a reader never sees half a spec.
+    ``poll()`` is one ``stat`` when nothing changed (cheap enough for every step). ``write()`` is the writer's side:
+    it replaces the file atomically, so a reader never sees half a spec.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._seen: tuple[int, int, int] | None = None
+
+    @staticmethod
+    def write(path: str | os.PathLike[str], spec: str) -> None:
+        """Arm ``spec`` in the fault file at ``path`` ("": disarm) for the process that polls it."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as file:
+            file.write(spec)
+        os.replace(tmp, path)
 
     def poll(self) -> tuple[bool, Fault | None]:
         """``(changed, fault)``: whether the file changed since the last poll, and the fault it now holds (None:

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from lightning_fthsdp.launch.processes import Job, wait_for
+from lightning_fthsdp.faults import FaultFile
+from lightning_fthsdp.launch.processes import Group, Job, wait_for
 from lightning_fthsdp.testing.invariants import (
     assert_consistent,
     assert_exactly_once,
@@ -17,23 +18,46 @@ from lightning_fthsdp.testing.invariants import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 STEPS = 40
-# Late enough that a group whose process started a moment after the others (importing torch on shared cores)
-# has joined and caught up before the failure: the tests are about the groups that were all training.
 KILL_STEP = 25
+"""The failure's step where the test does not arm it once all groups train (``start_three``): late enough that a group
+whose process started a moment after the others has usually joined by then."""
+PACED_MS = 150
+"""Each step's length until c's fault is armed: nobody finishes before the three groups train together."""
+ARM_AHEAD = 3
+"""c's fault is armed for this many steps after the last committed one once a, b and c all committed: a group whose
+process started late (importing torch on shared cores) has joined and caught up before the failure, and the step of
+the failure is known to the test."""
+
+
+def start_three(job: Job, fault: str, extra: tuple[str, ...] = ()) -> tuple[Group, Group, Group, int]:
+    """Start groups a, b and c paced; once all three have committed, arm ``fault`` (a spec without ``step``) in c for
+    a step just ahead and let them train at full speed. Returns the groups and the step of the fault."""
+    pace, armed = job.workdir / "pace", job.workdir / "c.fault"
+    pace.touch()
+    armed.touch()
+    paced = ("--pace-file", str(pace), *extra)
+    a, b = (job.start_group(rid, STEPS, step_time_ms=PACED_MS, extra=paced) for rid in "ab")
+    c = job.start_group("c", STEPS, step_time_ms=PACED_MS, extra=(*paced, "--fault-file", str(armed)))
+    wait_for(lambda: all(group.records() for group in (a, b, c)), 120, "a, b and c to commit a step each")
+    kill_step = max(group.last_step() for group in (a, b, c)) + ARM_AHEAD
+    assert kill_step + 5 < STEPS, f"the groups reached step {kill_step - ARM_AHEAD} before all three trained"
+    FaultFile.write(armed, f"{fault}:step={kill_step}")
+    pace.unlink()
+    return a, b, c, kill_step
 
 
 @pytest.mark.parametrize(("phase", "extra"), [("before", ()), ("allreduce", ()), ("allreduce", ("--bucket-kib", "1"))],
                          ids=["before", "allreduce", "allreduce-during-backward"])
 def test_sigkill_one_of_three_groups(job: Job, phase: str, extra: tuple[str, ...]) -> None:
-    """Group c SIGKILLs itself at step 25, before or inside the cross-group allreduce: a and b finish, identical,
-    no committed step lost, at most one step discarded. Inside the allreduce, c's death may break one survivor's
-    exchange after the other's completed: that one discards the step and catches up from the other, once, at once.
-    With 1 KiB buckets the exchange's first buckets start while backward runs (``manager.overlap``): c dies inside
-    its backward, with buckets in flight."""
+    """Group c SIGKILLs itself at a step the three groups train together, before or inside the cross-group
+    allreduce: a and b finish, identical, no committed step lost, at most one step discarded. Inside the allreduce,
+    c's death may break one survivor's exchange after the other's completed: that one discards the step and catches up
+    from the other, once, at once. With 1 KiB buckets the exchange's first buckets start while backward runs
+    (``manager.overlap``): c dies inside its backward, with buckets in flight."""
     job.start_lighthouse()
-    a, b = job.start_group("a", STEPS, extra=extra), job.start_group("b", STEPS, extra=extra)
-    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}:phase={phase}", extra=extra)
+    a, b, c, kill_step = start_three(job, f"sigkill:phase={phase}", extra)
     assert job.wait_exit(c, 120) == -9
+    assert c.last_step() == kill_step, "c died at another step than the one armed"
     assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
     assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
     common = assert_consistent(a, b)
@@ -42,10 +66,10 @@ def test_sigkill_one_of_three_groups(job: Job, phase: str, extra: tuple[str, ...
     # first commit is its late start, not one of these.)
     catch_ups = [(g.replica_id, r) for g in (a, b) for i, r in enumerate(g.records()) if i and r.get("catch_up")]
     assert len(catch_ups) <= (1 if phase == "allreduce" else 0), catch_ups
-    together = KILL_STEP + 1
+    together = kill_step + 1
     for caught_up, record in catch_ups:
         source = ({"a", "b"} - {caught_up}).pop()
-        assert record["catch_up"]["source"] == source and record["step"] <= KILL_STEP + 4, catch_ups
+        assert record["catch_up"]["source"] == source and record["step"] <= kill_step + 4, catch_ups
         together = record["step"]
     assert set(range(together, STEPS + 1)) <= common
     for group in (a, b):
@@ -59,15 +83,13 @@ def test_global_batch_stays_constant_while_degraded(job: Job) -> None:
     """With --global-batches 3, c's death leaves its batch to a and b: a trains two of its own per step, b one,
     every kept step holds three batches, and every stream is still trained exactly once."""
     job.start_lighthouse()
-    extra = ("--global-batches", "3")
-    a, b = job.start_group("a", STEPS, extra=extra), job.start_group("b", STEPS, extra=extra)
-    c = job.start_group("c", STEPS, fault=f"sigkill:step={KILL_STEP}", extra=extra)
+    a, b, c, kill_step = start_three(job, "sigkill", ("--global-batches", "3"))
     assert job.wait_exit(c, 120) == -9
     for group in (a, b):
         assert job.wait_exit(group, 120) == 0, group.log.read_text()[-3000:]
-    assert set(range(KILL_STEP + 1, STEPS + 1)) <= assert_consistent(a, b)
+    assert set(range(kill_step + 1, STEPS + 1)) <= assert_consistent(a, b)
     assert_exactly_once(a, b, c)
-    after_kill = [r["shares"] for r in a.records() if r["step"] > KILL_STEP + 1]
+    after_kill = [r["shares"] for r in a.records() if r["step"] > kill_step + 1]
     assert after_kill and all(shares == {"a": 2, "b": 1} for shares in after_kill)
     # Before the kill too (b or c may have joined a step late): every step held three batches.
     assert all(sum(r["shares"].values()) == 3 for r in a.records())
@@ -79,8 +101,7 @@ def test_sigstop_stall_is_about_the_heartbeat_timeout(job: Job) -> None:
     waits it out at exit, for the exchange c stopped in)."""
     job.collective_timeout_ms = 6_000
     job.start_lighthouse()
-    a, b = job.start_group("a", STEPS), job.start_group("b", STEPS)
-    job.start_group("c", STEPS, fault=f"sigstop:step={KILL_STEP}")
+    a, b, _, _ = start_three(job, "sigstop")
     assert job.wait_exit(a, 120) == 0, a.log.read_text()[-3000:]
     assert job.wait_exit(b, 120) == 0, b.log.read_text()[-3000:]
     assert_consistent(a, b)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fthsdp.faults import FaultFile
 from lightning_fthsdp.launch.processes import Group, Job, wait_for
 from lightning_fthsdp.netcluster.cluster import Cluster
 from lightning_fthsdp.netcluster.faults import cut, flap, isolate, partition
@@ -57,7 +58,7 @@ class Net:
     def arm(self, replica_id: str, spec: str) -> None:
         """Every rank of the group injects ``spec`` (``lightning_fthsdp.faults``): a SIGKILL kills the rank itself, on
         whichever host it runs."""
-        self.fault_file(replica_id).write_text(spec)
+        FaultFile.write(self.fault_file(replica_id), spec)
 
     def finish(self, *groups: Group, struck: tuple[Group, ...] = ()) -> set[int]:
         """The scenario is over: every group trains to STEPS at full speed and exits cleanly; the invariants hold,

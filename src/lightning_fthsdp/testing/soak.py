@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lightning_fthsdp.faults import FaultFile
 from lightning_fthsdp.launch.processes import Job
 from lightning_fthsdp.netcluster.cluster import Cluster
 from lightning_fthsdp.protocol.records import RecordKind
@@ -183,13 +184,13 @@ class Soak:
     def arm(self, group: SoakGroup, spec: str) -> None:
         """Arm ``spec`` through the group's fault file (its process reads it at its next step)."""
         group.armed, group.armed_at = spec, time.monotonic()
-        _write_atomic(group.fault_file, spec)
+        FaultFile.write(group.fault_file, spec)
         self.event("armed", group.replica_id, spec=spec)
 
     def _disarm(self, group: SoakGroup) -> None:
         if group.armed is not None:
             group.armed, group.fired = None, False
-            _write_atomic(group.fault_file, "")
+            FaultFile.write(group.fault_file, "")
 
     def _spawn(self, group: SoakGroup, chaos: bool) -> None:
         """Start an incarnation of ``group``; under chaos a restart draws its own fault
@@ -197,7 +198,7 @@ class Soak:
         fault = self.injector.incarnation_fault() if chaos and group.incarnations else None
         group.tail.read()
         group.tail.seal()
-        _write_atomic(group.fault_file, fault or "")
+        FaultFile.write(group.fault_file, fault or "")
         group.armed, group.armed_at, group.acked, group.fired = fault, time.monotonic(), None, False
         extra = ("--fault-file", str(group.fault_file), "--ballast-mib", str(self.config.ballast_mib))
         proc = self.job.start_group(group.replica_id, STEPS, step_time_ms=self.config.step_time_ms, extra=extra).proc
@@ -345,11 +346,3 @@ def _proc_state(pid: int) -> str:
             return file.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
