@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fthsdp.config.timeouts import Timeouts
+from lightning_fthsdp.membership.connection import common_head, request_bytes
 from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.protocol.requests import heartbeat_body, quorum_body, with_members
 
@@ -104,13 +105,6 @@ def start_lighthouse(fds: int, heartbeat_timeout_ms: int,
 
 QUORUM_TIMEOUT_MS = 120_000
 INCARNATION = "bench"
-
-
-def post(path: str, body: dict[str, object], request_id: int) -> bytes:
-    data = json.dumps(body, separators=(",", ":")).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: lh\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n"
-            f"Authorization: Bearer {TOKEN}\r\nX-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n"
-            ).encode() + data
 
 
 def read_json(body: bytes) -> dict[str, object]:
@@ -193,7 +187,8 @@ class Leader(asyncio.Protocol):
     def send(self, path: str, body: dict[str, object]) -> None:
         assert self.transport is not None
         request_id = next(self.ids)
-        self.transport.write(post(path, body, request_id))
+        # As LighthouseConnection.post writes it: the lighthouse parses the same head and body.
+        self.transport.write(request_bytes(path, self.gen.head, json.dumps(body).encode(), request_id))
         self.in_flight[request_id] = (path, time.monotonic(), body)
 
 
@@ -203,6 +198,7 @@ class Generator:
     def __init__(self, host: str, port: int, first: int, count: int, total: int, group_size: int,
                  interval_ms: int) -> None:
         self.host, self.port, self.total, self.group_size = host, port, total, group_size
+        self.head = common_head(host, port, TOKEN)
         self.first = first
         self.ids = [f"g{i:06d}" for i in range(first, first + count)]
         self.addresses = [state_addresses(i, group_size) for i in range(first, first + count)]

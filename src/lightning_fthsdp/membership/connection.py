@@ -75,11 +75,7 @@ class LighthouseConnection:
         if parsed.scheme != "http" or not parsed.hostname or parsed.port is None:
             raise ValueError(f"lighthouse URL must look like http://HOST:PORT, got {url!r}")
         self._host, self._port = parsed.hostname, parsed.port
-        # A full quorum answer is O(members) bytes: the lighthouse gzips it once for every member that accepts it.
-        headers = {"Host": f"{self._host}:{self._port}", "Content-Type": "application/json", "Accept-Encoding": "gzip"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        self._head = common_head(self._host, self._port, token)
         self._lock = threading.Condition()
         self._sock: socket.socket | None = None
         self._reader: io.BufferedReader | None = None
@@ -95,14 +91,13 @@ class LighthouseConnection:
         """The lighthouse's answer to ``POST path`` with ``body``; ``stop``: once set, the request is not sent (again)
         and fails with LighthouseUnavailable. Raises LighthouseUnavailable or LighthouseRejected."""
         data = json.dumps(body).encode()
-        head = f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n"
         for attempt in (1, 2):
             if stop is not None and stop.is_set():
                 raise LighthouseUnavailable(f"{path}: the connection was closed for good")
             # Read without the lock: it only decides whether a reset is worth one more try.
             reused = self._sock is not None
             try:
-                status, headers, payload = self._exchange(head, data, timeout_s)
+                status, headers, payload = self._exchange(path, data, timeout_s)
                 break
             except (OSError, http.client.HTTPException) as exc:
                 # RemoteDisconnected is a ConnectionResetError.
@@ -133,10 +128,10 @@ class LighthouseConnection:
         with self._lock:
             self._drop(self._generation, ConnectionAbortedError("the connection was closed"))
 
-    def _exchange(self, head: str, data: bytes, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
-        """Write the request (``head`` without its blank line, then ``data``) with an id of its own, then wait for
-        its answer, reading the connection's answers while no other waiter does. OSError or HTTPException when the
-        connection fails, for every request in flight on it; TimeoutError when the answer did not come in time."""
+    def _exchange(self, path: str, data: bytes, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+        """Write ``POST path`` with body ``data`` and an id of its own, then wait for its answer, reading the
+        connection's answers while no other waiter does. OSError or HTTPException when the connection fails, for every
+        request in flight on it; TimeoutError when the answer did not come in time."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._sock is None:
@@ -149,7 +144,7 @@ class LighthouseConnection:
             try:
                 # The reader may have set a timeout of a few ms that it has left: the write gets this request's.
                 sock.settimeout(timeout_s)
-                sock.sendall(f"{head}X-Request-Id: {request_id}\r\n\r\n".encode() + data)
+                sock.sendall(request_bytes(path, self._head, data, request_id))
             except OSError as exc:
                 self._drop(generation, exc)
                 raise
@@ -230,6 +225,23 @@ class LighthouseConnection:
         self._waiting.clear()  # answers read already stay: their waiters take them before they look at the generation
         self._reading = False
         self._lock.notify_all()
+
+
+def common_head(host: str, port: int, token: str | None) -> str:
+    """The header lines every request on a connection to the lighthouse at ``host:port`` repeats."""
+    # A full quorum answer is O(members) bytes: the lighthouse gzips it once for every member that accepts it.
+    headers = {"Host": f"{host}:{port}", "Content-Type": "application/json", "Accept-Encoding": "gzip"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+
+
+def request_bytes(path: str, head: str, data: bytes, request_id: int) -> bytes:
+    """``POST path`` with body ``data`` as written on a connection whose requests repeat the header lines ``head``
+    (``common_head``). The request id is the head's last line: the lighthouse keeps a connection's heads parsed but
+    for that line (``lighthouse.http.Connection``), so the next heartbeat's head is not parsed again."""
+    lines = f"POST {path} HTTP/1.1\r\n{head}Content-Length: {len(data)}\r\nX-Request-Id: {request_id}\r\n\r\n"
+    return lines.encode() + data
 
 
 def _read_response(reader: io.BufferedReader) -> tuple[int, dict[str, str], bytes]:
