@@ -174,6 +174,31 @@ def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_r
     assert heads == [status(1).removesuffix(b"\r\n\r\n")]
 
 
+def test_a_heartbeat_and_a_quorum_request_alternating_on_one_connection_are_each_parsed_once(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader's heartbeats and quorum requests share its connection, each head repeated but for its id: the
+    connection keeps its last ``KEPT_HEADS`` heads, the least recently used going first when a third comes."""
+    heads: list[bytes] = []
+
+    def parse_head(head: bytes) -> object:
+        heads.append(head)
+        return parse(head)
+
+    parse = http._parse_head
+    monkeypatch.setattr(http, "_parse_head", parse_head)
+    variants = {"a": b"", "b": b"Accept: application/json\r\n", "c": b"Accept: */*\r\n"}
+
+    def head(variant: str, request_id: int) -> bytes:
+        return status(request_id).replace(b"X-Request-Id", variants[variant] + b"X-Request-Id")
+
+    order = "abababcab"  # c evicts a, then a evicts b
+    got = answers(url, [head(variant, n) for n, variant in enumerate(order, 1)])
+    assert [(code, request_id) for code, _, request_id in got] == [(200, str(n)) for n in range(1, len(order) + 1)]
+    assert heads == [head(variant, n).removesuffix(b"\r\n\r\n") for n, variant in ((1, "a"), (2, "b"), (7, "c"),
+                                                                                     (8, "a"), (9, "b"))]
+    assert http.KEPT_HEADS == 2
+
+
 def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``asyncio.get_running_loop`` checks the process id with a system call on every call: a connection keeps its
     loop from ``connection_made``, the deadlines theirs while any is pending, whatever number of requests come."""
@@ -237,4 +262,4 @@ def test_a_large_head_or_body_is_not_kept_by_its_connection() -> None:
         return connection
 
     connection = asyncio.run(run())
-    assert connection.last_parsed is None and connection._last_head is None
+    assert connection.last_parsed is None and not connection._kept_heads

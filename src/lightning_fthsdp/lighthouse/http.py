@@ -58,6 +58,9 @@ MAX_PER_TURN = 8
 """Requests one connection starts per event-loop turn: the rest wait for a later turn, so every other connection's
 data is read in between."""
 REQUEST_ID = "x-request-id"
+KEPT_HEADS = 2
+"""Heads a connection keeps parsed (see ``Connection._head``): a leader's heartbeat and its quorum request alternate on
+its connection, each repeating its own head but for the request id."""
 REQUEST_TIMEOUT_S = 10.0
 """Default bound on receiving one request, from its first byte to its last: generous for a 1 MiB body on a slow
 link, short enough that a client trickling bytes holds a connection only briefly."""
@@ -102,7 +105,7 @@ class Connection(asyncio.Protocol):
         self._in_flight: set[Pending] = set()  # the answers still to come
         self._ordered = False  # the one in flight is a plain request: nothing starts beside it
         self._parsed: tuple[int, _Head] | None = None  # see _head
-        self._last_head: tuple[bytes, _Head] | None = None  # see _head
+        self._kept_heads: dict[bytes, _Head] = {}  # see _head
         self.last_parsed: tuple[Callable[[dict[str, object]], object], bytes, object] | None = None
         """The last body a handler parsed, with its parser and value (see ``Request.parsed``)."""
         self._yielded = False  # MAX_PER_TURN requests started this turn: the rest wait for the next
@@ -275,15 +278,17 @@ class Connection(asyncio.Protocol):
     def _head(self, head_end: int) -> _Head:
         """The parsed head of the request at the start of the buffer, which ends at ``head_end``, once it passed the
         gate: parsed and checked once, though a request is looked at again when the rest of its body arrives, or when
-        the request ahead of it is answered."""
+        the request ahead of it is answered; and not again for a later request with the same head but its id, while
+        that head is one of the connection's last ``KEPT_HEADS``."""
         if self._parsed is None or self._parsed[0] != head_end:
             raw = bytes(self._buffer[:head_end])
             rest, _, last = raw.rpartition(b"\r\n")
             id_line = _REQUEST_ID_LINE.fullmatch(last)
-            if id_line is not None and self._last_head is not None and self._last_head[0] == rest:
-                # This connection's last head but for the request id its client puts last (a group's next
-                # heartbeat): parsed, checked and let through the gate as that one was.
-                method, path, query, keep_alive, headers, length = self._last_head[1]
+            if id_line is not None and (kept := self._kept_heads.pop(rest, None)) is not None:
+                # One of this connection's last heads but for the request id its client puts last (a group's next
+                # heartbeat, or its next quorum request): parsed, checked and let through the gate as that one was.
+                self._kept_heads[rest] = kept  # the most recently used now: the oldest goes first
+                method, path, query, keep_alive, headers, length = kept
                 head = (method, path, query, keep_alive, {**headers, REQUEST_ID: id_line.group(1).decode()}, length)
             else:
                 head = _parse_head(raw)
@@ -291,8 +296,10 @@ class Connection(asyncio.Protocol):
                 if self._gate is not None:
                     self._gate(Request(method, path, query, headers, b"", self, None, keep_alive))
                 # Kept apart from this request's own dicts; a head far larger than a group's is not kept.
-                self._last_head = ((rest, (method, path, dict(query), keep_alive, dict(headers), length))
-                                   if id_line is not None and head_end <= MAX_KEPT else None)
+                if id_line is not None and head_end <= MAX_KEPT:
+                    if len(self._kept_heads) >= KEPT_HEADS:
+                        del self._kept_heads[next(iter(self._kept_heads))]
+                    self._kept_heads[rest] = (method, path, dict(query), keep_alive, dict(headers), length)
             if not self.authenticated:
                 self.authenticated = True
                 if self._on_authenticated is not None:
