@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import gzip
 import json
 import socket
 import weakref
@@ -104,6 +105,37 @@ def test_a_repeated_body_is_parsed_once_and_a_changed_or_bad_one_again() -> None
     assert [p.get("step", "bad") for p in parses] == [1, 2, 2, "bad", "bad", 2]
     assert written.count(b"HTTP/1.1 200") == 5 and written.count(b"HTTP/1.1 400") == 2, written
     assert written.count(b'{"value":[["step",1]]}') == 2 and written.count(b'{"value":"other"}') == 1, written
+
+
+def test_an_answer_shared_by_many_requests_is_framed_once_and_each_copy_carries_its_own_request_id() -> None:
+    """A quorum's answer goes to every group: its head is framed once per way of sending it (gzipped or not, kept
+    alive or not), and each copy written carries its request's id and the framing that request asked for."""
+    shared = Response(200, b'{"quorum_id":7}', gzipped=gzip.compress(b'{"quorum_id":7}'))
+
+    def request(request_id: int | None, gzipped: bool = False, close: bool = False) -> bytes:
+        head = ("GET /q HTTP/1.1\r\nHost: lighthouse\r\n" + ("Accept-Encoding: gzip\r\n" if gzipped else "")
+                + ("Connection: close\r\n" if close else "")
+                + (f"X-Request-Id: {request_id}\r\n" if request_id is not None else ""))
+        return (head + "\r\n").encode()
+
+    async def run(raw: bytes) -> bytes:
+        transport = Transport()
+        connection = Connection(lambda request: shared, lambda conn: None)
+        connection.connection_made(transport)
+        connection.data_received(raw)
+        return bytes(transport.written)
+
+    written = [asyncio.run(run(raw)) for raw in (request(1), request(2), request(3, gzipped=True), request(None),
+                                                 request(4, close=True))]
+    plain = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
+    assert written[0] == plain + b'X-Request-Id: 1\r\n\r\n{"quorum_id":7}'
+    assert written[1] == plain + b'X-Request-Id: 2\r\n\r\n{"quorum_id":7}'
+    assert written[3] == plain + b'\r\n{"quorum_id":7}'
+    head, _, body = written[2].partition(b"\r\n\r\n")
+    assert b"Content-Encoding: gzip" in head and b"X-Request-Id: 3" in head and gzip.decompress(body) == shared.body
+    assert f"Content-Length: {len(shared.gzipped or b'')}".encode() in head
+    assert b"Connection: close" in written[4] and b"X-Request-Id: 4" in written[4]
+    assert set(shared.framed) == {(True, False), (True, True), (False, False)}
 
 
 @pytest.fixture

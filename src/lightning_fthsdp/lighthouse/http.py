@@ -376,19 +376,13 @@ class Connection(asyncio.Protocol):
     def _write(self, response: Response, keep_alive: bool, accept_gzip: bool = False,
                request_id: str | None = None) -> None:
         assert self._transport is not None
-        body, extra = response.body, "" if keep_alive else "Connection: close\r\n"
-        extra += "".join(f"{name}: {value}\r\n" for name, value in response.headers)
-        if request_id is not None:
-            extra += f"X-Request-Id: {request_id}\r\n"
-        if accept_gzip and response.gzipped is not None:
-            body, extra = response.gzipped, extra + "Content-Encoding: gzip\r\n"
-        head = (
-            f"{_status_line(response.status)}Content-Type: {response.content_type}\r\nContent-Length: {len(body)}\r\n"
-            f"{extra}\r\n"
-        ).encode()
+        head, body = _framed(response, keep_alive, accept_gzip and response.gzipped is not None)
         # One write, one system call: copying even a full member list (a fresh quorum's answer to each member) costs
         # less than a second call.
-        self._transport.write(head + body)
+        if request_id is None:
+            self._transport.write(b"".join((head, b"\r\n", body)))
+        else:
+            self._transport.write(b"".join((head, b"X-Request-Id: ", request_id.encode(), b"\r\n\r\n", body)))
 
     def _fail(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
         """Answer ``status`` and close: nothing after this request is read."""
@@ -400,6 +394,23 @@ class Connection(asyncio.Protocol):
 @functools.cache
 def _status_line(status: int) -> str:
     return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+
+
+def _framed(response: Response, keep_alive: bool, gzipped: bool) -> tuple[bytes, bytes]:
+    """The head of ``response`` without its request id and blank line, and the body to send after them: framed once
+    per response and way of sending it, as a quorum's answer or a heartbeat's goes to every group alike."""
+    key = (keep_alive, gzipped)
+    framed = response.framed.get(key)
+    if framed is None:
+        body, extra = (response.gzipped, "Content-Encoding: gzip\r\n") if gzipped else (response.body, "")
+        assert body is not None
+        if not keep_alive:
+            extra += "Connection: close\r\n"
+        extra += "".join(f"{name}: {value}\r\n" for name, value in response.headers)
+        head = (f"{_status_line(response.status)}Content-Type: {response.content_type}\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}")
+        framed = response.framed[key] = (head.encode(), body)
+    return framed
 
 
 _REQUEST_ID = re.compile(r"[0-9]{1,20}")

@@ -43,6 +43,9 @@ class Response:
     once saves bytes on every connection."""
     headers: tuple[tuple[str, str], ...] = ()
     """Extra response headers (name, value), e.g. ``WWW-Authenticate`` on a 401."""
+    framed: dict[tuple[bool, bool], tuple[bytes, bytes]] = field(default_factory=dict, compare=False, repr=False)
+    """Its head and body as ``lighthouse.http`` sends them, by (keep-alive, gzipped): framed once however many
+    clients it goes to."""
 
 
 def json_response(obj: object, status: int = 200) -> Response:
