@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lightning_fthsdp.config.env import ENV_TOKEN, from_env
 from lightning_fthsdp.config.timeouts import Timeouts, field_docs
+from lightning_fthsdp.lighthouse import lanes
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.stragglers import MODES, StragglerPolicy
 from lightning_fthsdp.protocol.quorum import check_replica_id
@@ -72,7 +73,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         help="listen on a non-loopback --host without a token: anyone who reaches it can join, "
                              "stall or end the job")
     parser.add_argument("--event-loop", choices=EVENT_LOOPS, default="asyncio",
-                        help="the event loop serving the groups: asyncio (the standard library's), uvloop (libuv's, "
+                        help="the event loop serving the groups: asyncio (the standard library's, on a selector that "
+                             "reads new connections first however far behind the groups are), uvloop (libuv's, "
                              "pip install 'lightning-fthsdp[uvloop]'), or auto: uvloop where installed (default "
                              "%(default)s; bench/bench_lighthouse.py compares them)")
     # Refused in run() with the fix: a token on the command line is visible to every user through ps.
@@ -158,17 +160,18 @@ def run(args: argparse.Namespace) -> int:
 EVENT_LOOPS = ("asyncio", "uvloop", "auto")
 
 
-def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The factory of the event loop ``choice`` names (None: asyncio's own). ``auto`` takes uvloop where it is
-    installed; ``uvloop`` raises ImportError where it is not."""
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The factory of the event loop ``choice`` names: asyncio's on the lighthouse's two-lane selector
+    (``lighthouse.lanes``), or uvloop's. ``auto`` takes uvloop where it is installed; ``uvloop`` raises ImportError
+    where it is not."""
     if choice == "asyncio":
-        return None
+        return lanes.new_event_loop
     try:
         import uvloop
     except ImportError:
         if choice == "uvloop":
             raise
-        return None
+        return lanes.new_event_loop
     return uvloop.new_event_loop
 
 

@@ -167,6 +167,11 @@ class Connection(asyncio.Protocol):
             return False
         return waiting[0] > 0
 
+    def fileno(self) -> int | None:
+        """The descriptor of the connection's socket (None: not made yet, or no socket)."""
+        sock = None if self._transport is None else self._transport.get_extra_info("socket")
+        return None if sock is None else sock.fileno()
+
     def silent(self) -> bool:
         """Whether the client has sent nothing to handle yet as far as can be known: made, and nothing ``unread``
         (before the transport is made its request may wait in the kernel already)."""

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from lightning_fthsdp.lighthouse import lanes
 from lightning_fthsdp.lighthouse.admission import Admission, OutsiderLimits, raise_open_files_limit
 from lightning_fthsdp.lighthouse.api import authorize
 from lightning_fthsdp.lighthouse.claims import Claims
@@ -253,12 +254,19 @@ class Lighthouse:
     def _connect(self) -> Connection:
         conn = Connection(self._route, self._connection_closed, self._request_timeout_s, self._idle_timeout_s,
                           gate=functools.partial(authorize, token=self._token),
-                          on_authenticated=self._admission.authenticated)
+                          on_authenticated=self._authenticated)
         self._connections.add(conn)
         return conn
 
+    def _authenticated(self, conn: Connection) -> None:
+        self._admission.authenticated(conn)
+        if (fd := conn.fileno()) is not None:
+            lanes.settle(fd)
+
     def _connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
+        if (fd := conn.fileno()) is not None and fd >= 0:
+            lanes.forget(fd)
         self._admission.closed(conn)
         self._group_connections.closed(conn)
         key = self._heartbeat_connections.closed(conn)
