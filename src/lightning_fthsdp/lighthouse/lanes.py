@@ -26,11 +26,14 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-FAST_EVENTS = 64
-"""Ready sockets of the fast lane (listening socket, connections not yet past the token check) taken per turn."""
-MAIN_EVENTS = 256
+FAST_EVENTS = 32
+"""Ready sockets of the fast lane (listening socket, connections not yet past the token check) taken per turn: as
+many as of the main lane, so a flood of outsiders' connections (capped by ``lighthouse.admission``) takes at most half
+of a turn."""
+MAIN_EVENTS = 32
 """Ready sockets of the main lane (the groups' connections) taken per turn: a turn's work stays bounded when all of
-them are ready at once."""
+them are ready at once. Fewer makes a starved lighthouse's new connection wait less (``bench_lighthouse.py
+--overload``, docs/timeouts.md) at the cost of a poll per that many sockets."""
 
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LaneSelector] = weakref.WeakKeyDictionary()
