@@ -188,18 +188,24 @@ def test_a_head_repeated_but_for_its_request_id_is_answered_as_if_parsed_anew(
         assert needle in got[1][1]["error"], got
 
 
-def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_request_ids(
-        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many requests on one connection, each the same head but for its id: the head is parsed once, and each answer
-    carries its own id."""
-    heads: list[bytes] = []
+@pytest.fixture
+def heads(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The heads the lighthouse parses (``http._parse_head``), in order."""
+    parsed: list[bytes] = []
+    parse = http._parse_head
 
     def parse_head(head: bytes) -> object:
-        heads.append(head)
+        parsed.append(head)
         return parse(head)
 
-    parse = http._parse_head
     monkeypatch.setattr(http, "_parse_head", parse_head)
+    return parsed
+
+
+def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_request_ids(
+        url: str, heads: list[bytes]) -> None:
+    """Many requests on one connection, each the same head but for its id: the head is parsed once, and each answer
+    carries its own id."""
     ids = [str(n) for n in range(1, 21)]
     got = answers(url, [status(n) for n in ids])
     assert [(code, request_id) for code, _, request_id in got] == [(200, n) for n in ids]
@@ -207,17 +213,9 @@ def test_the_repeated_heads_of_a_group_are_parsed_once_and_answer_with_its_own_r
 
 
 def test_a_heartbeat_and_a_quorum_request_alternating_on_one_connection_are_each_parsed_once(
-        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        url: str, heads: list[bytes]) -> None:
     """A leader's heartbeats and quorum requests share its connection, each head repeated but for its id: the
     connection keeps its last ``KEPT_HEADS`` heads, the least recently used going first when a third comes."""
-    heads: list[bytes] = []
-
-    def parse_head(head: bytes) -> object:
-        heads.append(head)
-        return parse(head)
-
-    parse = http._parse_head
-    monkeypatch.setattr(http, "_parse_head", parse_head)
     variants = {"a": b"", "b": b"Accept: application/json\r\n", "c": b"Accept: */*\r\n"}
 
     def head(variant: str, request_id: int) -> bytes:
