@@ -168,9 +168,10 @@ class Connection(asyncio.Protocol):
         return waiting[0] > 0
 
     def fileno(self) -> int | None:
-        """The descriptor of the connection's socket (None: not made yet, or no socket)."""
+        """The descriptor of the connection's socket (None: not made yet, no socket, or closed)."""
         sock = None if self._transport is None else self._transport.get_extra_info("socket")
-        return None if sock is None else sock.fileno()
+        fd = -1 if sock is None else sock.fileno()
+        return fd if fd >= 0 else None
 
     def silent(self) -> bool:
         """Whether the client has sent nothing to handle yet as far as can be known: made, and nothing ``unread``

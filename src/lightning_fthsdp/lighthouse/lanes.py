@@ -97,7 +97,8 @@ class LaneSelector(selectors.BaseSelector):
 
     def __init__(self) -> None:
         self._fast, self._main = select.epoll(), select.epoll()
-        self._main.register(self._fast.fileno(), select.EPOLLIN)
+        self._fast_fd = self._fast.fileno()
+        self._main.register(self._fast_fd, select.EPOLLIN)
         self._keys: dict[int, selectors.SelectorKey] = {}
         self._settled: set[int] = set()  # descriptors of the main lane, registered now or not (see settle)
         self._map = _Keys(self._keys)
@@ -147,7 +148,7 @@ class LaneSelector(selectors.BaseSelector):
         wait = -1 if timeout is None else 0 if timeout <= 0 else math.ceil(timeout * 1e3) * 1e-3
         ready = self._fast.poll(0, FAST_EVENTS)
         main = self._main.poll(0 if ready else wait, MAIN_EVENTS)
-        if not ready and any(fd == self._fast.fileno() for fd, _ in main):
+        if not ready and any(fd == self._fast_fd for fd, _ in main):
             ready = self._fast.poll(0, FAST_EVENTS)  # woken by the fast lane
         chosen = []
         for fd, event in ready + main:
@@ -161,6 +162,7 @@ class LaneSelector(selectors.BaseSelector):
 
     def close(self) -> None:
         self._keys.clear()
+        self._settled.clear()
         self._fast.close()
         self._main.close()
 

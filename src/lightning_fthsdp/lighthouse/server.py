@@ -265,7 +265,7 @@ class Lighthouse:
 
     def _connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
-        if (fd := conn.fileno()) is not None and fd >= 0:
+        if (fd := conn.fileno()) is not None:
             lanes.forget(fd)
         self._admission.closed(conn)
         self._group_connections.closed(conn)
