@@ -15,7 +15,10 @@ quorum (decided when the last group asks), then ``--rounds`` in the steady state
 stops heartbeating with its connection open (a hang); the lighthouse wakes every held heartbeat with each death, and
 every other group asks for the next quorum as the news of both reaches it, with its commit failed, as ``FTManager``
 does. A steady round's time runs from the last request written to the last answer read; a failure round's from the
-first heartbeat answer naming both dead (the moment the lighthouse knew) to the last answer read. A round's CPU
+first heartbeat answer naming both dead (the moment the lighthouse knew) to the last answer read. The lighthouse's
+own timing of each round's decision (``/status`` ``last_round``) is printed beside it: ``gather`` from the oldest
+request's arrival to the decision (at scale, the lighthouse reading every request), ``answer`` the decision and the
+writing of its answers. A round's CPU
 seconds, the lighthouse's and each generator's, are counted over it; its answer bytes are one group's answer as sent
 (gzip-compressed when large). ``rounds`` gives each kind's min / median / max. Deaths declared over the run among the
 groups that never failed (a false death revived since counts) and those of them dead at the end are read from
@@ -432,7 +435,8 @@ class Fleet:
         step expected, in one quorum. ``fail``: first the first group still in the job crashes (its connection
         dropped without a goodbye) and the second hangs (silent, its connection open), and the others ask as the
         news of both deaths reaches them (see ``Generator.quorum_round``); ``known_after_s`` is the time from the
-        failures to the first answer that brought it, the round's time runs from that answer."""
+        failures to the first answer that brought it, the round's time runs from that answer. Also the lighthouse's
+        own timing of the round's decision (``rounds.RoundTiming``), read from ``/status`` once the round is over."""
         failed = self.members[:2] if fail else ()
         self.members = self.members[len(failed):]
         lighthouse_cpu_before = cpu_seconds_of(self.proc.pid)
@@ -442,7 +446,12 @@ class Fleet:
         for result in results:
             assert result["members"] == self.members and result["max_step"] == round_no, result["quorum_id"]
         assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
+        # The lighthouse's own timing of the decision (rounds.RoundTiming): its time reading the requests and its time
+        # answering them, apart.
+        timed = self.status()["last_round"]
+        assert timed["quorum_id"] == results[0]["quorum_id"] and timed["answered"] == len(self.members), timed
         return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]),
+                "lighthouse_gather_s": timed["gather_s"], "lighthouse_answer_s": timed["answer_s"],
                 "lighthouse_cpu_s": round(round_cpu, 3), "heartbeat_errors": sum(r["errors"] for r in results),
                 "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
                 "latency_s": max(r["last_answer"] for r in results) - min(r["last_sent"] for r in results)
@@ -682,13 +691,15 @@ def main() -> int:
             print(f"{row['event_loop']:>7} {row['ranks']:>7} {kind:>7} {count:>6} {figures['min']:>7.3f} "
                   f"{figures['median']:>8.3f} {figures['max']:>7.3f} {ratio:>17.2f}")
     print(f"\n{'loop':>7} {'ranks':>7} {'round':>5} {'kind':>7} {'quorum_id':>9} {'latency_s':>9} "
-          f"{'known after s':>13} {'answer_bytes':>12} {'lighthouse CPU s':>16} {'generators CPU s':>16}")
+          f"{'known after s':>13} {'gather s':>8} {'answer s':>8} {'answer_bytes':>12} {'lighthouse CPU s':>16} "
+          f"{'generators CPU s':>16}")
     for row in rows:
         for number, rnd in enumerate(row["quorum_rounds"]):
             known = f"{rnd['known_after_s']:.3f}" if "known_after_s" in rnd else "-"
             print(f"{row['event_loop']:>7} {row['ranks']:>7} {number:>5} {rnd['kind']:>7} {rnd['quorum_id']:>9} "
                   f"{rnd['latency_s']:>9.3f} "
-                  f"{known:>13} {rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
+                  f"{known:>13} {rnd['lighthouse_gather_s']:>8.3f} {rnd['lighthouse_answer_s']:>8.3f} "
+                  f"{rnd['answer_bytes']:>12} {rnd['lighthouse_cpu_s']:>16.2f} "
                   f"{'+'.join(f'{c:.2f}' for c in rnd['generator_cpu_s']):>16}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"python": platform.python_version(), "cpus": os.cpu_count(), "rows": rows},

@@ -289,7 +289,8 @@ def test_status_and_html_page(lighthouse: Callable[..., str]) -> None:
     assert set(status) == {"quorum_id", "epoch", "max_step", "committed_step", "lost_steps", "checkpoint", "waiting",
                            "min_replicas", "participants", "step_rate",
                            "declared", "members", "groups", "catch_up_from", "excluded", "stragglers", "store",
-                           "uptime_s", "lighthouse_lag"}
+                           "uptime_s", "lighthouse_lag", "last_round"}
+    assert status["last_round"] is None  # no quorum request answered yet
     assert status["max_step"] == 4 and status["quorum_id"] == -1 and status["min_replicas"] == 1
     assert status["committed_step"] == -1 and status["lost_steps"] == [] and status["declared"] is None
     assert status["participants"] == 0 and status["step_rate"] == 0

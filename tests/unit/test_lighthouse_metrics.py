@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import sys
+import time
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -130,6 +131,35 @@ def test_metrics_parse_and_follow_a_death_and_a_recovery(lighthouse: Callable[..
     # Each lighthouse names its event log: the page of a restarted one starts its log afresh.
     with LighthouseThread(token=TOKEN, startup_grace_ms=0) as other:
         assert json.loads(get(other, "/events")[2])["log_id"] != events["log_id"]
+
+
+def test_each_answered_round_is_timed_from_its_oldest_request(lighthouse: Callable[..., str]) -> None:
+    """/status's ``last_round`` and the two round histograms: the gathering runs from the oldest held request's
+    arrival (a waited 0.3 s for b), and each answered round is observed once and replaces the last."""
+    url = lighthouse(min_replicas=2, token=TOKEN)
+    beats = {rid: Client(url, token=TOKEN) for rid in "ab"}  # kept open: a close declares the group dead
+    for rid, client in beats.items():
+        assert client.call("POST", "/v1/heartbeat", hb(rid))[0] == 200
+    early, late = Client(url, token=TOKEN), Client(url, token=TOKEN)
+    early.send("POST", "/v1/quorum", qr("a"))
+    wait_for(lambda: Client(url, token=TOKEN).status()["waiting"] is not None, 5, "a's request held")
+    time.sleep(0.3)  # b asks 0.3 s after a: the round's gathering took at least that long
+    late.send("POST", "/v1/quorum", qr("b"))
+    (code_a, answer), (code_b, _) = early.recv(), late.recv()
+    assert code_a == code_b == 200
+    last = Client(url, token=TOKEN).status()["last_round"]
+    assert last["quorum_id"] == answer["quorum_id"] and last["answered"] == 2, last
+    assert last["gather_s"] >= 0.3 and last["answer_s"] >= 0, last
+    samples = scrape(url)
+    assert samples["fthsdp_round_gather_seconds_count"][()] == 1 == samples["fthsdp_round_answer_seconds_count"][()]
+    assert samples["fthsdp_round_gather_seconds_sum"][()] == pytest.approx(last["gather_s"], abs=1e-3)
+
+    # The next step: both ask at once and are answered together; that round replaces the last.
+    q = answer["quorum_id"]
+    second = ask(url, {rid: qr(rid, 1, q, ("a", "b"), committed_in=q) for rid in "ab"})[0]
+    last = Client(url, token=TOKEN).status()["last_round"]
+    assert last["quorum_id"] == second["quorum_id"] and last["answered"] == 2, last
+    assert scrape(url)["fthsdp_round_gather_seconds_count"][()] == 2
 
 
 def test_the_page_never_inserts_data_as_markup() -> None:

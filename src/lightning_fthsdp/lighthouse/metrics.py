@@ -22,6 +22,9 @@ that waited on the collective timeout or on ``min_replicas``."""
 RECOVERY_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 """A recovery includes restarting the group's processes (seconds on a laptop, minutes for a large model on a
 cluster)."""
+ROUND_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""A round of a few groups takes milliseconds; one of 12,500 groups about a second to gather and a third of one to
+answer; the top buckets catch a round that waited for a straggler or a join."""
 GROUP_STATES = ("training", "catching_up", "following", "joining", "waiting", "excluded", "down", "hung")
 """Every state ``/status`` gives a group (``groups[].state``): each is exported, 0 when no group is in it."""
 TOP_WAITED_FOR = 3
@@ -61,6 +64,11 @@ class LighthouseMetrics:
         self.catch_up = Histogram("fthsdp_catch_up_seconds", "From the quorum that sent a group to catch up to the "
                                   "first quorum in which it contributes gradients", buckets=STALL_BUCKETS_S,
                                   registry=registry)
+        self.round_gather = Histogram("fthsdp_round_gather_seconds", "From the oldest held quorum request's arrival "
+                                      "to the decision that answered it (see docs/metrics.md)",
+                                      buckets=ROUND_BUCKETS_S, registry=registry)
+        self.round_answer = Histogram("fthsdp_round_answer_seconds", "A decision that answered held quorum requests, "
+                                      "with the writing of its answers", buckets=ROUND_BUCKETS_S, registry=registry)
         registry.register(_StatusGauges(status))
 
     def render(self) -> bytes:

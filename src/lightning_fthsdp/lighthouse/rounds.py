@@ -1,7 +1,9 @@
 """The quorum rounds: the current quorum and who was answered it, a decision run at most once per event-loop turn (on
 an arrival only when the rules would answer, ``readiness``), the join timer and the timer that decides again when a
 wait ends (``decider.Decision.again_at``). A request is answered at once when it is a late member of the current
-quorum, else held (``held.HeldRequests``) until a decision answers it."""
+quorum, else held (``held.HeldRequests``) until a decision answers it. Each decision that answers held requests is
+timed (``RoundTiming``): a round's time at scale goes to reading every group's request and to writing every answer,
+and the two are told apart."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from lightning_fthsdp.lighthouse.api import QuorumAnswers
 from lightning_fthsdp.lighthouse.decider import Decider
@@ -22,22 +25,44 @@ from lightning_fthsdp.protocol.quorum import Quorum, QuorumRequest
 log = logging.getLogger("fthsdp.lighthouse")
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    """One decision that answered held quorum requests, as the lighthouse timed it."""
+
+    quorum_id: int
+    """The quorum answered."""
+    answered: int
+    """Held requests answered by the decision."""
+    gather_s: float
+    """From the arrival of the oldest request still held to the decision: the groups' spread in asking, and the
+    lighthouse's own time reading every request (at scale, most of a round)."""
+    answer_s: float
+    """The decision and the writing of its answers."""
+
+    def to_json(self) -> dict[str, object]:
+        return {"quorum_id": self.quorum_id, "answered": self.answered, "gather_s": round(self.gather_s, 4),
+                "answer_s": round(self.answer_s, 4)}
+
+
 class Rounds:
     """``quorum``: the current one (None: none yet); ``answers``: its encoded answers; ``answered``: the groups it was
     answered to, alive since (only their ranks learn their quorum rank from heartbeats: a new incarnation of a member
-    must not take an answer meant for its predecessor). ``answered_changed()``: the quorum or who was answered it
-    changed (the heartbeat answers carry both)."""
+    must not take an answer meant for its predecessor); ``last``: the timing of the last decision that answered held
+    requests (None: none yet). ``answered_changed()``: the quorum or who was answered it changed (the heartbeat answers
+    carry both); ``timed(timing)``: a decision answered held requests."""
 
     def __init__(self, rules: QuorumRules, decider: Decider, readiness: Readiness, registry: Registry,
-                 held: HeldRequests, answered_changed: Callable[[], None]) -> None:
+                 held: HeldRequests, answered_changed: Callable[[], None],
+                 timed: Callable[[RoundTiming], None]) -> None:
         self.quorum: Quorum | None = None
+        self.last: RoundTiming | None = None
         self.answers = QuorumAnswers()
         self.answered: set[str] = set()
         self.store_address = ""
         """The rendezvous store every answer names (set when the lighthouse binds it)."""
         self._join_timeout_s = rules.join_timeout_ms / 1000
         self._decider, self._readiness, self._registry, self._held = decider, readiness, registry, held
-        self._answered_changed = answered_changed
+        self._answered_changed, self._timed = answered_changed, timed
         self._scheduled = False
         self._closed = False
         self._join_timer: asyncio.TimerHandle | None = None
@@ -77,6 +102,7 @@ class Rounds:
         if self._closed:
             return
         now = time.monotonic()
+        oldest = self._readiness.oldest()
         decision = self._decider.decide(now, self.quorum)
         self._decide_again_at(decision.again_at)
         quorum = decision.quorum
@@ -91,12 +117,18 @@ class Rounds:
             self.answers.formed(quorum, self.store_address)
             answered_before = self.answered
             self.answered = set(quorum.member_ids if decision.receivers is None else decision.receivers)
+            held = 0
             for replica_id in self.answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 request = self._readiness.pending.get(replica_id)
                 waiter = self._held.take(replica_id)
                 if waiter is not None:
                     waiter.answer(self.answers.to(request.members_digest if request is not None else ""))
+                    held += 1
+            if held:
+                gather_s = now - oldest if oldest is not None else 0.0
+                self.last = RoundTiming(quorum.quorum_id, held, gather_s, time.monotonic() - now)
+                self._timed(self.last)
             if changed or self.answered != answered_before:
                 self._answered_changed()
         self._arm_join_timer(now)

@@ -158,7 +158,7 @@ class Lighthouse:
                                     self._readiness.alive - self._readiness.pending.keys()),
                                 startup_grace_ms / 1000, time.monotonic())
         self._rounds = Rounds(self.rules, self._decider, self._readiness, self._registry, self._held,
-                              lambda: self._news.changed())
+                              lambda: self._news.changed(), self._watch.round_timed)
         self._heartbeat_answers = HeartbeatAnswers(self._registry, self._rounds, heartbeat_timeout_ms)
         self._heartbeats = HeldHeartbeats(self._deadlines, self._heartbeat_answers.to, WAKE_WINDOW_S)
         self._news = HeartbeatNews(self._heartbeat_answers, self._heartbeats)
@@ -377,7 +377,7 @@ class Lighthouse:
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
         return self._status_view.document(time.monotonic(), self._rounds.quorum, self._heartbeats.epoch,
-                                          self.store_address, self._decider.started_s)
+                                          self.store_address, self._decider.started_s, self._rounds.last)
 
     # ---- state changes ----
 

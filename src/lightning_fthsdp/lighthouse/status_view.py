@@ -10,6 +10,7 @@ from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
+from lightning_fthsdp.lighthouse.rounds import RoundTiming
 from lightning_fthsdp.lighthouse.stragglers import Stragglers
 from lightning_fthsdp.lighthouse.watch import Watch
 from lightning_fthsdp.protocol.quorum import Quorum
@@ -26,8 +27,8 @@ class StatusView:
         self._lag, self._lost = lag, lost
         self._heartbeat_connections, self._group_connections = heartbeat_connections, group_connections
 
-    def document(self, now: float, quorum: Quorum | None, epoch: int, store: str,
-                 started_s: float) -> dict[str, object]:
+    def document(self, now: float, quorum: Quorum | None, epoch: int, store: str, started_s: float,
+                 last_round: RoundTiming | None = None) -> dict[str, object]:
         """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none);
         ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
         below it (and whether it resumed from a checkpoint); ``checkpoint`` the newest complete durable checkpoint
@@ -41,7 +42,8 @@ class StatusView:
         ``waited_for_s`` and ``straggler`` (``Stragglers.group_json``); ``stragglers`` the job's side of those
         (``Stragglers.to_json``); ``excluded`` the groups kept out while they live, and why; ``lighthouse_lag`` how
         late its own timers ran over the last heartbeat timeout (``lag.Lag``: the largest, the last, whether it runs
-        behind, and the grace its hang deadline has now)."""
+        behind, and the grace its hang deadline has now); ``last_round`` the timing of the last decision that answered
+        held quorum requests (``rounds.RoundTiming``; null: none yet)."""
         members = set(quorum.member_ids) if quorum else set()
         connections = self._heartbeat_connections.per_group()
         catch_up_from = quorum.catch_up_from if quorum else {}
@@ -74,6 +76,7 @@ class StatusView:
             "store": store,
             "uptime_s": round(now - started_s, 3),
             "lighthouse_lag": self._lag.to_json(now),
+            "last_round": last_round.to_json() if last_round is not None else None,
         }
 
     def state(self, replica_id: str, record: GroupRecord, quorum: Quorum | None) -> str:

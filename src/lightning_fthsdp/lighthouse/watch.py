@@ -31,6 +31,7 @@ from lightning_fthsdp.protocol.quorum import Quorum
 
 if TYPE_CHECKING:  # prometheus_client is imported only where the metrics are made
     from lightning_fthsdp.lighthouse.metrics import LighthouseMetrics
+    from lightning_fthsdp.lighthouse.rounds import RoundTiming
 
 MAX_QUORUMS = 200
 """Membership changes kept for the history."""
@@ -173,6 +174,12 @@ class Watch:
                 self.metrics.recoveries.inc()
         if quorum.quorum_id != self._quorum_id:  # new members, a failed commit or a new incarnation (quorum.decide)
             self._quorum_changed(quorum)
+
+    def round_timed(self, timing: RoundTiming) -> None:
+        """A decision answered held quorum requests, timed as ``timing``."""
+        if self.metrics is not None:
+            self.metrics.round_gather.observe(timing.gather_s)
+            self.metrics.round_answer.observe(timing.answer_s)
 
     # ---- what people and Prometheus read ----
 
