@@ -7,11 +7,13 @@ milliseconds per step of each of the helper's ranges, ``config.ranges``, inclusi
 the plain loop again (plain = the mean of both plain blocks, so drift over the run cancels). A step is ``--accumulate``
 micro-batches, backward, clipping and the optimizer step; its time is rank 0's mean after ``--warmup`` steps of each
 block, and so is each of its phases (``PHASES``, timed alike in both loops): the table shows where the helper's extra
-milliseconds go. On a machine without CUDA, Accelerate's FSDP2 path is enabled on CPU by the tests' fixture
-(``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU speed: compare the ratio only. Prints a table, writes
-bench/results/accelerate.json::
+milliseconds go, and how much of them is CPU time of the step's own thread (the rest is waiting: for the other rank, for
+the GIL while the helper's threads run Python, for a core). A step's wall time here varies by a fifth from step to
+step, so a block is 100 steps by default. On a machine without CUDA, Accelerate's FSDP2 path is enabled on CPU by
+the tests' fixture (``tests/accelerate/cpu_fsdp.py``). CPU timings say nothing of GPU speed: compare the ratio only.
+Prints a table, writes bench/results/accelerate.json::
 
-    .venv/bin/python bench/bench_accelerate.py --steps 40
+    .venv/bin/python bench/bench_accelerate.py
 
 ``--smoke``: blocks of 6 steps, 2 of them warm-up, width 64 (tests/integration/test_bench_smoke.py runs it).
 """
@@ -32,7 +34,7 @@ BLOCKS, BATCH, FEATURES, SAMPLES = 4, 32, 64, 1 << 14
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank: the three blocks of steps; rank 0 writes the step times to ``args.result``."""
+    """One rank: the four blocks of steps; rank 0 writes the step times to ``args.result``."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, send_to_device, set_seed
@@ -121,30 +123,41 @@ PHASES = {"batches": "batches (helper: its stream, the quorum request sent)",
 """The parts of a step both loops time alike (their sum is the step), with what the helper does in each: it sends the
 step's quorum request as the first micro-batch is drawn, agrees on the quorum as backward starts and starts the
 exchange during it, and in ``sync_gradients`` waits for the exchange, votes on the commit and clips."""
+CPU_PHASES = {name: f"cpu_{name}" for name in PHASES}
+"""Where ``Phases`` keeps the CPU time of the step's thread in each phase."""
 
 
 class Phases:
-    """Wall time per phase of each step (``PHASES``), and of the whole step (``step``)."""
+    """Wall time per phase of each step (``PHASES``), and of the whole step (``step``); and the CPU time the step's own
+    thread spent in each phase (``cpu_<phase>``): the wall time a phase has beyond it is waiting (for a peer, for the
+    GIL while another thread of the process runs Python, for a core)."""
 
     def __init__(self) -> None:
-        self.per_step: dict[str, list[float]] = {name: [] for name in (*PHASES, "step")}
+        self.per_step: dict[str, list[float]] = {name: [] for name in (*PHASES, *CPU_PHASES.values(), "step")}
         self._current = dict.fromkeys(PHASES, 0.0)
+        self._cpu = dict.fromkeys(PHASES, 0.0)
+        self._cpu_clock = time.thread_time()
 
     @property
     def steps(self) -> int:
         return len(self.per_step["step"])
 
     def add(self, phase: str, since: float) -> float:
-        """The time from ``since`` to now was ``phase``'s; returns now."""
-        now = time.perf_counter()
+        """The time from ``since`` to now was ``phase``'s (and this thread's CPU time since the last ``add``); returns
+        now."""
+        now, cpu = time.perf_counter(), time.thread_time()
         self._current[phase] += now - since
+        self._cpu[phase] += cpu - self._cpu_clock
+        self._cpu_clock = cpu
         return now
 
     def step_ended(self) -> None:
         for name, seconds in self._current.items():
             self.per_step[name].append(seconds)
+            self.per_step[CPU_PHASES[name]].append(self._cpu[name])
         self.per_step["step"].append(sum(self._current.values()))
         self._current = dict.fromkeys(PHASES, 0.0)
+        self._cpu = dict.fromkeys(PHASES, 0.0)
 
 
 def forever(loader: Any) -> Iterator[Any]:
@@ -159,7 +172,7 @@ def mean_after(times: list[float], warmup: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="steps per block (three blocks)")
+    parser.add_argument("--steps", type=int, default=100, help="steps per block (four blocks)")
     parser.add_argument("--warmup", type=int, default=5, help="steps of each block left out of its mean")
     parser.add_argument("--shard-count", type=int, default=2, help="ranks of the group (FSDP2 over them)")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
@@ -204,14 +217,20 @@ def main() -> None:
     after = mean_after(blocks["plain_after"]["step"], args.warmup)
     plain = (before + after) / 2
     fthsdp = mean_after(blocks["fthsdp"]["step"], args.warmup)
-    phases_ms = {name: {"plain": 500 * (mean_after(blocks["plain_before"][name], args.warmup)
-                                        + mean_after(blocks["plain_after"][name], args.warmup)),
-                        "fthsdp": 1000 * mean_after(blocks["fthsdp"][name], args.warmup)} for name in PHASES}
+    def ms(name: str) -> dict[str, float]:
+        """``name``'s milliseconds per step: plain (the mean of both plain blocks) and with the helper."""
+        return {"plain": 500 * (mean_after(blocks["plain_before"][name], args.warmup)
+                                + mean_after(blocks["plain_after"][name], args.warmup)),
+                "fthsdp": 1000 * mean_after(blocks["fthsdp"][name], args.warmup)}
+
+    phases_ms = {name: ms(name) for name in PHASES}
+    phases_cpu_ms = {name: ms(CPU_PHASES[name]) for name in PHASES}
     report = {"shard_count": args.shard_count, "accumulate": args.accumulate,
               "model": {"width": args.width, "blocks": BLOCKS, "batch_per_rank": BATCH}, "steps": args.steps,
               "warmup": args.warmup, "plain_before_step_s": before, "plain_after_step_s": after,
               "plain_step_s": plain, "fthsdp_step_s": fthsdp, "ratio": fthsdp / plain,
-              "phases_ms_per_step": phases_ms, "ranges_ms_per_step": blocks["ranges_ms"],
+              "phases_ms_per_step": phases_ms, "phases_cpu_ms_per_step": phases_cpu_ms,
+              "ranges_ms_per_step": blocks["ranges_ms"],
               "target": 1.05, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"{'Accelerate FSDP2 loop, 1 group x ' + str(args.shard_count) + ' ranks':<44} {'step (ms)':>10}")
     print(f"{'without the helper, first block':<44} {before * 1000:>10.1f}")
@@ -219,10 +238,14 @@ def main() -> None:
     print(f"{'without the helper (mean of both blocks)':<44} {plain * 1000:>10.1f}")
     print(f"{'with FaultTolerantHSDP':<44} {fthsdp * 1000:>10.1f}")
     print(f"{'ratio (target <= 1.05)':<44} {fthsdp / plain:>10.3f}")
-    print(f"\n{'where a step goes, timed alike in both loops':<54} {'plain':>8} {'helper':>8} {'extra':>8}")
+    print(f"\n{'where a step goes, timed alike in both loops (ms)':<54} {'plain':>8} {'helper':>8} {'extra':>8}"
+          f" {'extra CPU':>10}")
     for name, label in PHASES.items():
-        times = phases_ms[name]
-        print(f"{label:<54} {times['plain']:>8.2f} {times['fthsdp']:>8.2f} {times['fthsdp'] - times['plain']:>+8.2f}")
+        times, cpu = phases_ms[name], phases_cpu_ms[name]
+        print(f"{label:<54} {times['plain']:>8.2f} {times['fthsdp']:>8.2f} {times['fthsdp'] - times['plain']:>+8.2f}"
+              f" {cpu['fthsdp'] - cpu['plain']:>+10.2f}")
+    print("(extra CPU: the step's own thread's; the rest of a phase's extra is waiting: for the other rank, for the "
+          "GIL while the helper's threads run, for a core)")
     print(f"\n{'the helper ranges (a profiled block; inclusive)':<44} {'ms/step':>10}")
     for name, ms in sorted(blocks["ranges_ms"].items(), key=lambda item: -item[1]):
         print(f"{name:<44} {ms:>10.2f}")

@@ -126,11 +126,18 @@ def test_bench_accelerate_smoke_runs_the_loop_with_and_without_the_helper(tmp_pa
     for loop, step_s in (("plain", report["plain_step_s"]), ("fthsdp", report["fthsdp_step_s"])):
         # The phases are the whole step, timed the same way.
         assert sum(times[loop] for times in phases.values()) == pytest.approx(step_s * 1000, rel=1e-6), (loop, phases)
+    # The step's thread's CPU time in each phase, measured over the same stretch as its wall time: never more.
+    cpu = report["phases_cpu_ms_per_step"]
+    assert set(cpu) == set(phases), cpu
+    for name, times in cpu.items():
+        for loop in ("plain", "fthsdp"):
+            assert 0 <= times[loop] <= phases[name][loop] * 1.01 + 0.05, (name, loop, times, phases[name])
     ranges = report["ranges_ms_per_step"]
     assert {"fthsdp::manager::quorum", "fthsdp::exchange::allreduce", "fthsdp::manager::commit",
             "fthsdp::manager::vote"} <= set(ranges), ranges
     assert ranges["fthsdp::manager::commit"] >= ranges["fthsdp::manager::vote"] > 0, ranges  # the vote is inside
-    assert "with FaultTolerantHSDP" in printed and "where a step goes" in printed and str(out) in printed
+    assert "with FaultTolerantHSDP" in printed and "where a step goes" in printed and "extra CPU" in printed
+    assert str(out) in printed
 
 
 def test_bench_catchup_smoke_admits_a_restarted_group_once(tmp_path: Path) -> None:
