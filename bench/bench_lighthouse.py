@@ -430,13 +430,14 @@ class Fleet:
             pipe.send(command)
         return [pipe.recv() for pipe in self.pipes]
 
-    def quorum_round(self, round_no: int, fail: bool = False) -> dict[str, Any]:
+    def quorum_round(self, round_no: int, fail: bool = False, timed: bool = True) -> dict[str, Any]:
         """Every group still in the job asks at once; checks each generator rebuilt the membership expected, at the
         step expected, in one quorum. ``fail``: first the first group still in the job crashes (its connection
         dropped without a goodbye) and the second hangs (silent, its connection open), and the others ask as the
         news of both deaths reaches them (see ``Generator.quorum_round``); ``known_after_s`` is the time from the
         failures to the first answer that brought it, the round's time runs from that answer. Also the lighthouse's
-        own timing of the round's decision (``rounds.RoundTiming``), read from ``/status`` once the round is over."""
+        own timing of the round's decision (``rounds.RoundTiming``), read from ``/status`` once the round is over
+        (``timed``; the overload's rounds skip it: a /status between two of them would count in the recovery)."""
         failed = self.members[:2] if fail else ()
         self.members = self.members[len(failed):]
         lighthouse_cpu_before = cpu_seconds_of(self.proc.pid)
@@ -448,10 +449,12 @@ class Fleet:
         assert len({r["quorum_id"] for r in results}) == 1, [r["quorum_id"] for r in results]
         # The lighthouse's own timing of the decision (rounds.RoundTiming): its time reading the requests and its time
         # answering them, apart.
-        timed = self.status()["last_round"]
-        assert timed["quorum_id"] == results[0]["quorum_id"] and timed["answered"] == len(self.members), timed
-        return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]),
-                "lighthouse_gather_s": timed["gather_s"], "lighthouse_answer_s": timed["answer_s"],
+        timing: dict[str, Any] = {}
+        if timed:
+            last = self.status()["last_round"]
+            assert last["quorum_id"] == results[0]["quorum_id"] and last["answered"] == len(self.members), last
+            timing = {"lighthouse_gather_s": last["gather_s"], "lighthouse_answer_s": last["answer_s"]}
+        return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]), **timing,
                 "lighthouse_cpu_s": round(round_cpu, 3), "heartbeat_errors": sum(r["errors"] for r in results),
                 "generator_cpu_s": [round(r["cpu_s"], 3) for r in results],
                 "latency_s": max(r["last_answer"] for r in results) - min(r["last_sent"] for r in results)
@@ -561,7 +564,7 @@ def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: fl
     the lighthouse runs again: the groups' backlog is read at the same time) and under the starving (timed from the
     asking); then steady quorum rounds run until one takes no longer than the ``bound`` from the rounds before the
     load (three times the slowest, at least 0.5 s more than it), for at most ``recover_within_s``."""
-    before = [fleet.quorum_round(n)["latency_s"] for n in range(3)]  # a fresh round, then two steady ones
+    before = [fleet.quorum_round(n, timed=False)["latency_s"] for n in range(3)]  # a fresh round, two steady ones
     bound = max(3 * max(before[1:]), max(before[1:]) + 0.5)
     fleet.proc.send_signal(signal.SIGSTOP)
     answered: list[float] = []
@@ -603,7 +606,7 @@ def overload(fleet: Fleet, stall_s: float, starve_s: float, recover_within_s: fl
         os.sched_setaffinity(worker.pid, set(cpus))
     after: list[float] = []
     while not after or (after[-1] > bound and time.monotonic() - load_ended < recover_within_s):
-        after.append(fleet.quorum_round(len(after) + 3)["latency_s"])
+        after.append(fleet.quorum_round(len(after) + 3, timed=False)["latency_s"])
     groups = fleet.status()["groups"]
     return {"groups": fleet.groups, "heartbeat_interval_ms": fleet.timeouts.heartbeat_interval_ms,
             "heartbeat_timeout_ms": fleet.timeouts.heartbeat_timeout_ms, "stall_s": stall_s, "starve_s": starve_s,
