@@ -34,7 +34,7 @@ class RoundTiming:
     answered: int
     """Held requests answered by the decision."""
     gather_s: float
-    """From the arrival of the oldest request still held to the decision: the groups' spread in asking, and the
+    """From the arrival of the oldest request it answered to the decision: the groups' spread in asking, and the
     lighthouse's own time reading every request (at scale, most of a round)."""
     answer_s: float
     """The decision and the writing of its answers."""
@@ -102,7 +102,6 @@ class Rounds:
         if self._closed:
             return
         now = time.monotonic()
-        oldest = self._readiness.oldest()
         decision = self._decider.decide(now, self.quorum)
         self._decide_again_at(decision.again_at)
         quorum = decision.quorum
@@ -117,7 +116,7 @@ class Rounds:
             self.answers.formed(quorum, self.store_address)
             answered_before = self.answered
             self.answered = set(quorum.member_ids if decision.receivers is None else decision.receivers)
-            held = 0
+            held, oldest = 0, now
             for replica_id in self.answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 request = self._readiness.pending.get(replica_id)
@@ -125,9 +124,10 @@ class Rounds:
                 if waiter is not None:
                     waiter.answer(self.answers.to(request.members_digest if request is not None else ""))
                     held += 1
+                    if request is not None:
+                        oldest = min(oldest, request.arrived_s)
             if held:
-                gather_s = now - oldest if oldest is not None else 0.0
-                self.last = RoundTiming(quorum.quorum_id, held, gather_s, time.monotonic() - now)
+                self.last = RoundTiming(quorum.quorum_id, held, now - oldest, time.monotonic() - now)
                 self._timed(self.last)
             if changed or self.answered != answered_before:
                 self._answered_changed()
