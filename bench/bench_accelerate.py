@@ -130,7 +130,8 @@ CPU_PHASES = {name: f"cpu_{name}" for name in PHASES}
 class Phases:
     """Wall time per phase of each step (``PHASES``), and of the whole step (``step``); and the CPU time the step's own
     thread spent in each phase (``cpu_<phase>``): the wall time a phase has beyond it is waiting (for a peer, for the
-    GIL while another thread of the process runs Python, for a core)."""
+    GIL while another thread of the process runs Python, for a core). What counts is this thread's alone: torch's own
+    worker threads are not counted, and on a GPU a thread spinning in a stream synchronize counts as CPU."""
 
     def __init__(self) -> None:
         self.per_step: dict[str, list[float]] = {name: [] for name in (*PHASES, *CPU_PHASES.values(), "step")}
@@ -217,14 +218,15 @@ def main() -> None:
     after = mean_after(blocks["plain_after"]["step"], args.warmup)
     plain = (before + after) / 2
     fthsdp = mean_after(blocks["fthsdp"]["step"], args.warmup)
-    def ms(name: str) -> dict[str, float]:
+
+    def per_step_ms(name: str) -> dict[str, float]:
         """``name``'s milliseconds per step: plain (the mean of both plain blocks) and with the helper."""
         return {"plain": 500 * (mean_after(blocks["plain_before"][name], args.warmup)
                                 + mean_after(blocks["plain_after"][name], args.warmup)),
                 "fthsdp": 1000 * mean_after(blocks["fthsdp"][name], args.warmup)}
 
-    phases_ms = {name: ms(name) for name in PHASES}
-    phases_cpu_ms = {name: ms(CPU_PHASES[name]) for name in PHASES}
+    phases_ms = {name: per_step_ms(name) for name in PHASES}
+    phases_cpu_ms = {name: per_step_ms(CPU_PHASES[name]) for name in PHASES}
     report = {"shard_count": args.shard_count, "accumulate": args.accumulate,
               "model": {"width": args.width, "blocks": BLOCKS, "batch_per_rank": BATCH}, "steps": args.steps,
               "warmup": args.warmup, "plain_before_step_s": before, "plain_after_step_s": after,

@@ -17,8 +17,8 @@ every other group asks for the next quorum as the news of both reaches it, with 
 does. A steady round's time runs from the last request written to the last answer read; a failure round's from the
 first heartbeat answer naming both dead (the moment the lighthouse knew) to the last answer read. The lighthouse's
 own timing of each round's decision (``/status`` ``last_round``) is printed beside it: ``gather`` from the oldest
-request's arrival to the decision (at scale, the lighthouse reading every request), ``answer`` the decision and the
-writing of its answers. A round's CPU
+request's arrival to the decision (here, with every group asking at once, the lighthouse reading every request),
+``answer`` the decision and the writing of its answers. A round's CPU
 seconds, the lighthouse's and each generator's, are counted over it; its answer bytes are one group's answer as sent
 (gzip-compressed when large). ``rounds`` gives each kind's min / median / max. Deaths declared over the run among the
 groups that never failed (a false death revived since counts) and those of them dead at the end are read from
@@ -452,7 +452,8 @@ class Fleet:
         timing: dict[str, Any] = {}
         if timed:
             last = self.status()["last_round"]
-            assert last["quorum_id"] == results[0]["quorum_id"] and last["answered"] == len(self.members), last
+            assert (last["quorum_id"], last["step"], last["requests"]) == (
+                results[0]["quorum_id"], round_no, len(self.members)), last
             timing = {"lighthouse_gather_s": last["gather_s"], "lighthouse_answer_s": last["answer_s"]}
         return {"quorum_id": results[0]["quorum_id"], "answer_bytes": len(results[0]["answer"]), **timing,
                 "lighthouse_cpu_s": round(round_cpu, 3), "heartbeat_errors": sum(r["errors"] for r in results),

@@ -67,8 +67,10 @@ def test_bench_lighthouse_smoke_serves_every_group_without_a_death(tmp_path: Pat
         # A hang is known only after the heartbeat timeout (2 s in the smoke run, the last heartbeat up to an interval
         # of 0.5 s before the stop): the round cannot start before.
         assert all(r["known_after_s"] >= 1.2 for r in row["quorum_rounds"] if r["kind"] == "failure"), row
-        # Each round's decision as the lighthouse timed it (the bench checks it is that round's, answering every group).
-        assert all(r["lighthouse_gather_s"] >= 0 and r["lighthouse_answer_s"] >= 0 for r in row["quorum_rounds"]), row
+        # Each round's decision as the lighthouse timed it (the bench checks it is that round's, at its step, answering
+        # every group): deciding and writing the answers is part of the round the leaders measured, which ends with
+        # the last answer read.
+        assert all(r["lighthouse_answer_s"] <= r["latency_s"] + 1e-3 for r in row["quorum_rounds"]), row
         assert set(row["rounds"]) == set(row["median_vs_first_loop"]) == {"fresh", "steady", "failure"}, row
         assert row["heartbeats_per_s"] > 0, row
     assert rows[0]["median_vs_first_loop"] == {"fresh": 1.0, "steady": 1.0, "failure": 1.0}, rows[0]

@@ -312,6 +312,8 @@ def snapshot(client: Client) -> dict[str, Any]:
     for r in status["groups"]:
         del r["heartbeat_age_s"]
     del status["uptime_s"]
+    if status["last_round"] is not None:
+        del status["last_round"]["age_s"]  # the time since it, as uptime_s
     return status
 
 

@@ -11,6 +11,7 @@ from lightning_fthsdp.lighthouse.lost_wait import LostStateWait
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import Registry
+from lightning_fthsdp.lighthouse.rounds import RoundTiming
 from lightning_fthsdp.lighthouse.status_view import StatusView
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy, Stragglers
 from lightning_fthsdp.lighthouse.watch import Watch
@@ -36,8 +37,11 @@ class Parts:
 def test_times_come_from_now_and_a_lone_asker_waits_for_min_replicas() -> None:
     parts = Parts()
     parts.join("a", now=100.0, asks=True)
-    doc = parts.view.document(112.5, None, epoch=3, store="127.0.0.1:9", started_s=90.0)
+    last_round = RoundTiming(quorum_id=2, step=7, requests=3, gather_s=0.25, answer_s=0.01, decided_s=110.0)
+    doc = parts.view.document(112.5, None, epoch=3, store="127.0.0.1:9", started_s=90.0, last_round=last_round)
     assert (doc["uptime_s"], doc["epoch"], doc["store"], doc["quorum_id"]) == (22.5, 3, "127.0.0.1:9", -1)
+    assert doc["last_round"] == {"quorum_id": 2, "step": 7, "requests": 3, "gather_s": 0.25, "answer_s": 0.01,
+                                 "age_s": 2.5}
     assert doc["waiting"] == {"reason": "min_replicas", "since_s": 12.5, "asked": 1,
                               "detail": "1 of min_replicas=2 groups asked for a quorum"}
     [group] = doc["groups"]
@@ -63,7 +67,7 @@ def test_a_groups_state_follows_the_quorum_given() -> None:
         parts.join(replica_id, now=0.0, asks=False)
     quorum = Quorum(quorum_id=4, members=(Member("a", 10), Member("b", 0), Member("c", 10)), max_step=10,
                     shard_count=1, catch_up_from={"b": "a"})
-    states = {g["replica_id"]: g["state"] for g in parts.view.document(1.0, quorum, 0, "", 0.0)["groups"]}
+    states = {g["replica_id"]: g["state"] for g in parts.view.document(1.0, quorum, 0, "", 0.0, None)["groups"]}
     assert states == {"a": "training", "b": "catching_up", "c": "training"}
-    states = {g["replica_id"]: g["state"] for g in parts.view.document(1.0, None, 0, "", 0.0)["groups"]}
+    states = {g["replica_id"]: g["state"] for g in parts.view.document(1.0, None, 0, "", 0.0, None)["groups"]}
     assert set(states.values()) == {"waiting"}

@@ -31,31 +31,37 @@ class RoundTiming:
 
     quorum_id: int
     """The quorum answered."""
-    answered: int
+    step: int
+    """The step it was answered at (``Quorum.max_step``): a quorum's id stays the same from step to step."""
+    requests: int
     """Held requests answered by the decision."""
     gather_s: float
-    """From the arrival of the oldest request it answered to the decision: the groups' spread in asking, and the
-    lighthouse's own time reading every request (at scale, most of a round)."""
+    """From the arrival of the oldest request it answered to the decision: the groups' spread in asking (their step
+    times, a straggler, a join), and the lighthouse's own time reading every request."""
     answer_s: float
-    """The decision and the writing of its answers."""
+    """The decision and the writing of its answers (with its log line: the members named on a membership change)."""
+    decided_s: float
+    """When it was decided (the lighthouse's monotonic clock)."""
 
-    def to_json(self) -> dict[str, object]:
-        return {"quorum_id": self.quorum_id, "answered": self.answered, "gather_s": round(self.gather_s, 4),
-                "answer_s": round(self.answer_s, 4)}
+    def to_json(self, now: float) -> dict[str, object]:
+        """As ``/status`` shows it at ``now``: ``age_s`` since the decision instead of its clock time."""
+        return {"quorum_id": self.quorum_id, "step": self.step, "requests": self.requests,
+                "gather_s": round(self.gather_s, 4), "answer_s": round(self.answer_s, 4),
+                "age_s": round(now - self.decided_s, 3)}
 
 
 class Rounds:
     """``quorum``: the current one (None: none yet); ``answers``: its encoded answers; ``answered``: the groups it was
     answered to, alive since (only their ranks learn their quorum rank from heartbeats: a new incarnation of a member
-    must not take an answer meant for its predecessor); ``last``: the timing of the last decision that answered held
-    requests (None: none yet). ``answered_changed()``: the quorum or who was answered it changed (the heartbeat answers
-    carry both); ``timed(timing)``: a decision answered held requests."""
+    must not take an answer meant for its predecessor); ``last_round``: the timing of the last decision that answered
+    held requests (None: none yet). ``answered_changed()``: the quorum or who was answered it changed (the heartbeat
+    answers carry both); ``timed(timing)``: a decision answered held requests."""
 
     def __init__(self, rules: QuorumRules, decider: Decider, readiness: Readiness, registry: Registry,
                  held: HeldRequests, answered_changed: Callable[[], None],
                  timed: Callable[[RoundTiming], None]) -> None:
         self.quorum: Quorum | None = None
-        self.last: RoundTiming | None = None
+        self.last_round: RoundTiming | None = None
         self.answers = QuorumAnswers()
         self.answered: set[str] = set()
         self.store_address = ""
@@ -109,28 +115,32 @@ class Rounds:
             changed = self.quorum is None or self.quorum.quorum_id != quorum.quorum_id
             self.quorum = quorum
             self._readiness.formed(quorum, adopted_at=now if decision.receivers is not None else None)
-            # A new membership is news; the same quorum answered again each step is not.
-            log.log(logging.INFO if changed else logging.DEBUG, "quorum %d: members %s step %d%s", quorum.quorum_id,
-                    ",".join(quorum.member_ids), quorum.max_step,
-                    f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
+            # A new membership is news; the same quorum answered again each step is not (and names its members only
+            # where debug logging is on: at 12,500 groups the names cost as much as a thousand answers).
+            level = logging.INFO if changed else logging.DEBUG
+            if log.isEnabledFor(level):
+                log.log(level, "quorum %d: members %s step %d%s", quorum.quorum_id, ",".join(quorum.member_ids),
+                        quorum.max_step, f" catch-up from {dict(quorum.catch_up_from)}" if quorum.catch_up_from else "")
             self.answers.formed(quorum, self.store_address)
             answered_before = self.answered
             self.answered = set(quorum.member_ids if decision.receivers is None else decision.receivers)
-            held, oldest = 0, now
+            requests, oldest = 0, now
             for replica_id in self.answered:
                 self._registry.answered(replica_id, quorum.quorum_id)
                 request = self._readiness.pending.get(replica_id)
                 waiter = self._held.take(replica_id)
                 if waiter is not None:
                     waiter.answer(self.answers.to(request.members_digest if request is not None else ""))
-                    held += 1
+                    requests += 1
                     if request is not None:
                         oldest = min(oldest, request.arrived_s)
-            if held:
-                self.last = RoundTiming(quorum.quorum_id, held, now - oldest, time.monotonic() - now)
-                self._timed(self.last)
+            timing = RoundTiming(quorum.quorum_id, quorum.max_step, requests, now - oldest, time.monotonic() - now,
+                                 now) if requests else None
             if changed or self.answered != answered_before:
                 self._answered_changed()
+            if timing is not None:
+                self.last_round = timing
+                self._timed(timing)
         self._arm_join_timer(now)
 
     def _decide_again_at(self, when: float | None) -> None:

@@ -377,7 +377,7 @@ class Lighthouse:
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
         return self._status_view.document(time.monotonic(), self._rounds.quorum, self._heartbeats.epoch,
-                                          self.store_address, self._decider.started_s, self._rounds.last)
+                                          self.store_address, self._decider.started_s, self._rounds.last_round)
 
     # ---- state changes ----
 

@@ -28,7 +28,7 @@ class StatusView:
         self._heartbeat_connections, self._group_connections = heartbeat_connections, group_connections
 
     def document(self, now: float, quorum: Quorum | None, epoch: int, store: str, started_s: float,
-                 last_round: RoundTiming | None = None) -> dict[str, object]:
+                 last_round: RoundTiming | None) -> dict[str, object]:
         """The ``GET /status`` document. ``max_step`` is the highest step any known replica reported (-1: none);
         ``committed_step`` the highest step a quorum was answered at; ``lost_steps`` each quorum that restarted
         below it (and whether it resumed from a checkpoint); ``checkpoint`` the newest complete durable checkpoint
@@ -76,7 +76,7 @@ class StatusView:
             "store": store,
             "uptime_s": round(now - started_s, 3),
             "lighthouse_lag": self._lag.to_json(now),
-            "last_round": last_round.to_json() if last_round is not None else None,
+            "last_round": last_round.to_json(now) if last_round is not None else None,
         }
 
     def state(self, replica_id: str, record: GroupRecord, quorum: Quorum | None) -> str:
