@@ -23,8 +23,8 @@ RECOVERY_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0
 """A recovery includes restarting the group's processes (seconds on a laptop, minutes for a large model on a
 cluster)."""
 ROUND_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-"""A round of a few groups takes milliseconds; one of 12,500 groups about a second to gather and a third of one to
-answer; the top buckets catch a round that waited for a straggler or a join."""
+"""From a round of a few groups (milliseconds) to one of thousands (bench/results/lighthouse.json); the top buckets
+catch a round that waited for a straggler or a join."""
 GROUP_STATES = ("training", "catching_up", "following", "joining", "waiting", "excluded", "down", "hung")
 """Every state ``/status`` gives a group (``groups[].state``): each is exported, 0 when no group is in it."""
 TOP_WAITED_FOR = 3
@@ -64,8 +64,8 @@ class LighthouseMetrics:
         self.catch_up = Histogram("fthsdp_catch_up_seconds", "From the quorum that sent a group to catch up to the "
                                   "first quorum in which it contributes gradients", buckets=STALL_BUCKETS_S,
                                   registry=registry)
-        self.round_gather = Histogram("fthsdp_round_gather_seconds", "From the oldest held quorum request's arrival "
-                                      "to the decision that answered it (see docs/metrics.md)",
+        self.round_gather = Histogram("fthsdp_round_gather_seconds", "From the arrival of the oldest quorum request a "
+                                      "decision answered to the decision (see docs/metrics.md)",
                                       buckets=ROUND_BUCKETS_S, registry=registry)
         self.round_answer = Histogram("fthsdp_round_answer_seconds", "A decision that answered held quorum requests, "
                                       "with the writing of its answers", buckets=ROUND_BUCKETS_S, registry=registry)

@@ -115,8 +115,8 @@ class Rounds:
             changed = self.quorum is None or self.quorum.quorum_id != quorum.quorum_id
             self.quorum = quorum
             self._readiness.formed(quorum, adopted_at=now if decision.receivers is not None else None)
-            # A new membership is news; the same quorum answered again each step is not (and names its members only
-            # where debug logging is on: at 12,500 groups the names cost as much as a thousand answers).
+            # A new membership is news; the same quorum answered again each step is not. The member list is joined only
+            # where the line is logged: every group's name, on every decision.
             level = logging.INFO if changed else logging.DEBUG
             if log.isEnabledFor(level):
                 log.log(level, "quorum %d: members %s step %d%s", quorum.quorum_id, ",".join(quorum.member_ids),
