@@ -77,6 +77,23 @@ def test_bench_lighthouse_smoke_serves_every_group_without_a_death(tmp_path: Pat
     assert str(out) in printed
 
 
+def test_bench_lighthouse_cpu_smoke_splits_a_round_per_group_against_the_http_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "lighthouse_cpu.json"
+    printed = smoke("bench_lighthouse_cpu.py", out)
+    result = json.loads(out.read_text())
+    assert result["groups"] == 300 and result["rounds"] == 2 and result["target_budget_us"] == 24.0, result
+    for name in ("baseline", "lighthouse"):
+        row = result[name]
+        assert len(row["rounds"]) == 2, row
+        assert all(r["request_us"] > 0 and r["answer_us"] > 0 for r in row["rounds"]), row
+        assert row["group_us"] == pytest.approx(row["request_us"] + row["answer_us"], abs=0.02), row
+        assert row["round_cpu_s"] == pytest.approx(row["group_us"] * 300 / 1e6, abs=1e-3), row
+    # Each round the bench checked: every group answered 200, all alike, holding the round's step with every group.
+    assert result["ratio"] == pytest.approx(result["lighthouse"]["group_us"] / result["baseline"]["group_us"],
+                                            abs=1e-3), result
+    assert "the lighthouse over the baseline" in printed and str(out) in printed
+
+
 def test_bench_sim_smoke_times_a_trial_and_sets_monte_carlo_beside_the_closed_form(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     printed = smoke("bench_sim.py", out)

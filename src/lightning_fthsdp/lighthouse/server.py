@@ -51,7 +51,7 @@ from lightning_fthsdp.lighthouse.news import HeartbeatNews
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.lighthouse.readiness import Readiness
 from lightning_fthsdp.lighthouse.registry import GroupRecord, Registry
-from lightning_fthsdp.lighthouse.rounds import Rounds
+from lightning_fthsdp.lighthouse.rounds import Rounds, RoundTiming
 from lightning_fthsdp.lighthouse.status_view import StatusView
 from lightning_fthsdp.lighthouse.stragglers import StragglerPolicy
 from lightning_fthsdp.lighthouse.views import metrics_of, view_routes
@@ -185,6 +185,12 @@ class Lighthouse:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def last_round(self) -> RoundTiming | None:
+        """The timing of the last decision that answered held quorum requests (``rounds.RoundTiming``); None before
+        the first. Also ``/status``'s ``last_round``, without building the whole document."""
+        return self._rounds.last_round
 
     async def start(self) -> None:
         """Bind the HTTP server and the TCPStore on ``host``; ``port`` becomes the real one.
@@ -377,7 +383,7 @@ class Lighthouse:
     def status(self) -> dict[str, object]:
         """The ``GET /status`` document (``StatusView.document``)."""
         return self._status_view.document(time.monotonic(), self._rounds.quorum, self._heartbeats.epoch,
-                                          self.store_address, self._decider.started_s, self._rounds.last_round)
+                                          self.store_address, self._decider.started_s, self.last_round)
 
     # ---- state changes ----
 

@@ -1,0 +1,275 @@
+"""The lighthouse's own CPU per quorum request and per answer, in one process, without sockets or load generators.
+
+``bench_lighthouse.py`` times rounds end to end: 12,500 leaders in generator processes, real sockets, heartbeats beside
+the rounds, all on the same cores. This bench isolates the part no faster network or machine would change: the
+Python the lighthouse runs for each request and each answer. Every group's connection is a real
+``http.Connection`` of a real ``Lighthouse`` (its token checked, its routes, claims, liveness, rounds and answers)
+over an in-memory transport; the request bytes are the ones ``membership.connection`` writes, built before the clock
+starts. Each steady round (every group asks, holding the quorum of the round before, one step further) is timed in
+two parts, with ``time.process_time``:
+
+- **request**: handing every group's request to its connection, until each is held (HTTP framing, token, body parse,
+  the claims, the group's liveness and its held request);
+- **answer**: the decision and the writing of every answer.
+
+The baseline, in the same run: the same bytes through the same ``http.Connection`` objects to a handler that only
+parses each body as JSON, holds it, and answers every one with one shared response once all have asked; what the
+lighthouse costs beyond its HTTP layer and a JSON parse. The round at ``--groups`` groups costs the sum of both parts
+times the groups; the steady-round target of issue 30 (0.3 s at 12,500 groups) leaves 24 microseconds per group for
+both parts together, before any socket or heartbeat. A group's held heartbeat is answered when its long-poll ends
+(5 s) and held again between rounds, untimed; a round it ended in counts those answers (``heartbeats_answered``).
+The heartbeat timeout is an hour: no group dies.
+Prints a table, writes bench/results/lighthouse_cpu.json::
+
+    .venv/bin/python bench/bench_lighthouse_cpu.py
+
+``--smoke``: 300 groups, 2 steady rounds (tests/integration/test_bench_smoke.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import gzip
+import json
+import platform
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_fthsdp.lighthouse.http import Connection
+from lightning_fthsdp.lighthouse.messages import Pending, Request, Response, json_response
+from lightning_fthsdp.lighthouse.quorum import QuorumRules
+from lightning_fthsdp.lighthouse.server import Lighthouse
+from lightning_fthsdp.membership.connection import common_head, request_bytes
+from lightning_fthsdp.protocol.quorum import Quorum
+from lightning_fthsdp.protocol.requests import heartbeat_body, quorum_body
+
+RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse_cpu.json"
+TOKEN = "bench-lighthouse-cpu-token-0123456789"
+INCARNATION = "bench"
+GROUP_SIZE = 8
+TARGET_S, TARGET_GROUPS = 0.3, 12_500
+"""Issue 30's steady round: 0.3 s at 100,000 ranks in groups of 8."""
+_ANSWER = re.compile(rb"HTTP/1\.1 (\d{3}) [^\r]*\r\n(?:[^\r]+\r\n)*?Content-Length: (\d+)\r\n(?:[^\r]+\r\n)*\r\n")
+
+
+class MemoryTransport(asyncio.Transport):
+    """What a connection writes, kept in memory: no socket, so only the lighthouse's own work is timed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def answers_of(written: bytes) -> list[tuple[int, bytes]]:
+    """(status, body) of every answer in ``written``, bodies gunzipped."""
+    found, at = [], 0
+    while at < len(written):
+        match = _ANSWER.match(written, at)
+        assert match is not None, written[at:at + 200]
+        start = match.end()
+        body = written[start:start + int(match.group(2))]
+        found.append((int(match.group(1)), gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body))
+        at = start + len(body)
+    return found
+
+
+def state_addresses(group: int) -> str:
+    """A group's ``address`` as a real leader sends it: a state server per rank, a host per group."""
+    rng = random.Random(group)
+    host = f"10.{group >> 16 & 255}.{group >> 8 & 255}.{group & 255}"
+    return ",".join(f"http://{host}:{rng.randrange(32768, 61000)}" for _ in range(GROUP_SIZE))
+
+
+class Groups:
+    """``count`` groups' connections to one handler, and the requests they send."""
+
+    def __init__(self, count: int, connect: Any, port: int) -> None:
+        self.ids = [f"g{i:06d}" for i in range(count)]
+        self.addresses = [state_addresses(i) for i in range(count)]
+        self.head = common_head("127.0.0.1", port, TOKEN)
+        self.transports = [MemoryTransport() for _ in self.ids]
+        self.connections: list[Connection] = []
+        for transport in self.transports:
+            connection = connect()
+            connection.connection_made(transport)
+            self.connections.append(connection)
+        self._request_id = 0
+
+    def request(self, path: str, body: dict[str, object]) -> bytes:
+        self._request_id += 1
+        return request_bytes(path, self.head, json.dumps(body).encode(), self._request_id)
+
+    def send(self, requests: list[bytes]) -> float:
+        """Hand each group its request; the CPU seconds it took."""
+        started = time.process_time()
+        for connection, raw in zip(self.connections, requests, strict=True):
+            connection.data_received(raw)
+        return time.process_time() - started
+
+    def send_some(self, requests: dict[int, bytes]) -> None:
+        for index, raw in requests.items():
+            self.connections[index].data_received(raw)
+
+    def take_answers(self) -> list[list[tuple[int, bytes]]]:
+        taken = [answers_of(bytes(t.written)) for t in self.transports]
+        for transport in self.transports:
+            transport.written.clear()
+        return taken
+
+
+async def settle(done: Any, limit_s: float = 60) -> None:
+    """Run the event loop until ``done()``: the lighthouse decides a round on a later turn than its last request."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit("the round was not answered within a minute")
+        await asyncio.sleep(0)
+
+
+async def lighthouse_rounds(count: int, rounds: int) -> list[dict[str, float]]:
+    """A fresh round, then ``rounds`` steady ones, through a real Lighthouse; the steady rounds' CPU split."""
+    lighthouse = Lighthouse(host="127.0.0.1", port=0, startup_grace_ms=0, token=TOKEN, heartbeat_timeout_ms=3_600_000,
+                            rules=QuorumRules(min_replicas=1, join_timeout_ms=60_000))
+    await lighthouse.start()
+    try:
+        groups = Groups(count, lighthouse._connect, lighthouse.port)
+        groups.send([groups.request("/v1/heartbeat", heartbeat_body(rid, INCARNATION, 0, 0, GROUP_SIZE, -1, 0, lost={}))
+                     for rid in groups.ids])
+        await settle(lambda: all(t.written for t in groups.transports))
+        epoch = json.loads(groups.take_answers()[0][0][1])["epoch"]
+        beats = [groups.request("/v1/heartbeat", heartbeat_body(rid, INCARNATION, 0, 0, GROUP_SIZE, epoch, 5_000,
+                                                                lost={})) for rid in groups.ids]
+        # Each group's next heartbeat is held, as a live leader's is all along.
+        groups.send(beats)
+        # As the lighthouse's own command does once started (lighthouse.cli): the setup's objects out of the collector.
+        gc.freeze()
+        gc.set_threshold(100_000, 20, 100)
+        held: Quorum | None = None
+        measured = []
+        for step in range(rounds + 1):
+            requests = [groups.request("/v1/quorum", quorum_body(
+                rid, INCARNATION, step, GROUP_SIZE, address, False, held, held.quorum_id if held else -1, False,
+                120_000)) for rid, address in zip(groups.ids, groups.addresses, strict=True)]
+            request_s = groups.send(requests)
+            started = time.process_time()
+            # The decision writes every answer before it records its timing.
+            await settle(lambda s=step: (last := lighthouse.last_round) is not None and last.step == s)
+            answer_s = time.process_time() - started
+            answers = groups.take_answers()
+            quorum_answers = [[a for a in each if b'"max_step"' in a[1]] for each in answers]
+            assert all(len(a) == 1 and a[0][0] == 200 for a in quorum_answers), answers[0]
+            assert len({a[0][1] for a in quorum_answers}) == 1, "groups got different answers"
+            held = Quorum.from_json(json.loads(quorum_answers[0][0][1]), held)
+            assert held.max_step == step and len(held.member_ids) == count, (held.max_step, len(held.member_ids))
+            # A held heartbeat answered at its long-poll's end is held again, untimed, as its leader would.
+            renewed = [i for i, each in enumerate(answers) if len(each) > 1]
+            groups.send_some({i: beats[i] for i in renewed})
+            if step:  # the first round is the fresh one: every group joins
+                measured.append({"request_us": request_s / count * 1e6, "answer_us": answer_s / count * 1e6,
+                                 "heartbeats_answered": len(renewed)})
+        return measured
+    finally:
+        await lighthouse.stop()
+
+
+async def baseline_rounds(count: int, rounds: int) -> list[dict[str, float]]:
+    """The same quorum requests through ``http.Connection`` to a handler that parses each body, holds it, and
+    answers all with one response once every group has asked."""
+    held: list[Pending] = []
+    answer = json_response({"quorum_id": 0, "max_step": 0})
+
+    def handler(request: Request) -> Response | Pending:
+        request.json_object()
+        held.append(request.defer())
+        if len(held) == count:
+            asyncio.get_running_loop().call_soon(answer_all)
+        return held[-1]
+
+    def answer_all() -> None:
+        waiting = held[:]
+        held.clear()
+        for pending in waiting:
+            pending.answer(answer)
+
+    groups = Groups(count, lambda: Connection(handler, lambda connection: None), 0)
+    measured = []
+    for step in range(rounds + 1):
+        requests = [groups.request("/v1/quorum", quorum_body(
+            rid, INCARNATION, step, GROUP_SIZE, address, False, None, -1, False, 120_000))
+            for rid, address in zip(groups.ids, groups.addresses, strict=True)]
+        request_s = groups.send(requests)
+        started = time.process_time()
+        await settle(lambda: all(t.written for t in groups.transports))
+        answer_s = time.process_time() - started
+        assert all(status == 200 for a in groups.take_answers() for status, _ in a)
+        if step:
+            measured.append({"request_us": request_s / count * 1e6, "answer_us": answer_s / count * 1e6})
+    return measured
+
+
+def summary(measured: list[dict[str, float]], count: int) -> dict[str, Any]:
+    """The medians over the rounds (each part apart), and the rounds themselves."""
+    request_us = statistics.median(m["request_us"] for m in measured)
+    answer_us = statistics.median(m["answer_us"] for m in measured)
+    return {"rounds": [{name: round(value, 2) for name, value in m.items()} for m in measured],
+            "request_us": round(request_us, 2), "answer_us": round(answer_us, 2),
+            "group_us": round(request_us + answer_us, 2),
+            "round_cpu_s": round((request_us + answer_us) * count / 1e6, 3),
+            "round_cpu_s_at_target_groups": round((request_us + answer_us) * TARGET_GROUPS / 1e6, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=TARGET_GROUPS, help="replica groups asking in each round")
+    parser.add_argument("--rounds", type=int, default=5, help="steady rounds (after a fresh one), median reported")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: 300 groups, 2 steady rounds")
+    args = parser.parse_args()
+    if args.smoke:
+        args.groups, args.rounds = 300, 2
+    if args.groups < 1 or args.rounds < 1:
+        parser.error(f"--groups and --rounds must be at least 1, got {args.groups} and {args.rounds}")
+    baseline = summary(asyncio.run(baseline_rounds(args.groups, args.rounds)), args.groups)
+    full = summary(asyncio.run(lighthouse_rounds(args.groups, args.rounds)), args.groups)
+    budget_us = TARGET_S / TARGET_GROUPS * 1e6
+    print(f"one steady quorum round, CPU per group (median of {args.rounds} rounds of {args.groups} groups)")
+    print(f"{'':48}{'request us':>11}{'answer us':>11}{'group us':>10}{'round s':>9}{'at 12,500':>11}")
+    for name, row in (("HTTP layer + JSON parse (baseline)", baseline), ("the lighthouse", full)):
+        print(f"{name:48}{row['request_us']:>11.1f}{row['answer_us']:>11.1f}{row['group_us']:>10.1f}"
+              f"{row['round_cpu_s']:>9.3f}{row['round_cpu_s_at_target_groups']:>11.3f}")
+    ratio = full["group_us"] / baseline["group_us"]
+    print(f"the lighthouse over the baseline: {ratio:.2f}x; the steady-round target leaves {budget_us:.0f} us per "
+          f"group in all ({TARGET_S} s at {TARGET_GROUPS:,} groups), sockets and heartbeats included")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"python": platform.python_version(), "groups": args.groups, "rounds": args.rounds,
+                                    "baseline": baseline, "lighthouse": full, "ratio": round(ratio, 3),
+                                    "target_budget_us": round(budget_us, 1)}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
