@@ -16,14 +16,20 @@ The baseline, in the same run: the same bytes through the same ``http.Connection
 parses each body as JSON, holds it, and answers every one with one shared response once all have asked; what the
 lighthouse costs beyond its HTTP layer and a JSON parse. The round at ``--groups`` groups costs the sum of both parts
 times the groups; the steady-round target of issue 30 (0.3 s at 12,500 groups) leaves 24 microseconds per group for
-both parts together, before any socket or heartbeat. A group's held heartbeat is answered when its long-poll ends
+both parts together, before any socket or heartbeat.
+
+What the sockets alone cost, in the same run: the same round over loopback TCP, ``--clients`` processes holding the
+groups' connections (each writes every group's quorum request, then reads every answer) and a server process that
+only counts the requests and, once every group has asked, writes each the size of a steady answer: the round's time
+from the last request written to the last answer read, as ``bench_lighthouse.py`` times a steady round. No
+lighthouse can answer a round faster on this machine. A group's held heartbeat is answered when its long-poll ends
 (5 s) and held again between rounds, untimed; a round it ended in counts those answers (``heartbeats_answered``).
 The heartbeat timeout is an hour: no group dies.
 Prints a table, writes bench/results/lighthouse_cpu.json::
 
     .venv/bin/python bench/bench_lighthouse_cpu.py
 
-``--smoke``: 300 groups, 2 steady rounds (tests/integration/test_bench_smoke.py runs it).
+``--smoke``: 300 groups, 2 steady rounds (and socket rounds) (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -33,11 +39,16 @@ import asyncio
 import gc
 import gzip
 import json
+import multiprocessing as mp
 import platform
 import random
 import re
+import resource
+import selectors
+import socket
 import statistics
 import time
+from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +242,114 @@ async def baseline_rounds(count: int, rounds: int) -> list[dict[str, float]]:
     return measured
 
 
+SOCKET_ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 206\r\nX-Request-Id: 1\r\n\r\n"
+                 + b" " * 206)
+"""As long as a steady round's answer (a delta with nothing in it but the step)."""
+
+
+def raise_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        try:  # a privileged user may raise the hard limit too
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, max(needed, hard)))
+        except (ValueError, OSError):
+            raise SystemExit(f"bench needs {needed} open files, the hard limit is {hard}: lower --groups") from None
+
+
+def holding_server(pipe: Pipe, count: int, request_size: int) -> None:
+    """Counts each connection's requests (``request_size`` bytes each); once ``count`` have come, answers them all."""
+    raise_fd_limit(count + 256)
+
+    async def serve() -> None:
+        held: list[asyncio.Transport] = []
+
+        class Holder(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport, self.received = transport, 0
+
+            def data_received(self, data: bytes) -> None:
+                self.received += len(data)
+                while self.received >= request_size:
+                    self.received -= request_size
+                    held.append(self.transport)  # type: ignore[arg-type]
+                if len(held) == count:
+                    for transport in held:
+                        transport.write(SOCKET_ANSWER)
+                    held.clear()
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Holder, "127.0.0.1", 0, backlog=4096)
+        pipe.send(server.sockets[0].getsockname()[1])
+        await loop.run_in_executor(None, pipe.recv)  # until told to stop
+        server.close()
+
+    asyncio.run(serve())
+
+
+def socket_client(pipe: Pipe, port: int, count: int, request: bytes, rounds: int) -> None:
+    """``count`` groups' connections: per round, write every request, then read every answer; reports (first
+    written, last written, last read)."""
+    raise_fd_limit(count + 256)
+    sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+    selector = selectors.DefaultSelector()
+    for sock in sockets:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+    pipe.send("connected")
+    for _ in range(rounds):
+        pipe.recv()
+        first = time.monotonic()
+        for sock in sockets:
+            sock.send(request)  # a few hundred bytes into an empty send buffer: written whole
+        last_written = time.monotonic()
+        unread = count * len(SOCKET_ANSWER)
+        while unread > 0:
+            for key, _ in selector.select():
+                unread -= len(key.fileobj.recv(1 << 16))  # type: ignore[union-attr]
+        pipe.send((first, last_written, time.monotonic()))
+    pipe.recv()
+    for sock in sockets:
+        sock.close()
+
+
+def socket_rounds(count: int, rounds: int, clients: int, request: bytes) -> list[dict[str, float]]:
+    """``rounds`` rounds of ``count`` groups over loopback sockets to ``holding_server``; each round's seconds."""
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    server = context.Process(target=holding_server, args=(theirs, count, len(request)), daemon=True)
+    server.start()
+    pipes, processes = [], []
+    try:
+        port = ours.recv()
+        for index in range(clients):
+            pipe, end = context.Pipe()
+            share = count // clients + (index < count % clients)
+            processes.append(context.Process(target=socket_client, args=(end, port, share, request, rounds + 1),
+                                             daemon=True))
+            processes[-1].start()
+            pipes.append(pipe)
+        for pipe in pipes:
+            assert pipe.recv() == "connected"
+        measured = []
+        for round_no in range(rounds + 1):
+            for pipe in pipes:
+                pipe.send("go")
+            times = [pipe.recv() for pipe in pipes]
+            if round_no:  # the first warms the connections up
+                measured.append({"last_request_to_last_answer_s": max(t[2] for t in times) - max(t[1] for t in times),
+                                 "first_request_to_last_answer_s": max(t[2] for t in times) - min(t[0] for t in times)})
+        return measured
+    finally:
+        for pipe in pipes:
+            pipe.send("stop")
+        ours.send("stop")
+        for process in (*processes, server):
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
 def summary(measured: list[dict[str, float]], count: int) -> dict[str, Any]:
     """The medians over the rounds (each part apart), and the rounds themselves."""
     request_us = statistics.median(m["request_us"] for m in measured)
@@ -246,13 +365,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=TARGET_GROUPS, help="replica groups asking in each round")
     parser.add_argument("--rounds", type=int, default=5, help="steady rounds (after a fresh one), median reported")
+    parser.add_argument("--clients", type=int, default=2, help="processes holding the groups' sockets in the socket "
+                                                                   "rounds")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true", help="a short run for CI: 300 groups, 2 steady rounds")
     args = parser.parse_args()
     if args.smoke:
         args.groups, args.rounds = 300, 2
-    if args.groups < 1 or args.rounds < 1:
-        parser.error(f"--groups and --rounds must be at least 1, got {args.groups} and {args.rounds}")
+    if args.groups < 1 or args.rounds < 1 or not 1 <= args.clients <= args.groups:
+        parser.error(f"--groups and --rounds must be at least 1 and --clients from 1 to --groups, got {args.groups}, "
+                     f"{args.rounds} and {args.clients}")
+    # A group's quorum request as the other rounds send it (the sockets' round needs its size only).
+    request = request_bytes("/v1/quorum", common_head("127.0.0.1", 1, TOKEN), json.dumps(quorum_body(
+        "g000000", INCARNATION, 1, GROUP_SIZE, state_addresses(0), False, None, -1, False, 120_000)).encode(), 1)
+    sockets = socket_rounds(args.groups, args.rounds, args.clients, request)
+    socket_s = {name: round(statistics.median(m[name] for m in sockets), 4) for name in sockets[0]}
     baseline = summary(asyncio.run(baseline_rounds(args.groups, args.rounds)), args.groups)
     full = summary(asyncio.run(lighthouse_rounds(args.groups, args.rounds)), args.groups)
     budget_us = TARGET_S / TARGET_GROUPS * 1e6
@@ -264,9 +391,13 @@ def main() -> None:
     ratio = full["group_us"] / baseline["group_us"]
     print(f"the lighthouse over the baseline: {ratio:.2f}x; the steady-round target leaves {budget_us:.0f} us per "
           f"group in all ({TARGET_S} s at {TARGET_GROUPS:,} groups), sockets and heartbeats included")
+    print(f"the same round over loopback sockets to a server that only holds and answers ({args.clients} client "
+          f"processes, median): last request to last answer {socket_s['last_request_to_last_answer_s']:.3f} s, "
+          f"first request to last answer {socket_s['first_request_to_last_answer_s']:.3f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"python": platform.python_version(), "groups": args.groups, "rounds": args.rounds,
                                     "baseline": baseline, "lighthouse": full, "ratio": round(ratio, 3),
+                                    "clients": args.clients, "socket_round": {**socket_s, "rounds": sockets},
                                     "target_budget_us": round(budget_us, 1)}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -91,7 +91,12 @@ def test_bench_lighthouse_cpu_smoke_splits_a_round_per_group_against_the_http_ba
     # Each round the bench checked: every group answered 200, all alike, holding the round's step with every group.
     assert result["ratio"] == pytest.approx(result["lighthouse"]["group_us"] / result["baseline"]["group_us"],
                                             abs=1e-3), result
-    assert "the lighthouse over the baseline" in printed and str(out) in printed
+    # The same rounds over loopback sockets: every answer was read (each client counts its bytes), in every round.
+    sockets = result["socket_round"]
+    assert result["clients"] == 2 and len(sockets["rounds"]) == 2, sockets
+    assert all(0 < r["last_request_to_last_answer_s"] <= r["first_request_to_last_answer_s"]
+               for r in sockets["rounds"]), sockets
+    assert "the lighthouse over the baseline" in printed and "over loopback sockets" in printed and str(out) in printed
 
 
 def test_bench_sim_smoke_times_a_trial_and_sets_monte_carlo_beside_the_closed_form(tmp_path: Path) -> None:
