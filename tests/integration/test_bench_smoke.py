@@ -84,18 +84,16 @@ def test_bench_lighthouse_cpu_smoke_splits_a_round_per_group_against_the_http_ba
     assert result["groups"] == 300 and result["rounds"] == 2 and result["target_budget_us"] == 24.0, result
     for name in ("baseline", "lighthouse"):
         row = result[name]
-        assert len(row["rounds"]) == 2, row
+        assert len(row["rounds"]) == 2 and 1 <= row["rounds_in_median"] <= 2, row
         assert all(r["request_us"] > 0 and r["answer_us"] > 0 for r in row["rounds"]), row
         assert row["group_us"] == pytest.approx(row["request_us"] + row["answer_us"], abs=0.02), row
-        assert row["round_cpu_s"] == pytest.approx(row["group_us"] * 300 / 1e6, abs=1e-3), row
-    # Each round the bench checked: every group answered 200, all alike, holding the round's step with every group.
+    # A run of seconds: no held heartbeat's long-poll (5 s) ends in a round, so every round is in the median.
+    assert result["lighthouse"]["rounds_in_median"] == 2, result["lighthouse"]
     assert result["ratio"] == pytest.approx(result["lighthouse"]["group_us"] / result["baseline"]["group_us"],
                                             abs=1e-3), result
-    # The same rounds over loopback sockets: every answer was read (each client counts its bytes), in every round.
+    # The same rounds over loopback sockets: every group's answer read, whole, in every round.
     sockets = result["socket_round"]
-    assert result["clients"] == 2 and len(sockets["rounds"]) == 2, sockets
-    assert all(0 < r["last_request_to_last_answer_s"] <= r["first_request_to_last_answer_s"]
-               for r in sockets["rounds"]), sockets
+    assert result["clients"] == 2 and [r["answers_read"] for r in sockets["rounds"]] == [300, 300], sockets
     assert "the lighthouse over the baseline" in printed and "over loopback sockets" in printed and str(out) in printed
 
 
