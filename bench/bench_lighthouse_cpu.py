@@ -48,6 +48,7 @@ import resource
 import selectors
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection as Pipe
@@ -62,7 +63,11 @@ from lightning_fthsdp.membership.connection import common_head, request_bytes
 from lightning_fthsdp.protocol.quorum import Quorum
 from lightning_fthsdp.protocol.requests import heartbeat_body, quorum_body
 
-RESULTS = Path(__file__).resolve().parent / "results" / "lighthouse_cpu.json"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tests' in-memory transport, as bench_accelerate takes the tests' CPU FSDP fixture
+from tests.memory_transport import MemoryTransport  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "lighthouse_cpu.json"
 TOKEN = "bench-lighthouse-cpu-token-0123456789"
 INCARNATION = "bench"
 GROUP_SIZE = 8
@@ -71,38 +76,13 @@ TARGET_S, TARGET_GROUPS = 0.3, 12_500
 _ANSWER = re.compile(rb"HTTP/1\.1 (\d{3}) [^\r]*\r\n(?:[^\r]+\r\n)*?Content-Length: (\d+)\r\n(?:[^\r]+\r\n)*\r\n")
 
 
-class MemoryTransport(asyncio.Transport):
-    """What a connection writes, kept in memory: no socket, so only the lighthouse's own work is timed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def answers_of(written: bytes) -> list[tuple[int, bytes]]:
     """(status, body) of every answer in ``written``, bodies gunzipped."""
     found, at = [], 0
     while at < len(written):
         match = _ANSWER.match(written, at)
-        assert match is not None, written[at:at + 200]
+        if match is None:
+            raise SystemExit(f"bench_lighthouse_cpu: an answer it cannot read: {written[at:at + 200]!r}")
         start = match.end()
         body = written[start:start + int(match.group(2))]
         found.append((int(match.group(1)), gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body))

@@ -24,7 +24,7 @@ from lightning_fthsdp.lighthouse.messages import Pending, Request, Response, jso
 from lightning_fthsdp.lighthouse.quorum import QuorumRules
 from lightning_fthsdp.protocol.fields import BadBody
 from tests.lighthouse_thread import LighthouseThread
-from tests.unit.test_lighthouse_multiplexing import Transport
+from tests.memory_transport import MemoryTransport
 
 TOKEN = "hot-path-t0ken"
 
@@ -57,7 +57,7 @@ def test_a_request_held_then_answered_is_freed_without_the_garbage_collector(gc_
             held.append(request.defer())
             return held[-1]
 
-        transport = Transport()
+        transport = MemoryTransport()
         connection = Connection(handler, lambda conn: None)
         connection.connection_made(transport)
         connection.data_received(post("/v1/heartbeat", b"{}", 1))
@@ -91,7 +91,7 @@ def test_a_repeated_body_is_parsed_once_and_a_changed_or_bad_one_again() -> None
             value = (other if request.path == "/other" else parse)
             return json_response({"value": request.parsed(value)})
 
-        transport = Transport()
+        transport = MemoryTransport()
         connection = Connection(handler, lambda conn: None)
         connection.connection_made(transport)
         for number, (path, body) in enumerate((("/p", b'{"step": 1}'), ("/p", b'{"step": 1}'), ("/p", b'{"step": 2}'),
@@ -119,7 +119,7 @@ def test_an_answer_shared_by_many_requests_is_framed_once_and_each_copy_carries_
         return (head + "\r\n").encode()
 
     async def run(raw: bytes) -> bytes:
-        transport = Transport()
+        transport = MemoryTransport()
         connection = Connection(lambda request: shared, lambda conn: None)
         connection.connection_made(transport)
         connection.data_received(raw)
@@ -248,7 +248,7 @@ def test_a_connection_and_the_deadlines_ask_for_their_event_loop_once(monkeypatc
             deadlines.add(0.001, lambda: (fired.append(1), pending.answer(json_response({"n": len(fired)}))))
             return pending
 
-        transport = Transport()
+        transport = MemoryTransport()
         connection = Connection(handler, lambda conn: None)
         monkeypatch.setattr(asyncio, "get_running_loop", counted)
         connection.connection_made(transport)
@@ -285,7 +285,7 @@ def test_a_large_head_or_body_is_not_kept_by_its_connection() -> None:
     async def run() -> Connection:
         connection = Connection(lambda request: json_response({"n": len(request.parsed(lambda body: body))}),
                                 lambda conn: None)
-        connection.connection_made(Transport())
+        connection.connection_made(MemoryTransport())
         connection.data_received(post("/v1/heartbeat", b'{"pad": "' + b"x" * (http.MAX_KEPT) + b'"}', 1)
                                  .replace(b"Host: lighthouse", b"Host: " + b"h" * http.MAX_KEPT))
         await asyncio.sleep(0)

@@ -15,8 +15,8 @@ from lightning_fthsdp.lighthouse.http import Connection
 from lightning_fthsdp.lighthouse.lag import Lag
 from lightning_fthsdp.lighthouse.news import REVIVAL_NEWS_S
 from lightning_fthsdp.lighthouse.server import WAKE_WINDOW_S, Lighthouse
+from tests.memory_transport import MemoryTransport
 from tests.unit.test_lighthouse import hb
-from tests.unit.test_lighthouse_multiplexing import Transport
 
 
 def test_lag_keeps_the_largest_of_its_window_and_counts_a_timer_overdue_now() -> None:
@@ -44,7 +44,7 @@ class Leader:
     """One group's leader on an in-process connection: heartbeat long-polls, each answered one counted."""
 
     def __init__(self, lighthouse: Lighthouse, rid: str) -> None:
-        self.rid, self.transport = rid, Transport()
+        self.rid, self.transport = rid, MemoryTransport()
         self.connection: Connection = lighthouse._connect()
         self.connection.connection_made(self.transport)
         self.requests = 0

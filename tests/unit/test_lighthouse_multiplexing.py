@@ -31,6 +31,7 @@ from lightning_fthsdp.lighthouse.server import Lighthouse
 from lightning_fthsdp.membership.client import Heartbeat, QuorumClient
 from lightning_fthsdp.membership.connection import LighthouseConnection, LighthouseUnavailable
 from tests.lighthouse_thread import LighthouseThread
+from tests.memory_transport import MemoryTransport
 from tests.unit.test_lighthouse import Client, hb, qr, replica
 
 
@@ -374,26 +375,6 @@ def test_a_handler_answers_now_or_later_and_a_failing_one_leaves_the_connection_
         loop.close()
 
 
-class Transport(asyncio.Transport):
-    """Collects what a connection writes: the lighthouse in-process, without sockets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = bytearray()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self.written += data
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_with_the_new_epoch() -> None:
     """Its deadline's callback runs after the change but before the change's wake of every held heartbeat: it answers
     with the new epoch and the wake must not answer it again, while the heartbeats due with it still get theirs."""
@@ -402,7 +383,7 @@ def test_a_held_heartbeat_due_in_the_turn_the_epoch_changes_is_answered_once_wit
         await lighthouse.start()
         transports = []
         for rid in ("a", "b"):
-            transports.append(Transport())
+            transports.append(MemoryTransport())
             connection = lighthouse._connect()
             connection.connection_made(transports[-1])
             body = json.dumps(hb(rid, 0, wait_ms=60_000)).encode()
