@@ -57,6 +57,7 @@ class Decider:
 
     def decide(self, now: float, previous: Quorum | None) -> Decision:
         receivers: frozenset[str] | None = None
+        quorum: Quorum | None
         adopted = adopt(self._readiness.pending) if previous is None else None
         if adopted is not None:
             quorum, receivers = adopted

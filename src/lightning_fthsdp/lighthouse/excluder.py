@@ -62,7 +62,7 @@ class Excluder:
         self._reports: dict[str, tuple[str, ...]] = {}  # pending requests that report groups they could not reach
         self._probe_key: tuple[int, int, bool] = (-1, -1, False)  # (quorum id, liveness changes, all alive)
 
-    def __contains__(self, replica_id: str) -> bool:
+    def __contains__(self, replica_id: object) -> bool:
         return replica_id in self.exclusions
 
     def screen(self, request: Request, asked: QuorumRequest, timeout_ms: int, previous: Quorum | None,

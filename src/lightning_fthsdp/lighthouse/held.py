@@ -74,7 +74,7 @@ class HeldRequests:
         self._waiters: dict[str, Pending] = {}
         self._deadlines = HeldTable(deadlines)  # the same requests, each with its group and deadline
 
-    def __contains__(self, replica_id: str) -> bool:
+    def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._waiters
 
     def hold(self, request: Request, asked: QuorumRequest, timeout_ms: int) -> Pending:

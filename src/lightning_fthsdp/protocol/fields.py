@@ -5,6 +5,7 @@ any of them raises (``BadBody``)."""
 from __future__ import annotations
 
 import re
+from types import UnionType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ class BadBody(ValueError):
     and the fix; the lighthouse answers it 400 with that message (``lighthouse.messages.Request.parsed``)."""
 
 
-def require(body: dict[str, object], name: str, kind: type, what: str) -> Any:
+def require(body: dict[str, object], name: str, kind: type | UnionType, what: str) -> Any:
     """``body[name]`` if it is a ``kind`` (bool is no int), else BadBody naming the field and value."""
     value = body.get(name, _MISSING)
     if type(value) is kind:  # what JSON decodes to: the lighthouse checks a dozen fields per request this way

@@ -205,7 +205,7 @@ class Quorum:
             max_step=max_step,
             shard_count=int(data["shard_count"]),  # type: ignore[call-overload]
             catch_up_from={str(k): str(v) for k, v in dict(data.get("catch_up_from", {})).items()},  # type: ignore[call-overload]
-            following=frozenset(str(r) for r in data.get("following", ())),  # type: ignore[union-attr]
+            following=frozenset(str(r) for r in data.get("following", ())),  # type: ignore[attr-defined]
             resume_step=int(data.get("resume_step", -1)),  # type: ignore[call-overload]
             resume_path=str(data.get("resume_path", "")),
         )
