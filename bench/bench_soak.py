@@ -11,7 +11,7 @@ incarnation's first commit; its own spawn -> first commit) and the findings (an 
 exited by itself, lost steps). Exits 1 on any finding. The processes' logs stay in --workdir (a temporary folder
 by default, named in the output).
 
-``--smoke``: 20 s of failures (tests/integration/test_bench_smoke.py runs it).
+``--smoke``: 12 s of failures (tests/integration/test_bench_smoke.py runs it).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/soak[_network].json")
     parser.add_argument("--verbose", action="store_true", help="print every event as it happens")
-    parser.add_argument("--smoke", action="store_true", help="a short run for CI: 20 s of failures")
+    parser.add_argument("--smoke", action="store_true", help="a short run for CI: 12 s of failures")
     args = parser.parse_args()
     if args.smoke:
-        args.minutes = 1 / 3
+        args.minutes = 0.2
     config = SoakConfig(duration_s=args.minutes * 60, seed=args.seed, mean_gap_s=args.mean_gap_s,
                         step_time_ms=args.step_time_ms, ballast_mib=args.ballast_mib, network=args.network,
                         collective_timeout_ms=args.collective_timeout_ms)

@@ -115,8 +115,12 @@ def answering() -> Iterator[tuple[str, list[bytes]]]:
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", answer
     finally:
+        # A close alone leaves the thread blocked in accept(); shutting the listener down wakes it.
+        with suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         thread.join(timeout=5)
+        assert not thread.is_alive(), "the answering server's thread did not end"
 
 
 def fetch_only_state_or_error(address: str) -> None:
