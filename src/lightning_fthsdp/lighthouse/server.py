@@ -274,7 +274,7 @@ class Lighthouse:
         self._connections.discard(conn)
         if (fd := conn.fileno()) is not None:
             lanes.forget(fd)
-        assert self._admission is not None
+        assert self._admission is not None, "connections are made only once the lighthouse started"
         self._admission.closed(conn)
         self._group_connections.closed(conn)
         key = self._heartbeat_connections.closed(conn)
