@@ -120,6 +120,10 @@ class Cluster:
             "SelectTypeParameters=CR_CPU", "ReturnToService=2",
             # A lost node is noticed within seconds, and a job's credential outlives a restart only briefly.
             "SlurmdTimeout=20", "AuthInfo=cred_expire=10",
+            # A requeued job is started within seconds of its wait (cred_expire) ending, not at the next 30-60 s
+            # scheduling pass; an ended job's record lives 4 s, which keeps ``sbatch --wait`` polling every 2 s (it
+            # backs off to 32 s when records live longer).
+            "SchedulerParameters=sched_interval=2,bf_interval=2", "MinJobAge=4",
             f"SlurmctldPidFile={self.workdir}/run/slurmctld.pid", f"SlurmdPidFile={self.workdir}/run/slurmd-%n.pid",
             f"StateSaveLocation={self.workdir}/state", f"SlurmdSpoolDir={self.workdir}/spool/%n",
             f"SlurmctldLogFile={self.workdir}/log/slurmctld.log", f"SlurmdLogFile={self.workdir}/log/slurmd-%n.log",
