@@ -37,6 +37,10 @@ SCHEDULES = {  # name -> (--chaos, recipe overrides)
 }
 
 
+GROUP_FIELDS = ("status", "final_step", "restarts", "exit_codes", "discarded", "catch_ups", "params_sha256")
+REPORT_FIELDS = ("diverged", "unfinished", "lost_steps", "discarded_steps", "recoveries", "quorum_waits", "timeline")
+"""Kept per run in the JSON besides the figures: what says why a run did not end with identical parameters."""
+
 SMOKE_TOPOLOGY = ("launch.replicas=2", "launch.shard_count=1")
 """The smoke's groups: a third of the recipe's processes (each one's start-up dominates a 20-step run)."""
 
@@ -86,7 +90,11 @@ def main() -> None:
                 runs[name][seed] = {"val_loss": val["final"], "failures": report["failures_injected"],
                                     "identical": report["final_params_identical"],
                                     "abandoned": [g for g, d in groups.items() if d["status"] == "abandoned"],
-                                    "effective_training_time": report["effective_training_time"]}
+                                    "effective_training_time": report["effective_training_time"],
+                                    # What a run that did not end identical needs to be understood by: its launch
+                                    # folder is gone with the temporary directory.
+                                    "groups": {g: {k: d[k] for k in GROUP_FIELDS} for g, d in groups.items()},
+                                    **{k: report[k] for k in REPORT_FIELDS}}
                 print(f"seed {seed} {name:<10} val_loss {val['final']:.4f}  failures {report['failures_injected']}  "
                       f"identical {report['final_params_identical']}  abandoned {runs[name][seed]['abandoned']}",
                       flush=True)

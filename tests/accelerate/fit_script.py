@@ -3,13 +3,14 @@
 
 The learning rate follows ``LambdaLR(1 / (1 + 0.1 k))`` of the committed step count ``k`` (what the tests check the
 commit records' ``lr`` against); ``--ballast-mib`` registers extra catch-up state so that a restarted group's transfer
-outlasts steps (it follows, then replays them); ``--step-time-ms`` pads each step. At the end the group's rank 0
-prints ``saved: <path or None>`` for ``accelerator.save_state``.
+outlasts steps (it follows, then replays them); ``--step-time-ms`` pads each step (with ``--pace-file``, only while
+that file exists). At the end the group's rank 0 prints ``saved: <path or None>`` for ``accelerator.save_state``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--ballast-mib", type=int, default=0)
     parser.add_argument("--step-time-ms", type=int, default=0)
+    parser.add_argument("--pace-file", default=None)
     parser.add_argument("--save-dir", default=None)
     args = parser.parse_args()
 
@@ -65,7 +67,8 @@ def main() -> None:
                 loss = nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    time.sleep(max(0.0, args.step_time_ms / 1000 - (time.monotonic() - started)))
+                    if args.pace_file is None or os.path.exists(args.pace_file):
+                        time.sleep(max(0.0, args.step_time_ms / 1000 - (time.monotonic() - started)))
                     ft.sync_gradients()
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the helper's norm: it clipped already
                     started = time.monotonic()

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
+from lightning_fthsdp.protocol.records import read_records
 from tests.accelerate.fit_script import LR, lr_factor
 from tests.launch.launcher import run_launcher
+from tests.pace import paced_until
 from tests.paths import ROOT
 
 pytestmark = pytest.mark.integration
@@ -23,22 +25,25 @@ STEPS = 150
 
 
 def records(out: Path, replica_id: str, incarnations: slice = slice(None)) -> list[dict[str, Any]]:
-    """The records of a group's incarnations (all by default), in incarnation order."""
+    """The complete records of a group's incarnations (all by default), in incarnation order."""
     files = sorted((out / "groups").glob(f"{replica_id}.*.jsonl"), key=lambda p: int(p.name.split(".")[1]))
-    return [json.loads(line) for path in files[incarnations] for line in path.read_text().splitlines()]
+    return [record for path in files[incarnations] for record in read_records(path)]
 
 
 @pytest.mark.timeout(300)
 def test_a_killed_group_catches_up_replays_and_the_job_ends_identical_with_every_sample_once(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+    out, pace = tmp_path / "run", tmp_path / "pace"
     # 128 MiB of extra catch-up state per rank: the restarted group's transfer outlasts steps, so it follows, then
-    # replays them. The pace keeps group a training while b restarts (torch and Accelerate imports take seconds).
+    # replays them. The pace keeps group a training while b restarts (torch and Accelerate imports take seconds),
+    # until b's second life commits a step.
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", "--script", str(CPU_FSDP), "--replicas", "2",
            "--shard-count", "2", "--chaos", "kill:at=step20:group=b", "--target-steps", str(STEPS), "--out", str(out),
            "--no-live", "--", str(FIT_SCRIPT), "--steps", str(STEPS), "--accumulate", "2", "--ballast-mib", "128",
-           "--step-time-ms", "150", "--save-dir", str(out / "state")]
-    returncode, output = run_launcher(cmd, cwd=ROOT, timeout_s=240)
+           "--step-time-ms", "150", "--pace-file", str(pace), "--save-dir", str(out / "state")]
+    with paced_until(pace, lambda: any(r["event"] == "commit" for r in records(out, "b", slice(1, None)))):
+        returncode, output = run_launcher(cmd, cwd=ROOT, timeout_s=240)
     assert returncode == 0, output[-4000:]
+    assert not pace.exists()  # b's second life committed a step while a was still paced
     report = json.loads((out / "report.json").read_text())
     assert report["final_params_identical"] is True and report["unfinished"] == [] and report["diverged"] == []
     assert report["failures_injected"] == 1 and report["committed_steps"] == STEPS

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 
 from tests.hf.requires import require_transformers
 from tests.launch.launcher import run_launcher
+from tests.pace import paced_until
 from tests.paths import EXAMPLES, ROOT
 
 require_transformers()
@@ -43,12 +43,8 @@ def records(out: Path, replica_id: str) -> list[list[dict[str, Any]]]:
             for path in files]
 
 
-def release_pace_once_restarted_b_trains(out: Path, pace_file: Path, stop: threading.Event) -> None:
-    while not stop.is_set():
-        if any(r["event"] == "commit" and "loss" in r for life in records(out, "b")[1:] for r in life):
-            pace_file.unlink()
-            return
-        stop.wait(0.2)
+def restarted_b_trains(out: Path) -> bool:
+    return any(r["event"] == "commit" and "loss" in r for life in records(out, "b")[1:] for r in life)
 
 
 @pytest.mark.timeout(330)
@@ -57,20 +53,13 @@ def release_pace_once_restarted_b_trains(out: Path, pace_file: Path, stop: threa
 def test_a_killed_group_of_a_hugging_face_model_catches_up_and_the_job_ends_identical(
         front_end: str, arch: str, tmp_path: Path) -> None:
     out, pace_file = tmp_path / "run", tmp_path / "pace"
-    pace_file.touch()
     script, *script_args = group_command(front_end)
     cmd = [sys.executable, "-m", "lightning_fthsdp.cli", "launch", "--script", script, "--replicas", "2",
            "--shard-count", "2", "--chaos", f"kill:at=step{KILL_AT}:group=b", "--target-steps", str(STEPS),
            "--out", str(out), "--no-live", "--", *script_args, "--arch", arch, "--steps", str(STEPS),
            "--min-step-time-s", str(PACE_S), "--pace-file", str(pace_file)]
-    stop = threading.Event()
-    pacer = threading.Thread(target=release_pace_once_restarted_b_trains, args=(out, pace_file, stop), daemon=True)
-    pacer.start()
-    try:
+    with paced_until(pace_file, lambda: restarted_b_trains(out)):
         returncode, output = run_launcher(cmd, cwd=ROOT, timeout_s=300)
-    finally:
-        stop.set()
-        pacer.join()
     assert returncode == 0, output[-4000:]
     assert not pace_file.exists()  # group b trained again while a was still paced
     report = json.loads((out / "report.json").read_text())

@@ -82,7 +82,12 @@ class Cluster:
         wait_for(lambda: node in self.idle(), 60, f"node {node} idle again")
 
     def stop(self) -> None:
-        """SIGTERM to every daemon we started (all at once: each takes a moment to shut down), SIGKILL to those left."""
+        """Let the jobs' last steps finish (a step daemon still reporting its end to slurmctld would otherwise retry
+        for ever once it is gone), then SIGTERM to every daemon we started (all at once: each takes a moment to shut
+        down), SIGKILL to those left and to any step daemon of this cluster still running."""
+        with contextlib.suppress(AssertionError, subprocess.SubprocessError):
+            wait_for(lambda: not self.run("squeue", "--noheader", check=False).stdout.strip(), 30,
+                     "the cluster's jobs to end", interval_s=0.5)
         pids = []
         for pid_file in reversed(self._pid_files):
             with contextlib.suppress(FileNotFoundError, ValueError):
@@ -90,6 +95,17 @@ class Cluster:
         if self._munged is not None:
             pids.append(self._munged)
         _end(pids)
+        _end(self._step_daemons(), grace_s=0)  # they ignore SIGTERM, and have no daemon left to report to
+
+    def _step_daemons(self) -> list[int]:
+        """The slurmstepd processes of this cluster's slurmds (they run in the nodes' log folder)."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if (proc.name.isdigit() and (proc / "comm").read_text().strip() == "slurmstepd"
+                        and Path(os.readlink(proc / "cwd")).is_relative_to(self.workdir)):
+                    found.append(int(proc.name))
+        return found
 
     def _start_munge(self) -> None:
         """Start munged unless one runs already (then it is left running, as it was found)."""
@@ -154,8 +170,17 @@ def _end(pids: list[int], grace_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            while time.monotonic() < deadline:
-                os.kill(pid, 0)
-                time.sleep(0.05)
-            os.kill(pid, signal.SIGKILL)
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` has not exited. A daemon that exited stays a zombie until whoever adopted it reaps it (a
+    container's init may take its time), and signals still reach a zombie: only its state tells."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -19,11 +19,15 @@ pytestmark = pytest.mark.integration
 STEPS, SCRIPT_STEPS = 60, 80
 
 
-def _kill_a_and_finish(run: SlurmRun) -> dict[str, object]:
-    """Kill rank 0 of group a's first step once both groups train; the report once the job has ended."""
+def _kill_a_and_finish(run: SlurmRun, pace: Path | None = None) -> dict[str, object]:
+    """Kill rank 0 of group a's first step once both groups train; the report once the job has ended. ``pace``: the
+    groups' pace file, deleted once a's second step trains (the rest runs at full speed)."""
     victim = run.wait_step("a.0", 5)
     run.wait_step("b.0", 5)
     os.kill(victim["pid"], signal.SIGKILL)  # a torchrun worker in a step of the job
+    if pace is not None:
+        run.wait_step("a.1", 0)
+        pace.unlink()
     code, output, report = run.finish(240)
     assert code == 0, f"{output[-3000:]}\n{run.job_output()}"
     steps = report["slurm"]["steps"]
@@ -53,11 +57,12 @@ def test_a_module_from_outside_the_repository_trains_from_a_recipe_naming_it(clu
 
 @pytest.mark.timeout(300)
 def test_a_users_script_runs_per_group_with_its_arguments(cluster: Cluster, tmp_path: Path) -> None:
-    accelerate = ROOT / "tests" / "accelerate"
+    accelerate, pace = ROOT / "tests" / "accelerate", tmp_path / "pace"
     # A script's job keeps the schema's ft.min_replicas=1: the pace keeps b training while a restarts.
-    args = ["--steps", str(SCRIPT_STEPS), "--step-time-ms", "500"]
+    pace.touch()
+    args = ["--steps", str(SCRIPT_STEPS), "--step-time-ms", "500", "--pace-file", str(pace)]
     with submitted(cluster, tmp_path / "run", "--script", str(accelerate / "cpu_fsdp.py"), "--replicas", "2",
                    "--shard-count", "1", "--", str(accelerate / "fit_script.py"), *args, recipe=None) as run:
-        report = _kill_a_and_finish(run)
+        report = _kill_a_and_finish(run, pace)
     assert report["script_args"] == [str(accelerate / "fit_script.py"), *args]
     assert all(g["final_step"] == SCRIPT_STEPS for g in report["groups"].values()), report["groups"]
