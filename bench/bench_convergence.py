@@ -38,7 +38,8 @@ SCHEDULES = {  # name -> (--chaos, recipe overrides)
 
 
 GROUP_FIELDS = ("status", "final_step", "restarts", "exit_codes", "discarded", "catch_ups", "params_sha256")
-REPORT_FIELDS = ("diverged", "unfinished", "lost_steps", "discarded_steps", "recoveries", "quorum_waits", "timeline")
+REPORT_FIELDS = ("diverged", "unfinished", "lost_steps", "discarded_steps", "recoveries", "quorum_waits", "timeline",
+                 "val_losses")
 """Kept per run in the JSON besides the figures: what says why a run did not end with identical parameters."""
 
 SMOKE_TOPOLOGY = ("launch.replicas=2", "launch.shard_count=1")
