@@ -21,7 +21,7 @@ STEPS, SCRIPT_STEPS = 60, 80
 
 def _kill_a_and_finish(run: SlurmRun, pace: Path | None = None) -> dict[str, object]:
     """Kill rank 0 of group a's first step once both groups train; the report once the job has ended. ``pace``: the
-    groups' pace file, deleted once a's second step trains (the rest runs at full speed)."""
+    groups' pace file, deleted once a's second incarnation commits a step (the rest runs at full speed)."""
     victim = run.wait_step("a.0", 5)
     run.wait_step("b.0", 5)
     os.kill(victim["pid"], signal.SIGKILL)  # a torchrun worker in a step of the job
